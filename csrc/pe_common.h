@@ -1,0 +1,40 @@
+/*
+ * pyengine native core: shared definitions.
+ *
+ * Plain C99 with no dependency on Python. Every structure that allocates takes
+ * a pe_allocator so the bindings can route memory through Python's raw
+ * allocator (visible to tracemalloc) while C tests use the C library's.
+ */
+#ifndef PE_COMMON_H
+#define PE_COMMON_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define PE_MAX_CHANNELS 65536u
+
+enum {
+    PE_OK = 0,
+    PE_ERR_NOMEM = -1,
+    PE_ERR_ARG = -2
+};
+
+typedef struct pe_allocator {
+    void *(*calloc)(size_t nmemb, size_t size);
+    void (*free)(void *ptr);
+} pe_allocator;
+
+/* The C library's calloc/free. */
+const pe_allocator *pe_default_allocator(void);
+
+/* Smallest power of two >= v (v <= 2^31); 1 for v == 0. */
+static inline uint32_t pe_next_pow2(uint32_t v)
+{
+    uint32_t p = 1;
+    while (p < v) {
+        p <<= 1;
+    }
+    return p;
+}
+
+#endif /* PE_COMMON_H */
