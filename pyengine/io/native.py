@@ -1,0 +1,48 @@
+"""The native gate, bound to this package's event and error classes."""
+
+from __future__ import annotations
+
+from .. import _native
+from ._config import item_nbytes
+from .errors import ChannelClosedError, ChannelIndexError, CorruptStreamError
+from .events import (
+    CancelCheckpointMarker,
+    CheckpointBarrier,
+    CheckpointFailureReason,
+    CheckpointMetrics,
+    CheckpointType,
+    EndOfPartition,
+)
+from .gate import CheckpointedInputGate
+
+__all__ = ["NativeCheckpointedInputGate"]
+
+_native.bind(
+    CheckpointBarrier,
+    CancelCheckpointMarker,
+    EndOfPartition,
+    CheckpointMetrics,
+    CheckpointType.CHECKPOINT,
+    CheckpointFailureReason.CHECKPOINT_DECLINED_SUBSUMED,
+    CheckpointFailureReason.CHECKPOINT_DECLINED_ON_CANCELLATION_BARRIER,
+    CheckpointFailureReason.CHECKPOINT_DECLINED_INPUT_END_OF_STREAM,
+    ChannelIndexError,
+    ChannelClosedError,
+    CorruptStreamError,
+    item_nbytes,
+)
+
+
+class NativeCheckpointedInputGate(_native.InputGate):
+    """The C/Cython gate; see ``CheckpointedInputGate`` for the interface."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return (
+            f"<NativeCheckpointedInputGate channels={self.num_channels} "
+            f"latest_checkpoint={self.latest_checkpoint_id} blocked={len(self.blocked_channels)}>"
+        )
+
+
+CheckpointedInputGate.register(NativeCheckpointedInputGate)

@@ -1,0 +1,40 @@
+"""Builds pyengine._native: the Cython bindings in bindings/ plus the C core in csrc/.
+
+Everything else about the package is declared in pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import os
+from glob import glob
+
+import numpy
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _rel(pattern: str) -> list[str]:
+    return sorted(os.path.relpath(p, HERE) for p in glob(os.path.join(HERE, pattern)))
+
+
+extra_compile_args = ["-O3", "-std=c99"] if os.name != "nt" else []
+if os.environ.get("PYENGINE_DEBUG_BUILD"):
+    extra_compile_args = ["-O0", "-g", "-std=c99"]
+
+native = Extension(
+    "pyengine._native",
+    sources=["bindings/_native.pyx", *_rel("csrc/*.c")],
+    include_dirs=["csrc", "bindings", numpy.get_include()],
+    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    extra_compile_args=extra_compile_args,
+)
+
+setup(
+    ext_modules=cythonize(
+        [native],
+        include_path=["bindings"],
+        compiler_directives={"language_level": "3"},
+    ),
+)
