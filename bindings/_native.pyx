@@ -99,6 +99,7 @@ cdef class InputGate:
     cdef pe_pending_table table
     cdef pe_waiter waiter
     cdef PyObject **chan_objs
+    cdef int64_t *last_barrier_pushed
     cdef int ready  # bit flags of what __cinit__ initialised, for __dealloc__
 
     cdef uint32_t n
@@ -117,6 +118,7 @@ cdef class InputGate:
     cdef Py_ssize_t prio_len
     cdef bint in_poll
     cdef object stashed
+    cdef object failure
 
     cdef bint pending
     cdef int phase
@@ -171,8 +173,12 @@ cdef class InputGate:
             raise MemoryError()
         self.ready |= 128
         self.chan_objs = <PyObject **>PyMem_RawCalloc(self.n, sizeof(PyObject *))
-        if self.chan_objs == NULL:
+        self.last_barrier_pushed = <int64_t *>PyMem_RawCalloc(self.n, sizeof(int64_t))
+        if self.chan_objs == NULL or self.last_barrier_pushed == NULL:
             raise MemoryError()
+        cdef uint32_t ch
+        for ch in range(self.n):
+            self.last_barrier_pushed[ch] = -1
 
     def __dealloc__(self):
         cdef uint32_t ch
@@ -202,6 +208,8 @@ cdef class InputGate:
             for ch in range(self.n):
                 Py_XDECREF(self.chan_objs[ch])
             PyMem_RawFree(self.chan_objs)
+        if self.last_barrier_pushed != NULL:
+            PyMem_RawFree(self.last_barrier_pushed)
 
     # ------------------------------------------------------------------ helpers
 
@@ -245,14 +253,31 @@ cdef class InputGate:
         if kind != K_DATA:
             if kind == K_EOP:
                 pe_bitset_set(&self.eop_pushed, ch)
-            elif kind == K_BARRIER and self.unaligned and self.overtakes_on_push(item):
-                self.priority.append((self.chan(ch), item.checkpoint_id))
-                self.prio_len += 1
+            elif kind == K_BARRIER:
+                self.barrier_pushed(ch, item)
         if not pe_bitset_test(&self.blocked, ch):
             pe_chanqueue_push(&self.available, ch)
         if self.waiter.data_waiters:
             pe_waiter_signal_data(&self.waiter)
         return 1
+
+    cdef int barrier_pushed(self, uint32_t ch, object barrier) except -1:
+        cdef int64_t checkpoint_id = barrier.checkpoint_id
+        if checkpoint_id == self.last_barrier_pushed[ch] and self.failure is None:
+            # A producer never sends one checkpoint's barrier twice. The consumer
+            # fails, not the producer: that is the task the corrupt input belongs to.
+            self.failure = CorruptStreamError(
+                f"stream corrupt: repeated barrier for checkpoint {checkpoint_id} on channel {ch}")
+        self.last_barrier_pushed[ch] = checkpoint_id
+        if self.unaligned and self.overtakes_on_push(barrier):
+            self.priority.append((self.chan(ch), checkpoint_id))
+            self.prio_len += 1
+        return 0
+
+    cdef object corrupt(self, str message):
+        """The gate stays failed: everything after a corrupt event is suspect."""
+        self.failure = CorruptStreamError(message)
+        return self.failure
 
     cdef bint overtakes_on_push(self, object barrier) except -1:
         if barrier.options.checkpoint_type is not CHECKPOINT:
@@ -297,6 +322,9 @@ cdef class InputGate:
         if self.in_poll:
             raise RuntimeError("the gate was polled from inside one of its own listener callbacks")
         self.in_poll = True
+        if self.failure is not None:
+            self.in_poll = False
+            raise self.failure
         exc = self.stashed
         if exc is not None:
             self.stashed = None
@@ -509,7 +537,7 @@ cdef class InputGate:
         if self.pending:
             if checkpoint_id == self.align.checkpoint_id:
                 if not pe_alignment_mark(&self.align, ch):
-                    raise CorruptStreamError(
+                    raise self.corrupt(
                         f"stream corrupt: repeated barrier for checkpoint {checkpoint_id} on channel {ch}")
                 if self.phase == ALIGNED:
                     pe_bitset_set(&self.blocked, ch)
@@ -663,7 +691,7 @@ cdef class InputGate:
         else:
             e = pe_pending_at(&self.table, pos)
         if not pe_pending_count(e, ch):
-            raise CorruptStreamError(
+            raise self.corrupt(
                 f"stream corrupt: repeated barrier for checkpoint {checkpoint_id} on channel {ch}")
         if e.seen.count >= open_channels:
             aborted = e.aborted
@@ -685,7 +713,7 @@ cdef class InputGate:
         if self.table.len and pe_pending_at(&self.table, 0).checkpoint_id == checkpoint_id:
             e = pe_pending_at(&self.table, 0)
             if pe_bitset_test(&e.seen, ch):
-                raise CorruptStreamError(
+                raise self.corrupt(
                     f"stream corrupt: repeated cancellation of checkpoint {checkpoint_id} on channel {ch}")
             if not e.aborted:
                 e.aborted = 1

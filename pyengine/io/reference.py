@@ -104,6 +104,8 @@ class ReferenceCheckpointedInputGate:
         self._priority: Deque[Tuple[int, int]] = deque()
         self._in_poll = False
         self._stashed: Optional[BaseException] = None
+        self._failure: Optional[CorruptStreamError] = None
+        self._last_barrier_pushed = [-1] * n
 
         # exactly-once state: the one checkpoint in progress
         self._current = -1
@@ -163,8 +165,16 @@ class ReferenceCheckpointedInputGate:
         ring.append(item)
         if kind == _EOP:
             self._eop_pushed[ch] = True
-        elif kind == _BARRIER and self._overtakes_on_push(item):
-            self._priority.append((ch, item.checkpoint_id))
+        elif kind == _BARRIER:
+            if item.checkpoint_id == self._last_barrier_pushed[ch] and self._failure is None:
+                # A producer never sends one checkpoint's barrier twice. The consumer
+                # fails, not the producer: that is the task the corrupt input belongs to.
+                self._failure = CorruptStreamError(
+                    f"stream corrupt: repeated barrier for checkpoint {item.checkpoint_id} on channel {ch}"
+                )
+            self._last_barrier_pushed[ch] = item.checkpoint_id
+            if self._overtakes_on_push(item):
+                self._priority.append((ch, item.checkpoint_id))
         if not self._blocked[ch]:
             self._make_available(ch)
         self._data_cv.notify_all()
@@ -244,6 +254,8 @@ class ReferenceCheckpointedInputGate:
         self._in_poll = True
 
     def _raise_stashed(self) -> None:
+        if self._failure is not None:
+            raise self._failure
         exc = self._stashed
         if exc is not None:
             self._stashed = None
@@ -337,6 +349,11 @@ class ReferenceCheckpointedInputGate:
         for note in notes:
             note()
 
+    def _corrupt(self, message: str) -> CorruptStreamError:
+        """The gate stays failed: everything after a corrupt event is suspect."""
+        self._failure = CorruptStreamError(message)
+        return self._failure
+
     # ------------------------------------------------------------------ handlers
 
     def _on_barrier(
@@ -375,7 +392,7 @@ class ReferenceCheckpointedInputGate:
         if self._pending:
             if checkpoint_id == self._current:
                 if self._received[ch]:
-                    raise CorruptStreamError(
+                    raise self._corrupt(
                         f"stream corrupt: repeated barrier for checkpoint {checkpoint_id} on channel {ch}"
                     )
                 self._mark_received(ch)
@@ -533,9 +550,7 @@ class ReferenceCheckpointedInputGate:
             self._table.append(entry)
             pos = len(self._table) - 1
         if ch in entry.seen:
-            raise CorruptStreamError(
-                f"stream corrupt: repeated barrier for checkpoint {checkpoint_id} on channel {ch}"
-            )
+            raise self._corrupt(f"stream corrupt: repeated barrier for checkpoint {checkpoint_id} on channel {ch}")
         entry.seen.add(ch)
         if len(entry.seen) >= open_channels:
             for _ in range(pos + 1):
@@ -555,7 +570,7 @@ class ReferenceCheckpointedInputGate:
         if self._table and self._table[0].checkpoint_id == checkpoint_id:
             entry = self._table[0]
             if ch in entry.seen:
-                raise CorruptStreamError(
+                raise self._corrupt(
                     f"stream corrupt: repeated cancellation of checkpoint {checkpoint_id} on channel {ch}"
                 )
             if not entry.aborted:
