@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-# cython: initializedcheck=False, embedsignature=True
+# cython: initializedcheck=False, embedsignature=True, binding=False
 """Native checkpointed input gate (``pyengine._native``).
 
 A Cython twin of ``pyengine.io.reference``: the same state machine, with the
@@ -21,6 +21,9 @@ import collections
 cdef extern from "Python.h":
     void *PyMem_RawCalloc(size_t nelem, size_t elsize) nogil
     void PyMem_RawFree(void *ptr) nogil
+    int PyObject_GC_IsTracked(object o)
+    void PyObject_GC_UnTrack(void *o)
+    void PyObject_GC_Track(void *o)
 
 # Memory through Python's raw allocator, so tracemalloc accounts for the gate.
 cdef pe_allocator PY_ALLOC
@@ -74,6 +77,16 @@ def bind(barrier_type, cancel_type, eop_type, metrics_type, checkpoint_member,
     ChannelClosedError = channel_closed_error
     CorruptStreamError = corrupt_stream_error
     item_nbytes = nbytes_function
+
+
+cdef inline tuple result(object channel, object item):
+    """A (channel, item) pair. Like CPython's own lazy rule for tuples, it is left
+    out of the cyclic GC when the item is: then it cannot be part of a cycle, and
+    large batches of pairs no longer make every young collection walk them."""
+    cdef tuple pair = (channel, item)
+    if not PyObject_GC_IsTracked(item):
+        PyObject_GC_UnTrack(<void *>pair)
+    return pair
 
 
 cdef inline int kind_of(object item):
@@ -339,33 +352,70 @@ cdef class InputGate:
         finally:
             self.in_poll = False
 
+    cdef object take_plain_data(self, uint32_t ch, void *ptr):
+        """Pops the data item at ptr, the head of ch, when no checkpoint is in
+        progress: then polling data has no effect beyond the channel queue."""
+        item = <object>ptr
+        Py_XDECREF(<PyObject *>pe_rings_pop(&self.rings, ch))  # `item` keeps its own reference
+        pe_chanqueue_pop(&self.available)
+        if pe_rings_len(&self.rings, ch):
+            pe_chanqueue_push(&self.available, ch)
+        return result(self.chan(ch), item)
+
     def poll_batch(self, Py_ssize_t max_items):
-        cdef list out = []
-        cdef Py_ssize_t count = 0
+        cdef list out
         if max_items < 1:
             raise ValueError(f"max_items must be a positive int, got {max_items!r}")
         self.enter()
         try:
-            while count < max_items:
-                # A batch is data only, or one event alone (see the reference).
-                if count and self.needs_own_batch():
-                    break
-                try:
-                    r = self.poll_one()
-                except Exception as exc:
-                    if not count:
-                        raise
-                    self.stashed = exc
-                    break
-                if r is None:
-                    break
-                out.append(r)
-                count += 1
-                if kind_of((<tuple>r)[1]) != K_DATA:
-                    break
+            first = self.poll_one()
+            if first is None:
+                return []
+            out = [first]
+            if kind_of((<tuple>first)[1]) != K_DATA:
+                return out
+            # While it fills, the batch stays out of the cyclic GC, which would
+            # otherwise walk the whole growing list every few hundred pairs.
+            # An untracked container only keeps its items alive, never frees them.
+            PyObject_GC_UnTrack(<void *>out)
+            try:
+                self.fill_batch(out, max_items)
+            finally:
+                PyObject_GC_Track(<void *>out)
+            return out
         finally:
             self.in_poll = False
-        return out
+
+    cdef int fill_batch(self, list out, Py_ssize_t max_items) except -1:
+        """Adds data pairs to out until an event, a priority barrier or max_items:
+        a batch is data only, or one event alone (see the reference)."""
+        cdef Py_ssize_t count = 1
+        cdef int64_t sch
+        cdef uint32_t ch
+        cdef void *ptr
+        while count < max_items:
+            if self.prio_len or (self.timeout_eligible and self.timeout_due()):
+                break
+            sch = self.next_channel()
+            if sch < 0:
+                break
+            ch = <uint32_t>sch
+            ptr = pe_rings_peek(&self.rings, ch, 0)
+            if kind_of(<object>ptr) != K_DATA:
+                break
+            if not self.pending:
+                out.append(self.take_plain_data(ch, ptr))
+            else:
+                # In-flight data or alignment bytes: the general path.
+                try:
+                    out.append(self.poll_one())
+                except Exception as exc:
+                    self.stashed = exc
+                    break
+            count += 1
+        if self.waiter.space_waiters:
+            pe_waiter_signal_space(&self.waiter)
+        return 0
 
     def next(self, timeout=None):
         cdef int64_t deadline = -1
@@ -405,13 +455,6 @@ cdef class InputGate:
                 return ch
             pe_chanqueue_pop(&self.available)
 
-    cdef bint needs_own_batch(self) except -1:
-        cdef int64_t ch
-        if self.prio_len or self.timeout_due():
-            return True
-        ch = self.next_channel()
-        return ch >= 0 and kind_of(<object>pe_rings_peek(&self.rings, <uint32_t>ch, 0)) != K_DATA
-
     cdef object poll_one(self):
         cdef int64_t sch
         cdef uint32_t ch
@@ -422,7 +465,7 @@ cdef class InputGate:
                 taken = self.take_priority()
                 if taken is not None:
                     return taken
-            if self.timeout_due():
+            if self.timeout_eligible and self.timeout_due():
                 self.switch_to_unaligned()
                 continue
             sch = self.next_channel()
@@ -445,7 +488,7 @@ cdef class InputGate:
                     self.bytes_during_alignment += item_nbytes(item)
                 if pe_rings_len(&self.rings, ch):
                     pe_chanqueue_push(&self.available, ch)
-                return (self.chan(ch), item)
+                return result(self.chan(ch), item)
             notes = []
             try:
                 if kind == K_BARRIER:

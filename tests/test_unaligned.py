@@ -166,12 +166,16 @@ def test_in_flight_data_from_a_producer_thread(impl) -> None:
     listener = RecordingListener()
     gate = CheckpointedInputGate(4, listener, unaligned=True, capacity=16, implementation=impl)
     n = 500
+    # Every barrier is in before any channel ends: an end of partition consumed
+    # while the checkpoint is still collecting barriers would (rightly) abort it.
+    all_barriers_pushed = threading.Barrier(4)
 
     def produce(ch: int) -> None:
         for i in range(n):
             gate.put(ch, (ch, i))
             if i == n // 2:
                 gate.put(ch, B(1))
+        all_barriers_pushed.wait()
         gate.put(ch, eop())
 
     threads = [threading.Thread(target=produce, args=(ch,)) for ch in range(4)]
