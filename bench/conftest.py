@@ -1,0 +1,45 @@
+"""Shared pieces of the benchmark suite.
+
+Targets are ratios against a baseline measured in the same run (these machines
+are shared and noisy); the measured figures are attached to each benchmark's
+``extra_info`` and printed in a summary table at the end of the session.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+import pytest
+
+RESULTS: Dict[Tuple[Any, ...], float] = {}
+SUMMARY: list = []
+
+
+class NullListener:
+    """A listener that does nothing, so only the gate is measured."""
+
+    def trigger_checkpoint_on_barrier(self, barrier: Any, metrics: Any) -> None:
+        pass
+
+    def abort_checkpoint_on_barrier(self, checkpoint_id: int, reason: Any) -> None:
+        pass
+
+    def add_input_data(self, checkpoint_id: int, channel: int, buffer: Any) -> None:
+        pass
+
+    def finish_input(self, checkpoint_id: int) -> None:
+        pass
+
+
+def best_seconds(benchmark: Any) -> float:
+    stats = benchmark.stats
+    if stats is None:
+        pytest.fail("benchmarks are disabled; run bench/ without --benchmark-disable to check the targets")
+    return stats.stats.min
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if SUMMARY:
+        terminalreporter.write_sep("=", "pyengine benchmark figures")
+        for line in SUMMARY:
+            terminalreporter.write_line(line)

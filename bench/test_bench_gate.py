@@ -1,0 +1,233 @@
+"""Gate benchmarks: the native gate against the pure-Python reference, in the
+same run, at 1, 8, 64 and 1,024 channels, in each mode, with a checkpoint
+barrier on every channel after every 1,000 buffers of that channel.
+
+Targets (issue #2): native >= 20x the reference with single push/poll_next
+calls; >= 20 M buffers/s through push_many/poll_batch; the cost of a barrier at
+1,024 channels within 2x of its cost at 8; a 65,536-channel gate of capacity 8
+within 16 MB.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import tracemalloc
+
+import pytest
+from conftest import RESULTS, SUMMARY, NullListener, best_seconds
+
+from pyengine.io import CheckpointBarrier, CheckpointedInputGate, CheckpointOptions
+
+MODES = {
+    "at_least_once": {"mode": "at_least_once"},
+    "aligned": {"mode": "exactly_once"},
+    "unaligned": {"mode": "exactly_once", "unaligned": True},
+}
+CHANNELS = [1, 8, 64, 1024]
+PER_CHANNEL = 1000  # buffers each channel delivers between two barriers
+_ids = itertools.count(1)
+
+
+def _barrier() -> CheckpointBarrier:
+    return CheckpointBarrier(next(_ids), 1, CheckpointOptions())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_up() -> None:
+    """Run the hot loops for a moment first: the first measurements of a cold
+    process (CPU clock, caches, allocator arenas) are otherwise up to 1.5x slow."""
+    import time
+
+    deadline = time.perf_counter() + 1.0
+    while time.perf_counter() < deadline:
+        for impl in ("native", "reference"):
+            single_calls_round(_gate(impl, 8, "aligned"), list(range(8)) * 50, 8)
+
+
+def _gate(impl: str, n: int, mode: str, capacity: int = 64):
+    return CheckpointedInputGate(n, NullListener(), implementation=impl, capacity=capacity, **MODES[mode])
+
+
+def single_calls_round(gate, order: list, n: int) -> None:
+    """One checkpoint interval with one Python call per buffer: push then poll_next.
+    ``order`` is the channel of every buffer, precomputed so the loop around the
+    calls costs the same little for both implementations."""
+    push, poll = gate.push, gate.poll_next
+    item = object()
+    for ch in order:
+        push(ch, item)
+        poll()
+    b = _barrier()
+    for ch in range(n):
+        push(ch, b)
+    while poll() is not None:
+        pass
+
+
+CHUNK = 125  # a producer hands over 125 buffers per channel at a time, 8 times per interval
+
+
+def batched_round(gate, n: int, chunk: list) -> int:
+    """One checkpoint interval through push_many and poll_batch, the consumer
+    keeping up with the producer."""
+    got = 0
+    for _ in range(PER_CHANNEL // CHUNK):
+        for ch in range(n):
+            gate.push_many(ch, chunk)
+        while batch := gate.poll_batch(1024):
+            got += len(batch)
+    b = _barrier()
+    for ch in range(n):
+        gate.push(ch, b)
+    while batch := gate.poll_batch(1024):
+        got += len(batch)
+    return got
+
+
+def backpressured_round(gate, n: int, items: list) -> int:
+    """The whole interval is queued when the barrier arrives: under unaligned
+    checkpoints every buffer becomes in-flight data handed to add_input_data."""
+    b = _barrier()
+    for ch in range(n):
+        gate.push_many(ch, items)
+        gate.push(ch, b)
+    got = 0
+    while batch := gate.poll_batch(1024):
+        got += len(batch)
+    return got
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+@pytest.mark.parametrize("n", CHANNELS)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_single_calls(benchmark, mode: str, n: int, impl: str) -> None:
+    gate = _gate(impl, n, mode)
+    order = list(range(n)) * PER_CHANNEL
+    rounds = 10 if impl == "native" else (2 if n >= 64 else 3)
+    benchmark.group = f"single push/poll_next, {mode}"
+    benchmark.pedantic(single_calls_round, args=(gate, order, n), rounds=rounds, iterations=1, warmup_rounds=1)
+    per_buffer = best_seconds(benchmark) / (n * PER_CHANNEL)
+    RESULTS[("single", mode, n, impl)] = per_buffer
+    benchmark.extra_info["ns_per_buffer"] = round(per_buffer * 1e9, 1)
+
+
+@pytest.mark.parametrize("n", CHANNELS)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_batched(benchmark, mode: str, n: int) -> None:
+    gate = _gate("native", n, mode, capacity=CHUNK)
+    chunk = list(range(CHUNK))
+    benchmark.group = f"push_many/poll_batch, {mode}"
+    got = benchmark.pedantic(batched_round, args=(gate, n, chunk), rounds=7, iterations=1, warmup_rounds=1)
+    assert got == n * (PER_CHANNEL + 1)
+    rate = n * PER_CHANNEL / best_seconds(benchmark)
+    RESULTS[("batched", mode, n)] = rate
+    benchmark.extra_info["M_buffers_per_s"] = round(rate / 1e6, 1)
+
+
+@pytest.mark.parametrize("n", [8, 1024])
+def test_unaligned_with_everything_in_flight(benchmark, n: int) -> None:
+    """Reported, not a target: the price of handing each in-flight buffer to the
+    channel-state writer, one Python call per buffer."""
+    gate = _gate("native", n, "unaligned", capacity=PER_CHANNEL)
+    items = list(range(PER_CHANNEL))
+    benchmark.group = "unaligned, whole interval in flight"
+    got = benchmark.pedantic(backpressured_round, args=(gate, n, items), rounds=5, iterations=1, warmup_rounds=1)
+    assert got == n * (PER_CHANNEL + 1)
+    rate = n * PER_CHANNEL / best_seconds(benchmark)
+    benchmark.extra_info["M_buffers_per_s"] = round(rate / 1e6, 1)
+    SUMMARY.append(f"unaligned, every buffer in flight, {n:5d} ch: {rate / 1e6:5.1f} M buffers/s (reported only)")
+
+
+def barrier_round(gate, n: int) -> None:
+    b = _barrier()
+    for ch in range(n):
+        gate.push(ch, b)
+    while gate.poll_next() is not None:
+        pass
+
+
+@pytest.mark.parametrize("n", [8, 1024])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_barrier_cost(benchmark, mode: str, n: int) -> None:
+    gate = _gate("native", n, mode)
+    repeat = max(1, 4096 // n)  # the same number of barriers per round at either size
+
+    def rounds() -> None:
+        for _ in range(repeat):
+            barrier_round(gate, n)
+
+    benchmark.group = f"barrier cost, {mode}"
+    benchmark.pedantic(rounds, rounds=7, iterations=1, warmup_rounds=1)
+    per_barrier = best_seconds(benchmark) / (repeat * n)
+    RESULTS[("barrier", mode, n)] = per_barrier
+    benchmark.extra_info["ns_per_barrier"] = round(per_barrier * 1e9, 1)
+
+
+def test_memory_of_a_65536_channel_gate(benchmark) -> None:
+    """Every allocation of the native gate goes through Python's raw allocator,
+    so tracemalloc sees all of it, C structures included."""
+
+    def build() -> int:
+        gc.collect()
+        tracemalloc.start()
+        try:
+            gate = _gate("native", 65536, "aligned", capacity=8)
+            for ch in range(65536):  # touch every channel, creating its cached int too
+                gate.push(ch, ch)
+            while gate.poll_batch(4096):
+                pass
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        del gate
+        return peak
+
+    benchmark.group = "memory"
+    peak = benchmark.pedantic(build, rounds=1, iterations=1)
+    benchmark.extra_info["peak_MB"] = round(peak / 2**20, 2)
+    SUMMARY.append(f"65,536-channel gate, capacity 8: {peak / 2**20:.1f} MB peak (target <= 16 MB)")
+    assert peak <= 16 * 2**20
+
+
+# --------------------------------------------------------------------- targets
+# These read what the benchmarks above measured in this same run.
+
+
+def _need(key):
+    if key not in RESULTS:
+        pytest.fail(f"no measurement for {key}: run the whole of bench/test_bench_gate.py")
+    return RESULTS[key]
+
+
+def test_target_native_is_20x_the_reference_with_single_calls() -> None:
+    worst = None
+    for mode in MODES:
+        for n in CHANNELS:
+            ratio = _need(("single", mode, n, "reference")) / _need(("single", mode, n, "native"))
+            SUMMARY.append(
+                f"single calls, {mode:13s} {n:5d} ch: native {_need(('single', mode, n, 'native')) * 1e9:6.1f} ns, "
+                f"reference {_need(('single', mode, n, 'reference')) * 1e9:7.1f} ns per buffer: {ratio:5.1f}x"
+            )
+            worst = ratio if worst is None else min(worst, ratio)
+    assert worst >= 20, f"native is only {worst:.1f}x the reference somewhere (target >= 20x)"
+
+
+def test_target_batched_throughput() -> None:
+    worst = None
+    for mode in MODES:
+        for n in CHANNELS:
+            rate = _need(("batched", mode, n))
+            SUMMARY.append(f"push_many/poll_batch, {mode:13s} {n:5d} ch: {rate / 1e6:5.1f} M buffers/s")
+            worst = rate if worst is None else min(worst, rate)
+    assert worst >= 20e6, f"batched throughput {worst / 1e6:.1f} M buffers/s somewhere (target >= 20 M)"
+
+
+def test_target_barrier_cost_does_not_grow_with_channels() -> None:
+    for mode in MODES:
+        small, large = _need(("barrier", mode, 8)), _need(("barrier", mode, 1024))
+        SUMMARY.append(
+            f"barrier cost, {mode:13s}: {small * 1e9:6.1f} ns at 8 ch, {large * 1e9:6.1f} ns at 1,024 ch "
+            f"({large / small:.2f}x)"
+        )
+        assert large <= 2 * small, f"{mode}: a barrier costs {large / small:.2f}x more at 1,024 channels"
