@@ -53,7 +53,9 @@ def drain(gate: Any) -> List[Tuple[int, Any]]:
     return out
 
 
-def feed(gate: Any, sequence: Iterable[Tuple[int, Any]], after: Optional[Callable[[], None]] = None) -> List[Tuple[int, Any]]:
+def feed(
+    gate: Any, sequence: Iterable[Tuple[int, Any]], after: Optional[Callable[[], None]] = None
+) -> List[Tuple[int, Any]]:
     """Push one event at a time and poll everything available after each push,
     the way Flink's mock input gate hands a fixed sequence to the handler."""
     out: List[Tuple[int, Any]] = []

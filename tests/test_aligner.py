@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import barrier, cancel, drain, eop, feed
+from conftest import barrier, cancel, eop, feed
 
 from pyengine.io import CheckpointFailureReason, CorruptStreamError
 
@@ -42,8 +42,7 @@ def test_single_channel_never_blocks(make_gate, listener) -> None:
 def test_single_channel_abort_checkpoint(make_gate, listener) -> None:
     gate = make_gate(1)
     feed(gate, [(0, "a"), (0, B(1)), (0, "b"), (0, B(2)), (0, "c"), (0, C(4)), (0, B(5)), (0, "d"), (0, C(6))])
-    assert [e[:2] for e in listener.log] == [
-        ("trigger", 1), ("trigger", 2), ("abort", 4), ("trigger", 5), ("abort", 6)]
+    assert [e[:2] for e in listener.log] == [("trigger", 1), ("trigger", 2), ("abort", 4), ("trigger", 5), ("abort", 6)]
     assert gate.latest_checkpoint_id == 6
     assert gate.last_alignment_duration_ns == 0
 
@@ -51,16 +50,55 @@ def test_single_channel_abort_checkpoint(make_gate, listener) -> None:
 def test_multi_channel_abort_checkpoint(make_gate, listener) -> None:
     # Flink's testMultiChannelAbortCheckpoint sequence.
     gate = make_gate(3)
-    feed(gate, [
-        (0, "0"), (2, "1"), (0, "2"), (1, B(1)), (2, B(1)), (0, "5"), (0, B(1)), (0, "7"), (2, "8"),
-        (0, B(2)), (2, B(2)), (1, "11"), (1, C(2)),
-        (2, "13"), (1, "14"), (1, B(3)), (2, B(3)), (0, B(3)),
-        (0, "18"), (1, "19"), (1, C(4)), (2, B(4)), (2, "22"), (0, B(4)),
-        (0, "24"), (1, "25"), (2, "26"), (2, B(5)), (1, B(5)), (0, B(5)), (0, "30"), (1, "31"),
-        (1, C(6)), (2, C(6)), (0, B(6)), (0, "35"),
-    ])
+    feed(
+        gate,
+        [
+            (0, "0"),
+            (2, "1"),
+            (0, "2"),
+            (1, B(1)),
+            (2, B(1)),
+            (0, "5"),
+            (0, B(1)),
+            (0, "7"),
+            (2, "8"),
+            (0, B(2)),
+            (2, B(2)),
+            (1, "11"),
+            (1, C(2)),
+            (2, "13"),
+            (1, "14"),
+            (1, B(3)),
+            (2, B(3)),
+            (0, B(3)),
+            (0, "18"),
+            (1, "19"),
+            (1, C(4)),
+            (2, B(4)),
+            (2, "22"),
+            (0, B(4)),
+            (0, "24"),
+            (1, "25"),
+            (2, "26"),
+            (2, B(5)),
+            (1, B(5)),
+            (0, B(5)),
+            (0, "30"),
+            (1, "31"),
+            (1, C(6)),
+            (2, C(6)),
+            (0, B(6)),
+            (0, "35"),
+        ],
+    )
     assert [e[:2] for e in listener.log] == [
-        ("trigger", 1), ("abort", 2), ("trigger", 3), ("abort", 4), ("trigger", 5), ("abort", 6)]
+        ("trigger", 1),
+        ("abort", 2),
+        ("trigger", 3),
+        ("abort", 4),
+        ("trigger", 5),
+        ("abort", 6),
+    ]
     assert {r for _, r in listener.aborted} == {R.CHECKPOINT_DECLINED_ON_CANCELLATION_BARRIER}
     assert gate.blocked_channels == []
     assert gate.last_alignment_duration_ns == 0  # the last one was cancelled
@@ -69,8 +107,9 @@ def test_multi_channel_abort_checkpoint(make_gate, listener) -> None:
 def test_newer_barrier_subsumes_the_alignment(make_gate, listener) -> None:
     # Flink's testIgnoreCancelBarrierIfCheckpointSubsumed.
     gate = make_gate(3)
-    out = feed(gate, [(2, "0"), (1, B(3)), (0, B(3)), (2, "3"), (2, B(5)), (1, "5"), (0, "6"), (0, C(3)),
-                      (0, "8"), (1, "9")])
+    out = feed(
+        gate, [(2, "0"), (1, B(3)), (0, B(3)), (2, "3"), (2, B(5)), (1, "5"), (0, "6"), (0, C(3)), (0, "8"), (1, "9")]
+    )
     assert listener.aborted == [(3, R.CHECKPOINT_DECLINED_SUBSUMED)]
     assert gate.blocked_channels == [2]
     assert [x for _, x in out if isinstance(x, str)] == ["0", "3", "5", "6", "8", "9"]
@@ -82,8 +121,23 @@ def test_newer_barrier_subsumes_the_alignment(make_gate, listener) -> None:
 def test_cancelled_checkpoint_ignores_its_late_barriers(make_gate, listener) -> None:
     # Flink's testAbortOnCanceledBarriers.
     gate = make_gate(3)
-    feed(gate, [(1, "0"), (1, B(1)), (2, "2"), (0, "3"), (0, C(1)), (1, "5"), (1, B(2)), (2, "7"), (0, "8"),
-                (2, B(1)), (0, "10"), (2, "11")])
+    feed(
+        gate,
+        [
+            (1, "0"),
+            (1, B(1)),
+            (2, "2"),
+            (0, "3"),
+            (0, C(1)),
+            (1, "5"),
+            (1, B(2)),
+            (2, "7"),
+            (0, "8"),
+            (2, B(1)),
+            (0, "10"),
+            (2, "11"),
+        ],
+    )
     assert listener.aborted == [(1, R.CHECKPOINT_DECLINED_ON_CANCELLATION_BARRIER)]
     assert gate.blocked_channels == [1]
     feed(gate, [(0, B(2)), (2, B(2))])
@@ -93,9 +147,26 @@ def test_cancelled_checkpoint_ignores_its_late_barriers(make_gate, listener) -> 
 def test_closed_channels_count_as_aligned(make_gate, listener) -> None:
     # Flink's testStartAlignmentWithClosedChannels.
     gate = make_gate(4)
-    out = feed(gate, [(2, eop()), (1, eop()), (0, "0"), (0, "1"), (3, "2"), (3, B(2)), (0, B(2)),
-                      (0, B(3)), (3, B(3)), (0, "3"), (0, "4"), (3, "5"), (0, eop()),
-                      (3, "6"), (3, B(4))])
+    out = feed(
+        gate,
+        [
+            (2, eop()),
+            (1, eop()),
+            (0, "0"),
+            (0, "1"),
+            (3, "2"),
+            (3, B(2)),
+            (0, B(2)),
+            (0, B(3)),
+            (3, B(3)),
+            (0, "3"),
+            (0, "4"),
+            (3, "5"),
+            (0, eop()),
+            (3, "6"),
+            (3, B(4)),
+        ],
+    )
     assert listener.triggered_ids == [2, 3, 4]
     assert gate.latest_checkpoint_id == 4
     assert out[:2] == [(2, eop()), (1, eop())]
@@ -106,8 +177,7 @@ def test_closed_channels_count_as_aligned(make_gate, listener) -> None:
 def test_end_of_partition_aborts_the_alignment(make_gate, listener) -> None:
     # Flink's testEndOfStreamWhileCheckpoint.
     gate = make_gate(3)
-    out = feed(gate, [(0, B(1)), (1, B(1)), (2, B(1)), (0, "3"), (0, "4"), (2, "5"), (2, B(2)), (0, B(2)),
-                      (1, "8")])
+    out = feed(gate, [(0, B(1)), (1, B(1)), (2, B(1)), (0, "3"), (0, "4"), (2, "5"), (2, B(2)), (0, B(2)), (1, "8")])
     assert gate.blocked_channels == [0, 2]
     out = feed(gate, [(0, "blocked"), (1, eop())])
     assert listener.aborted == [(2, R.CHECKPOINT_DECLINED_INPUT_END_OF_STREAM)]

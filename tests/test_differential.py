@@ -46,7 +46,7 @@ class Pair:
             CheckpointedInputGate(
                 num_channels, listener, implementation=impl, capacity=capacity, clock=self.clock, **config
             )
-            for impl, listener in zip(("native", "reference"), self.listeners)
+            for impl, listener in zip(("native", "reference"), self.listeners, strict=True)
         ]
         self.trace: List[Any] = []
 
@@ -57,9 +57,14 @@ class Pair:
 
     def check_state(self) -> None:
         native, reference = self.gates
-        for attr in ("latest_checkpoint_id", "blocked_channels", "is_finished",
-                     "last_alignment_duration_ns", "last_checkpoint_start_delay_ns",
-                     "bytes_processed_during_alignment"):
+        for attr in (
+            "latest_checkpoint_id",
+            "blocked_channels",
+            "is_finished",
+            "last_alignment_duration_ns",
+            "last_checkpoint_start_delay_ns",
+            "bytes_processed_during_alignment",
+        ):
             assert getattr(native, attr) == getattr(reference, attr), attr
         assert self.listeners[0].log == self.listeners[1].log
         assert self.listeners[0].triggered == self.listeners[1].triggered

@@ -43,17 +43,55 @@ def run(make_gate, n, sequence):
 
 
 def test_single_channel_with_skipped_barriers(make_gate, listener) -> None:
-    s = seq(("b", 0), (1, 0), ("b", 0), ("b", 0), (3, 0), ("b", 0), (4, 0), (6, 0), ("b", 0),
-            (7, 0), ("b", 0), (10, 0), ("b", 0))
+    s = seq(
+        ("b", 0),
+        (1, 0),
+        ("b", 0),
+        ("b", 0),
+        (3, 0),
+        ("b", 0),
+        (4, 0),
+        (6, 0),
+        ("b", 0),
+        (7, 0),
+        ("b", 0),
+        (10, 0),
+        ("b", 0),
+    )
     run(make_gate, 1, s)
     assert listener.triggered_ids == [1, 3, 4, 6, 7, 10]
 
 
 def test_multi_channel_with_barriers(make_gate, listener) -> None:
-    s = seq(("b", 0), ("b", 2), ("b", 0), (1, 1), (1, 2), ("b", 2), ("b", 1), (1, 0),
-            ("b", 0), ("b", 0), ("b", 1), ("b", 1), ("b", 2), (2, 0), (2, 1), (2, 2),
-            ("b", 2), ("b", 2), (3, 2), ("b", 2), ("b", 2), (3, 0), (3, 1),
-            (4, 1), (4, 2), (4, 0), ("b", 0))
+    s = seq(
+        ("b", 0),
+        ("b", 2),
+        ("b", 0),
+        (1, 1),
+        (1, 2),
+        ("b", 2),
+        ("b", 1),
+        (1, 0),
+        ("b", 0),
+        ("b", 0),
+        ("b", 1),
+        ("b", 1),
+        ("b", 2),
+        (2, 0),
+        (2, 1),
+        (2, 2),
+        ("b", 2),
+        ("b", 2),
+        (3, 2),
+        ("b", 2),
+        ("b", 2),
+        (3, 0),
+        (3, 1),
+        (4, 1),
+        (4, 2),
+        (4, 0),
+        ("b", 0),
+    )
     gate = run(make_gate, 3, s)
     assert listener.triggered_ids == [1, 2, 3, 4]
     assert gate.latest_checkpoint_id == 4
@@ -61,28 +99,100 @@ def test_multi_channel_with_barriers(make_gate, listener) -> None:
 
 
 def test_multi_channel_skipping_checkpoints(make_gate, listener) -> None:
-    s = seq(("b", 0), ("b", 2), ("b", 0), (1, 1), (1, 2), ("b", 2), ("b", 1), (1, 0),
-            ("b", 0), ("b", 0), ("b", 1), ("b", 1), ("b", 2), (2, 0), (2, 1), (2, 2),
-            ("b", 2), ("b", 2), (3, 2), ("b", 2), ("b", 2),
-            (4, 0), ("b", 0), ("b", 1), ("b", 2), (4, 1), ("b", 1), (4, 2), ("b", 0))
+    s = seq(
+        ("b", 0),
+        ("b", 2),
+        ("b", 0),
+        (1, 1),
+        (1, 2),
+        ("b", 2),
+        ("b", 1),
+        (1, 0),
+        ("b", 0),
+        ("b", 0),
+        ("b", 1),
+        ("b", 1),
+        ("b", 2),
+        (2, 0),
+        (2, 1),
+        (2, 2),
+        ("b", 2),
+        ("b", 2),
+        (3, 2),
+        ("b", 2),
+        ("b", 2),
+        (4, 0),
+        ("b", 0),
+        ("b", 1),
+        ("b", 2),
+        (4, 1),
+        ("b", 1),
+        (4, 2),
+        ("b", 0),
+    )
     run(make_gate, 3, s)
     assert listener.triggered_ids == [1, 2, 4]
     assert listener.aborted == []  # subsumed pending checkpoints are dropped silently
 
 
 def test_complete_checkpoints_on_late_barriers(make_gate, listener) -> None:
-    s = seq(("b", 1), ("b", 1), ("b", 0), ("b", 2), (2, 1), (2, 0), (2, 2),
-            ("b", 1), ("b", 0), (3, 1), (3, 2),
-            ("b", 1), ("b", 0), (4, 2), (4, 1), ("b", 1), ("b", 2),
-            (3, 0),
-            ("b", 0), (4, 0),
-            ("b", 1), ("b", 2), (5, 1), ("b", 0), (5, 0), ("b", 1), (5, 2),
-            ("b", 1), (6, 1), ("b", 0), (6, 0),
-            ("b", 1), (7, 1), ("b", 0), (7, 2), ("b", 2), (8, 2), ("b", 0), (8, 1), ("b", 1), (9, 1),
-            (7, 0), ("b", 0), (9, 2), ("b", 2), (10, 2),
-            (8, 0), ("b", 1), ("b", 2), (9, 0),
-            ("b", 1), ("b", 0), ("b", 2),
-            (10, 0), (10, 1))
+    s = seq(
+        ("b", 1),
+        ("b", 1),
+        ("b", 0),
+        ("b", 2),
+        (2, 1),
+        (2, 0),
+        (2, 2),
+        ("b", 1),
+        ("b", 0),
+        (3, 1),
+        (3, 2),
+        ("b", 1),
+        ("b", 0),
+        (4, 2),
+        (4, 1),
+        ("b", 1),
+        ("b", 2),
+        (3, 0),
+        ("b", 0),
+        (4, 0),
+        ("b", 1),
+        ("b", 2),
+        (5, 1),
+        ("b", 0),
+        (5, 0),
+        ("b", 1),
+        (5, 2),
+        ("b", 1),
+        (6, 1),
+        ("b", 0),
+        (6, 0),
+        ("b", 1),
+        (7, 1),
+        ("b", 0),
+        (7, 2),
+        ("b", 2),
+        (8, 2),
+        ("b", 0),
+        (8, 1),
+        ("b", 1),
+        (9, 1),
+        (7, 0),
+        ("b", 0),
+        (9, 2),
+        ("b", 2),
+        (10, 2),
+        (8, 0),
+        ("b", 1),
+        ("b", 2),
+        (9, 0),
+        ("b", 1),
+        ("b", 0),
+        ("b", 2),
+        (10, 0),
+        (10, 1),
+    )
     run(make_gate, 3, s)
     assert listener.triggered_ids == [2, 3, 4, 5, 7, 8, 9, 10]
 
@@ -90,21 +200,60 @@ def test_complete_checkpoints_on_late_barriers(make_gate, listener) -> None:
 def test_single_channel_abort_checkpoint(make_gate, listener) -> None:
     s = seq(("b", 0), (1, 0), ("b", 0), (2, 0), ("c", 0, 4), (5, 0), ("b", 0), ("c", 0, 6), ("b", 0))
     run(make_gate, 1, s)
-    assert [e[:2] for e in listener.log] == [
-        ("trigger", 1), ("trigger", 2), ("abort", 4), ("trigger", 5), ("abort", 6)]
+    assert [e[:2] for e in listener.log] == [("trigger", 1), ("trigger", 2), ("abort", 4), ("trigger", 5), ("abort", 6)]
     assert {r for _, r in listener.aborted} == {R.CHECKPOINT_DECLINED_ON_CANCELLATION_BARRIER}
 
 
 def test_multi_channel_abort_checkpoint(make_gate, listener) -> None:
-    s = seq(("b", 0), ("b", 2), ("b", 0), (1, 1), (1, 2), ("b", 2), ("b", 1), (1, 0),
-            ("b", 0), ("b", 2), (2, 0), (2, 2), ("b", 0), ("b", 2), ("c", 1, 2),
-            ("b", 2), ("b", 1), (3, 1), (3, 2), (3, 0),
-            ("b", 0), ("b", 1), ("c", 1, 4), (4, 2), ("b", 0), (4, 0),
-            ("b", 0), ("b", 1), ("b", 2), (5, 2), (5, 1), (5, 0),
-            ("b", 0), ("b", 1), ("c", 1, 6), ("c", 2, 6), (6, 0), ("b", 0))
+    s = seq(
+        ("b", 0),
+        ("b", 2),
+        ("b", 0),
+        (1, 1),
+        (1, 2),
+        ("b", 2),
+        ("b", 1),
+        (1, 0),
+        ("b", 0),
+        ("b", 2),
+        (2, 0),
+        (2, 2),
+        ("b", 0),
+        ("b", 2),
+        ("c", 1, 2),
+        ("b", 2),
+        ("b", 1),
+        (3, 1),
+        (3, 2),
+        (3, 0),
+        ("b", 0),
+        ("b", 1),
+        ("c", 1, 4),
+        (4, 2),
+        ("b", 0),
+        (4, 0),
+        ("b", 0),
+        ("b", 1),
+        ("b", 2),
+        (5, 2),
+        (5, 1),
+        (5, 0),
+        ("b", 0),
+        ("b", 1),
+        ("c", 1, 6),
+        ("c", 2, 6),
+        (6, 0),
+        ("b", 0),
+    )
     run(make_gate, 3, s)
     assert [e[:2] for e in listener.log] == [
-        ("trigger", 1), ("abort", 2), ("trigger", 3), ("abort", 4), ("trigger", 5), ("abort", 6)]
+        ("trigger", 1),
+        ("abort", 2),
+        ("trigger", 3),
+        ("abort", 4),
+        ("trigger", 5),
+        ("abort", 6),
+    ]
 
 
 def test_interleaved_cancellations_abort_each_checkpoint_once(make_gate, listener) -> None:
@@ -117,7 +266,9 @@ def test_end_of_partition_aborts_pending_and_later_checkpoints_need_open_channel
     s = seq((1, 0), (1, 1), (2, 0), (0, "eop"), ("b", 1), (3, 1), (3, 2))
     gate = run(make_gate, 3, s)
     assert listener.aborted == [
-        (1, R.CHECKPOINT_DECLINED_INPUT_END_OF_STREAM), (2, R.CHECKPOINT_DECLINED_INPUT_END_OF_STREAM)]
+        (1, R.CHECKPOINT_DECLINED_INPUT_END_OF_STREAM),
+        (2, R.CHECKPOINT_DECLINED_INPUT_END_OF_STREAM),
+    ]
     assert listener.triggered_ids == [3]
     assert gate.latest_checkpoint_id == 3
 

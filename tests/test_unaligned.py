@@ -69,7 +69,9 @@ def test_newer_barrier_subsumes_and_cancellation_of_a_newer_checkpoint(make_gate
     assert listener.log == [("trigger", 1), ("abort", 1, R.CHECKPOINT_DECLINED_SUBSUMED), ("trigger", 2)]
     feed(gate, [(1, C(3))])
     assert listener.log[-2:] == [
-        ("abort", 2, R.CHECKPOINT_DECLINED_SUBSUMED), ("abort", 3, R.CHECKPOINT_DECLINED_ON_CANCELLATION_BARRIER)]
+        ("abort", 2, R.CHECKPOINT_DECLINED_SUBSUMED),
+        ("abort", 3, R.CHECKPOINT_DECLINED_ON_CANCELLATION_BARRIER),
+    ]
     assert gate.latest_checkpoint_id == 3
 
 
@@ -128,7 +130,7 @@ def test_aligned_timeout_switches_to_unaligned(make_gate, listener, clock) -> No
     clock.advance(10_000_000)
     # Timed out: trigger unaligned, release channel 0, and let channel 2's barrier overtake c1.
     assert gate.poll_next() == (2, B(1))
-    barrier_, metrics = listener.triggered[0]
+    _, metrics = listener.triggered[0]
     assert metrics.unaligned and metrics.alignment_duration_ns == 10_000_000
     assert gate.blocked_channels == []
     assert listener.in_flight[1] == [(2, "c1")]

@@ -102,7 +102,6 @@ class GateConfig:
         )
 
 
-
 @dataclass(frozen=True)
 class Callbacks:
     """The listener's methods, looked up once instead of on every event."""

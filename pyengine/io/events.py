@@ -23,8 +23,15 @@ __all__ = [
 ]
 
 
-def _final(cls: type) -> None:
-    raise TypeError(f"{cls.__mro__[1].__name__} is final: the gate recognises events by exact type")
+class _Final:
+    """Base of the event classes: they may not be subclassed."""
+
+    __slots__ = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        if _Final not in cls.__bases__:
+            raise TypeError(f"{cls.__mro__[1].__name__} is final: the gate recognises events by exact type")
+        super().__init_subclass__(**kwargs)
 
 
 def _check_checkpoint_id(owner: str, checkpoint_id: Any) -> None:
@@ -52,7 +59,7 @@ class CheckpointType(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True, repr=False)
-class CheckpointOptions:
+class CheckpointOptions(_Final):
     """How a checkpoint is taken. Savepoints are always aligned, as in Flink."""
 
     checkpoint_type: CheckpointType = CheckpointType.CHECKPOINT
@@ -72,14 +79,12 @@ class CheckpointOptions:
         extra = ", unaligned=True" if self.unaligned else ""
         return f"CheckpointOptions({self.checkpoint_type!r}{extra})"
 
-    __init_subclass__ = classmethod(_final)  # type: ignore[assignment]
-
 
 _DEFAULT_OPTIONS = CheckpointOptions()
 
 
 @dataclass(frozen=True, slots=True, repr=False)
-class CheckpointBarrier:
+class CheckpointBarrier(_Final):
     """Marks the point in a channel's stream that belongs to checkpoint ``checkpoint_id``.
 
     ``timestamp`` is when the coordinator triggered the checkpoint (milliseconds
@@ -117,11 +122,9 @@ class CheckpointBarrier:
         """True for a checkpoint, False for either kind of savepoint."""
         return not self.options.checkpoint_type.is_savepoint
 
-    __init_subclass__ = classmethod(_final)  # type: ignore[assignment]
-
 
 @dataclass(frozen=True, slots=True, repr=False)
-class CancelCheckpointMarker:
+class CancelCheckpointMarker(_Final):
     """Sent instead of a barrier by a task that cannot take the checkpoint, so
     downstream tasks abort it at once rather than wait for a barrier that never comes."""
 
@@ -133,17 +136,13 @@ class CancelCheckpointMarker:
     def __repr__(self) -> str:
         return f"CancelCheckpointMarker({self.checkpoint_id})"
 
-    __init_subclass__ = classmethod(_final)  # type: ignore[assignment]
-
 
 @dataclass(frozen=True, slots=True, repr=False)
-class EndOfPartition:
+class EndOfPartition(_Final):
     """The last thing a channel delivers: its producer has finished."""
 
     def __repr__(self) -> str:
         return "EndOfPartition()"
-
-    __init_subclass__ = classmethod(_final)  # type: ignore[assignment]
 
 
 class CheckpointFailureReason(enum.Enum):
@@ -154,12 +153,8 @@ class CheckpointFailureReason(enum.Enum):
     CHECKPOINT_DECLINED_TASK_CLOSING = "Checkpoint was declined (task is closing)."
     CHECKPOINT_DECLINED_SUBSUMED = "Checkpoint was canceled because a barrier from newer checkpoint was received."
     CHECKPOINT_DECLINED_ON_CANCELLATION_BARRIER = "Task received cancellation from one of its inputs."
-    CHECKPOINT_DECLINED_INPUT_END_OF_STREAM = (
-        "Checkpoint was declined because one input stream is finished."
-    )
-    CHECKPOINT_DECLINED_ALIGNMENT_LIMIT_EXCEEDED = (
-        "Checkpoint was canceled because the alignment exceeded its limit."
-    )
+    CHECKPOINT_DECLINED_INPUT_END_OF_STREAM = "Checkpoint was declined because one input stream is finished."
+    CHECKPOINT_DECLINED_ALIGNMENT_LIMIT_EXCEEDED = "Checkpoint was canceled because the alignment exceeded its limit."
     CHECKPOINT_EXPIRED = "Checkpoint expired before completing."
     CHECKPOINT_SUBSUMED = "Checkpoint has been subsumed."
     CHECKPOINT_COORDINATOR_SHUTDOWN = "CheckpointCoordinator shutdown."

@@ -29,6 +29,7 @@ thread, in the order the events imply.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -68,7 +69,7 @@ def _kind(item: Any) -> int:
 class _Pending:
     """One row of the at-least-once tracker's pending-checkpoint table."""
 
-    __slots__ = ("checkpoint_id", "seen", "aborted", "start_delay_ns")
+    __slots__ = ("aborted", "checkpoint_id", "seen", "start_delay_ns")
 
     def __init__(self, checkpoint_id: int, start_delay_ns: int) -> None:
         self.checkpoint_id = checkpoint_id
@@ -155,9 +156,7 @@ class ReferenceCheckpointedInputGate:
     def _push_locked(self, ch: int, item: Any) -> bool:
         kind = _kind(item)
         if self._eop_pushed[ch]:
-            raise ChannelClosedError(
-                f"channel {ch} already delivered EndOfPartition; cannot push {item!r} after it"
-            )
+            raise ChannelClosedError(f"channel {ch} already delivered EndOfPartition; cannot push {item!r} after it")
         ring = self._rings[ch]
         limit = self._capacity if kind == _DATA else self._config.event_limit
         if len(ring) >= limit:
@@ -326,15 +325,21 @@ class ReferenceCheckpointedInputGate:
             if kind != _CANCEL:
                 return ch, item
 
+    @staticmethod
+    def _barrier_position(ring: Deque[Any], checkpoint_id: int) -> Optional[int]:
+        for k, item in enumerate(ring):
+            if type(item) is CheckpointBarrier and item.checkpoint_id == checkpoint_id:
+                return k
+        return None
+
     def _take_priority(self) -> Optional[Tuple[int, Any]]:
         while self._priority:
             ch, checkpoint_id = self._priority.popleft()
             ring = self._rings[ch]
-            for k, item in enumerate(ring):
-                if type(item) is CheckpointBarrier and item.checkpoint_id == checkpoint_id:
-                    break
-            else:
+            k = self._barrier_position(ring, checkpoint_id)
+            if k is None:
                 continue
+            item = ring[k]
             overtaken = [x for i, x in enumerate(ring) if i < k and _kind(x) == _DATA]
             del ring[k]
             self._space_cv.notify_all()
@@ -482,9 +487,7 @@ class ReferenceCheckpointedInputGate:
         return self._pending and self._phase == _ALIGNED and self._timeout_eligible
 
     def _timeout_due(self) -> bool:
-        return self._timeout_pending() and (
-            self._mono() - self._alignment_start >= self._config.aligned_timeout_ns
-        )
+        return self._timeout_pending() and (self._mono() - self._alignment_start >= self._config.aligned_timeout_ns)
 
     def _switch_to_unaligned(self) -> None:
         """Alignment took longer than aligned_timeout_ms: trigger now, unaligned."""
@@ -496,10 +499,8 @@ class ReferenceCheckpointedInputGate:
         for ch in range(self._n):
             if self._closed[ch] or self._received[ch]:
                 continue
-            for item in self._rings[ch]:
-                if type(item) is CheckpointBarrier and item.checkpoint_id == checkpoint_id:
-                    self._priority.append((ch, checkpoint_id))
-                    break
+            if self._barrier_position(self._rings[ch], checkpoint_id) is not None:
+                self._priority.append((ch, checkpoint_id))
         barrier = self._current_barrier
         metrics = CheckpointMetrics(duration, self._last_start_delay_ns, self._bytes_during_alignment, True)
         self._cb.trigger(barrier, metrics)
@@ -509,7 +510,7 @@ class ReferenceCheckpointedInputGate:
         if overtaken and add is not None:
             checkpoint_id = self._current
             for item in overtaken:
-                notes.append(lambda item=item: add(checkpoint_id, ch, item))
+                notes.append(functools.partial(add, checkpoint_id, ch, item))
 
     def _mark_received(self, ch: int) -> None:
         self._received[ch] = True
@@ -535,9 +536,9 @@ class ReferenceCheckpointedInputGate:
     def _tracker_barrier(self, barrier: CheckpointBarrier, ch: int, notes: List[Callable[[], Any]]) -> None:
         checkpoint_id = barrier.checkpoint_id
         open_channels = self._n - self._num_closed
-        for pos, entry in enumerate(self._table):
-            if entry.checkpoint_id == checkpoint_id:
-                break
+        pos = next((i for i, e in enumerate(self._table) if e.checkpoint_id == checkpoint_id), None)
+        if pos is not None:
+            entry = self._table[pos]
         else:
             if checkpoint_id <= self._latest_pending:
                 return  # an old checkpoint: it cannot complete any more
