@@ -79,6 +79,12 @@ def bind(barrier_type, cancel_type, eop_type, metrics_type, checkpoint_member,
     item_nbytes = nbytes_function
 
 
+cdef inline int built(int rc) except -1:
+    if rc != PE_OK:
+        raise MemoryError("not enough memory for the input gate's channel structures")
+    return 0
+
+
 cdef inline tuple result(object channel, object item):
     """A (channel, item) pair. Like CPython's own lazy rule for tuples, it is left
     out of the cyclic GC when the item is: then it cannot be part of a cycle, and
@@ -160,30 +166,23 @@ cdef class InputGate:
         self.priority = collections.deque()
         self.latest_pending = -1
 
-        if pe_rings_init(&self.rings, self.n, self.event_limit, &PY_ALLOC) != PE_OK:
-            raise MemoryError(f"cannot allocate {self.n} channels of {self.capacity} slots")
+        # Each step records what it built, so __dealloc__ frees exactly that.
+        built(pe_rings_init(&self.rings, self.n, self.event_limit, &PY_ALLOC))
         self.ready |= 1
-        if pe_chanqueue_init(&self.available, self.n, &PY_ALLOC) != PE_OK:
-            raise MemoryError()
+        built(pe_chanqueue_init(&self.available, self.n, &PY_ALLOC))
         self.ready |= 2
-        if pe_bitset_init(&self.blocked, self.n, &PY_ALLOC) != PE_OK:
-            raise MemoryError()
+        built(pe_bitset_init(&self.blocked, self.n, &PY_ALLOC))
         self.ready |= 4
-        if pe_bitset_init(&self.eop_pushed, self.n, &PY_ALLOC) != PE_OK:
-            raise MemoryError()
+        built(pe_bitset_init(&self.eop_pushed, self.n, &PY_ALLOC))
         self.ready |= 8
-        if pe_bitset_init(&self.closed, self.n, &PY_ALLOC) != PE_OK:
-            raise MemoryError()
+        built(pe_bitset_init(&self.closed, self.n, &PY_ALLOC))
         self.ready |= 16
-        if pe_alignment_init(&self.align, self.n, &PY_ALLOC) != PE_OK:
-            raise MemoryError()
+        built(pe_alignment_init(&self.align, self.n, &PY_ALLOC))
         self.ready |= 32
         if not self.exactly_once:
-            if pe_pending_init(&self.table, self.n, &PY_ALLOC) != PE_OK:
-                raise MemoryError()
+            built(pe_pending_init(&self.table, self.n, &PY_ALLOC))
             self.ready |= 64
-        if pe_waiter_init(&self.waiter) != PE_OK:
-            raise MemoryError()
+        built(pe_waiter_init(&self.waiter))
         self.ready |= 128
         self.chan_objs = <PyObject **>PyMem_RawCalloc(self.n, sizeof(PyObject *))
         self.last_barrier_pushed = <int64_t *>PyMem_RawCalloc(self.n, sizeof(int64_t))
@@ -333,7 +332,9 @@ cdef class InputGate:
 
     cdef int enter(self) except -1:
         if self.in_poll:
-            raise RuntimeError("the gate was polled from inside one of its own listener callbacks")
+            raise RuntimeError(
+                "the gate is already being polled, from one of its listener callbacks or another thread: "
+                "a gate has a single consumer")
         self.in_poll = True
         if self.failure is not None:
             self.in_poll = False

@@ -198,7 +198,7 @@ class ReferenceCheckpointedInputGate:
         with self._lock:
             self._enter()
             try:
-                self._raise_stashed()
+                self._raise_pending_error()
                 return self._poll_one()
             finally:
                 self._in_poll = False
@@ -210,7 +210,7 @@ class ReferenceCheckpointedInputGate:
         with self._lock:
             self._enter()
             try:
-                self._raise_stashed()
+                self._raise_pending_error()
                 while len(out) < max_items:
                     # A batch is data only, or one event alone: every listener call
                     # except add_input_data happens before the caller sees later data.
@@ -249,10 +249,13 @@ class ReferenceCheckpointedInputGate:
 
     def _enter(self) -> None:
         if self._in_poll:
-            raise RuntimeError("the gate was polled from inside one of its own listener callbacks")
+            raise RuntimeError(
+                "the gate is already being polled, from one of its listener callbacks or another thread: "
+                "a gate has a single consumer"
+            )
         self._in_poll = True
 
-    def _raise_stashed(self) -> None:
+    def _raise_pending_error(self) -> None:
         if self._failure is not None:
             raise self._failure
         exc = self._stashed
