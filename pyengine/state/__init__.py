@@ -1,0 +1,74 @@
+"""Keyed and operator state: descriptors, key groups and state backends."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .descriptors import (
+    AggregateFunction,
+    AggregatingStateDescriptor,
+    ListStateDescriptor,
+    MapStateDescriptor,
+    ReducingStateDescriptor,
+    StateDescriptor,
+    StateTtlConfig,
+    StateVisibility,
+    TtlUpdateType,
+    ValueStateDescriptor,
+)
+from .heap import HeapKeyedStateBackend, NoCurrentKeyError
+from .keygroups import (
+    DEFAULT_MAX_PARALLELISM,
+    KeyGroupRange,
+    assign_to_key_group,
+    key_group_range_for_subtask,
+    key_groups_of_int64,
+    stable_hash,
+    subtask_for_key_group,
+)
+from .serializers import PickleNotAllowedError, StateSerializationError
+
+__all__ = [
+    "DEFAULT_MAX_PARALLELISM",
+    "AggregateFunction",
+    "AggregatingStateDescriptor",
+    "HeapKeyedStateBackend",
+    "KeyGroupRange",
+    "ListStateDescriptor",
+    "MapStateDescriptor",
+    "NoCurrentKeyError",
+    "PickleNotAllowedError",
+    "ReducingStateDescriptor",
+    "StateDescriptor",
+    "StateSerializationError",
+    "StateTtlConfig",
+    "StateVisibility",
+    "TtlUpdateType",
+    "ValueStateDescriptor",
+    "assign_to_key_group",
+    "create_keyed_backend",
+    "key_group_range_for_subtask",
+    "key_groups_of_int64",
+    "stable_hash",
+    "subtask_for_key_group",
+]
+
+BACKENDS = ("heap", "incremental")
+
+
+def create_keyed_backend(
+    kind: str,
+    *,
+    max_parallelism: int = DEFAULT_MAX_PARALLELISM,
+    key_group_range: Optional[KeyGroupRange] = None,
+    local_recovery_dir: Optional[str] = None,
+    **options: Any,
+) -> HeapKeyedStateBackend:
+    """A keyed state backend of ``kind`` ("heap"; "incremental" is not built yet)."""
+    if kind == "heap":
+        if local_recovery_dir is not None:
+            raise NotImplementedError("local recovery is not built yet (issue #3, in progress)")
+        return HeapKeyedStateBackend(max_parallelism=max_parallelism, key_group_range=key_group_range, **options)
+    if kind == "incremental":
+        raise NotImplementedError("the incremental backend is not built yet (issue #3, in progress)")
+    raise ValueError(f"unknown state backend {kind!r}; choose one of: {', '.join(BACKENDS)}")

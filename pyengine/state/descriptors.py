@@ -1,0 +1,205 @@
+"""State descriptors: a state's name, kind, value type, time-to-live and serializer.
+
+The names are Flink's. ``type`` is an optional ``pyarrow.DataType``: typed
+state is stored in columns of that type (fast, compact, readable by any Arrow
+tool), untyped state through the safe serializer. ``ttl`` is a
+``StateTtlConfig``, a ``datetime.timedelta`` or milliseconds.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Optional, Protocol, Union
+
+import pyarrow as pa
+
+from .serializers import serializer_for
+
+__all__ = [
+    "AggregateFunction",
+    "AggregatingStateDescriptor",
+    "ListStateDescriptor",
+    "MapStateDescriptor",
+    "ReducingStateDescriptor",
+    "StateDescriptor",
+    "StateTtlConfig",
+    "StateVisibility",
+    "TtlUpdateType",
+    "ValueStateDescriptor",
+]
+
+
+class TtlUpdateType(enum.Enum):
+    """When an entry's time-to-live restarts."""
+
+    ON_CREATE_AND_WRITE = "on_create_and_write"
+    ON_READ_AND_WRITE = "on_read_and_write"
+
+
+class StateVisibility(enum.Enum):
+    """Whether an expired entry that is still stored may be returned."""
+
+    NEVER_RETURN_EXPIRED = "never_return_expired"
+    RETURN_EXPIRED_IF_NOT_CLEANED_UP = "return_expired_if_not_cleaned_up"
+
+
+@dataclass(frozen=True)
+class StateTtlConfig:
+    """Time-to-live of state entries, in processing time (Flink's StateTtlConfig)."""
+
+    ttl_ms: int
+    update_type: TtlUpdateType = TtlUpdateType.ON_CREATE_AND_WRITE
+    state_visibility: StateVisibility = StateVisibility.NEVER_RETURN_EXPIRED
+
+    def __post_init__(self) -> None:
+        if type(self.ttl_ms) is not int or self.ttl_ms <= 0:
+            raise ValueError(f"StateTtlConfig: ttl_ms must be a positive int of milliseconds, got {self.ttl_ms!r}")
+        object.__setattr__(self, "update_type", TtlUpdateType(self.update_type))
+        object.__setattr__(self, "state_visibility", StateVisibility(self.state_visibility))
+
+    @classmethod
+    def of(cls, ttl: Union[StateTtlConfig, timedelta, int, float, None]) -> Optional[StateTtlConfig]:
+        """Normalises a descriptor's ``ttl`` argument; None means no expiry."""
+        if ttl is None or isinstance(ttl, StateTtlConfig):
+            return ttl
+        if isinstance(ttl, timedelta):
+            ms = ttl / timedelta(milliseconds=1)
+        elif isinstance(ttl, (int, float)) and not isinstance(ttl, bool):
+            ms = ttl
+        else:
+            raise TypeError(f"ttl must be a StateTtlConfig, a timedelta or milliseconds, got {ttl!r}")
+        if ms <= 0 or ms != ms:
+            raise ValueError(f"ttl must be positive, got {ttl!r}")
+        return cls(max(1, round(ms)))
+
+
+class AggregateFunction(Protocol):
+    """What an AggregatingStateDescriptor needs (Flink's AggregateFunction)."""
+
+    def create_accumulator(self) -> Any: ...
+
+    def add(self, value: Any, accumulator: Any) -> Any: ...
+
+    def get_result(self, accumulator: Any) -> Any: ...
+
+
+def _check_name(name: Any) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a state name must be a non-empty str, got {name!r}")
+
+
+def _check_type(what: str, value: Any) -> None:
+    if value is not None and not isinstance(value, pa.DataType):
+        raise TypeError(f"{what} must be a pyarrow.DataType or None, got {value!r}")
+
+
+_TTL = Optional[Union[StateTtlConfig, timedelta, int, float]]
+
+
+@dataclass(frozen=True)
+class StateDescriptor:
+    """Common part of every descriptor; use the concrete classes.
+
+    Every descriptor ends with ``ttl`` (positional, last) and the keyword-only
+    ``serializer`` (``"safe"``, or ``"pickle"`` to opt in for this state)."""
+
+    name: str
+
+    kind = "state"
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        object.__setattr__(self, "ttl", StateTtlConfig.of(getattr(self, "ttl", None)))
+        serializer_for(getattr(self, "serializer", "safe"))  # validates the name
+
+    @property
+    def allows_pickle(self) -> bool:
+        return getattr(self, "serializer", "safe") == "pickle"
+
+
+@dataclass(frozen=True)
+class ValueStateDescriptor(StateDescriptor):
+    """One value per key. ``value()`` returns ``default`` for a key without one."""
+
+    default: Any = None
+    type: Optional[pa.DataType] = None
+    ttl: _TTL = None
+    serializer: str = field(default="safe", kw_only=True)
+
+    kind = "value"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_type("ValueStateDescriptor type", self.type)
+
+
+@dataclass(frozen=True)
+class ListStateDescriptor(StateDescriptor):
+    """A list of elements per key; ``type`` is the element type."""
+
+    type: Optional[pa.DataType] = None
+    ttl: _TTL = None
+    serializer: str = field(default="safe", kw_only=True)
+
+    kind = "list"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_type("ListStateDescriptor type", self.type)
+
+
+@dataclass(frozen=True)
+class MapStateDescriptor(StateDescriptor):
+    """A map per key (user keys to user values)."""
+
+    key_type: Optional[pa.DataType] = None
+    value_type: Optional[pa.DataType] = None
+    ttl: _TTL = None
+    serializer: str = field(default="safe", kw_only=True)
+
+    kind = "map"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_type("MapStateDescriptor key_type", self.key_type)
+        _check_type("MapStateDescriptor value_type", self.value_type)
+
+
+@dataclass(frozen=True)
+class ReducingStateDescriptor(StateDescriptor):
+    """One value per key, folded with ``reduce_function(accumulated, new)`` on ``add``."""
+
+    reduce_function: Callable[[Any, Any], Any]
+    type: Optional[pa.DataType] = None
+    ttl: _TTL = None
+    serializer: str = field(default="safe", kw_only=True)
+
+    kind = "reducing"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not callable(self.reduce_function):
+            raise TypeError(f"ReducingStateDescriptor {self.name!r}: reduce_function must be callable")
+        _check_type("ReducingStateDescriptor type", self.type)
+
+
+@dataclass(frozen=True)
+class AggregatingStateDescriptor(StateDescriptor):
+    """An accumulator per key, built by ``aggregate_function``; ``type`` is the accumulator's."""
+
+    aggregate_function: AggregateFunction
+    type: Optional[pa.DataType] = None
+    ttl: _TTL = None
+    serializer: str = field(default="safe", kw_only=True)
+
+    kind = "aggregating"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        f = self.aggregate_function
+        missing = [m for m in ("create_accumulator", "add", "get_result") if not callable(getattr(f, m, None))]
+        if missing:
+            raise TypeError(f"AggregatingStateDescriptor {self.name!r}: aggregate_function lacks {', '.join(missing)}")
+        _check_type("AggregatingStateDescriptor type", self.type)

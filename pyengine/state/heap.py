@@ -1,0 +1,628 @@
+"""The heap keyed state backend: state in dictionaries, one per key group.
+
+Per state there is one dict per key group (user key -> value), so a snapshot can
+freeze state at key-group granularity: the synchronous part of a snapshot only
+marks every key group *shared* (O(number of key groups), never O(state)), and
+the first write to a shared key group copies that key group's dict. Containers
+the backend owns (the lists of list state, the dicts of map state) are copied
+the first time they are changed after a freeze, and a mutable value read from a
+shared key group is deep-copied before the caller gets it, so nothing a job
+does after the synchronous part can change what the snapshot writes.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+
+import pyarrow as pa
+
+from .descriptors import (
+    AggregatingStateDescriptor,
+    ListStateDescriptor,
+    MapStateDescriptor,
+    ReducingStateDescriptor,
+    StateDescriptor,
+    StateTtlConfig,
+    StateVisibility,
+    TtlUpdateType,
+    ValueStateDescriptor,
+)
+from .keygroups import DEFAULT_MAX_PARALLELISM, KeyGroupRange, assign_to_key_group, check_parallelism
+
+__all__ = ["HeapKeyedStateBackend", "NoCurrentKeyError", "StateTable"]
+
+_ABSENT = object()
+_ATOMIC = (int, float, str, bytes, bool, type(None))
+
+
+class NoCurrentKeyError(RuntimeError):
+    """Keyed state was used before ``set_current_key``."""
+
+
+def _is_immutable(value: Any) -> bool:
+    t = type(value)
+    if t in _ATOMIC:
+        return True
+    return t is tuple and all(_is_immutable(v) for v in value)
+
+
+def _validator(arrow_type: Optional[pa.DataType], what: str) -> Optional[Callable[[Any], None]]:
+    """A cheap per-write check that a value fits a declared Arrow type, so a bad
+    value fails where it is written, not later in a snapshot."""
+    if arrow_type is None:
+        return None
+    if pa.types.is_integer(arrow_type):
+        bits = arrow_type.bit_width
+        lo, hi = (
+            (0, (1 << bits) - 1)
+            if pa.types.is_unsigned_integer(arrow_type)
+            else (-(1 << (bits - 1)), (1 << (bits - 1)) - 1)
+        )
+
+        def check_int(v: Any) -> None:
+            if type(v) is not int or not lo <= v <= hi:
+                raise TypeError(f"{what}: {v!r} is not a {arrow_type} value")
+
+        return check_int
+    simple = {
+        pa.types.is_floating: (int, float),
+        pa.types.is_string: (str,),
+        pa.types.is_large_string: (str,),
+        pa.types.is_binary: (bytes,),
+        pa.types.is_large_binary: (bytes,),
+        pa.types.is_boolean: (bool,),
+    }
+    for test, types in simple.items():
+        if test(arrow_type):
+
+            def check(v: Any, types: Tuple[type, ...] = types) -> None:
+                if type(v) not in types:
+                    raise TypeError(f"{what}: {v!r} is not a {arrow_type} value")
+
+            return check
+    return None  # other types are checked when the snapshot converts the column
+
+
+def _private_copy(value: Any) -> Any:
+    return value if _is_immutable(value) else copy.deepcopy(value)
+
+
+class StateTable:
+    """The stored entries of one state: a dict per key group of the backend's range.
+
+    Copy-on-write bookkeeping, per key group ``i``:
+
+    * ``shared[i]``: the dict itself is referenced by an unfinished snapshot, so
+      the first write copies it;
+    * ``tainted[i]``: values stored before the last freeze may be referenced by an
+      unfinished snapshot, except those of the keys in ``owned[i]``, which were
+      stored or made private since. A tainted value is deep-copied before anyone
+      may change it in place.
+
+    Both reset when the last unfinished snapshot releases the table.
+    """
+
+    __slots__ = ("active_snapshots", "descriptor", "groups", "owned", "shared", "tainted")
+
+    def __init__(self, descriptor: StateDescriptor, num_key_groups: int) -> None:
+        self.descriptor = descriptor
+        self.groups: List[Dict[Any, Any]] = [{} for _ in range(num_key_groups)]
+        self.shared = [False] * num_key_groups
+        self.tainted = [False] * num_key_groups
+        self.owned: List[Set[Any]] = [set() for _ in range(num_key_groups)]
+        self.active_snapshots = 0
+
+    def writable(self, index: int) -> Dict[Any, Any]:
+        """The key group's dict, copied first if a snapshot still references it."""
+        if self.shared[index]:
+            self.groups[index] = dict(self.groups[index])
+            self.shared[index] = False
+        return self.groups[index]
+
+    def store(self, index: int, key: Any, value: Any) -> None:
+        """Stores a value object that no snapshot references."""
+        self.writable(index)[key] = value
+        if self.tainted[index]:
+            self.owned[index].add(key)
+
+    def needs_private(self, index: int, key: Any) -> bool:
+        return self.tainted[index] and key not in self.owned[index]
+
+    def own(self, index: int, key: Any, container: Any) -> Any:
+        """A version of the list or dict stored under ``key`` that may be changed
+        in place, elements included, without touching an unfinished snapshot."""
+        if not self.needs_private(index, key):
+            return container
+        if isinstance(container, dict):
+            container = {k: _private_copy(v) for k, v in container.items()}
+        else:
+            container = [_private_copy(v) for v in container]
+        self.store(index, key, container)
+        return container
+
+    def freeze(self) -> List[Dict[Any, Any]]:
+        """The synchronous part of a snapshot: every key group becomes shared and
+        tainted, and the snapshot gets the dicts as they are now."""
+        for i in range(len(self.groups)):
+            self.shared[i] = True
+            self.tainted[i] = True
+            self.owned[i] = set()
+        self.active_snapshots += 1
+        return list(self.groups)
+
+    def release(self) -> None:
+        """A snapshot finished with the dicts it froze."""
+        self.active_snapshots -= 1
+        if self.active_snapshots == 0:
+            n = len(self.groups)
+            self.shared = [False] * n
+            self.tainted = [False] * n
+            self.owned = [set() for _ in range(n)]
+
+    def __len__(self) -> int:
+        return sum(len(g) for g in self.groups)
+
+
+class _Ttl:
+    """Time-to-live bookkeeping of one state: entries are stored as (value, last_access_ms)."""
+
+    __slots__ = ("clock", "config", "on_read")
+
+    def __init__(self, config: StateTtlConfig, clock: Callable[[], int]) -> None:
+        self.config = config
+        self.clock = clock
+        self.on_read = config.update_type is TtlUpdateType.ON_READ_AND_WRITE
+
+    def expired(self, stamp: int, now: int) -> bool:
+        return now - stamp >= self.config.ttl_ms
+
+    def visible(self, stamp: int, now: int) -> bool:
+        return (
+            not self.expired(stamp, now)
+            or self.config.state_visibility is StateVisibility.RETURN_EXPIRED_IF_NOT_CLEANED_UP
+        )
+
+
+class _KeyedState:
+    """Base of the state objects handed to user code; they read the backend's current key."""
+
+    __slots__ = ("_backend", "_check", "_table", "_ttl")
+
+    def __init__(self, backend: HeapKeyedStateBackend, table: StateTable, ttl: Optional[_Ttl]) -> None:
+        self._backend = backend
+        self._table = table
+        self._ttl = ttl
+        self._check: Optional[Callable[[Any], None]] = None
+
+    @property
+    def name(self) -> str:
+        return self._table.descriptor.name
+
+    def _where(self) -> Tuple[int, Any]:
+        b = self._backend
+        if b._key_index < 0:
+            raise NoCurrentKeyError(f"state {self.name!r} was used before set_current_key()")
+        return b._key_index, b._key
+
+    def _load(self) -> Any:
+        """The stored entry of the current key (unwrapped, TTL applied), or _ABSENT."""
+        index, key = self._where()
+        stored = self._table.groups[index].get(key, _ABSENT)
+        if stored is _ABSENT or self._ttl is None:
+            return self._readable(index, key, stored)
+        value, stamp = stored
+        now = self._ttl.clock()
+        if not self._ttl.visible(stamp, now):
+            self._table.writable(index).pop(key, None)
+            return _ABSENT
+        if self._ttl.on_read:
+            self._table.writable(index)[key] = (value, now)
+        return self._readable(index, key, value)
+
+    def _readable(self, index: int, key: Any, value: Any) -> Any:
+        """A value the caller may mutate without touching an unfinished snapshot."""
+        if value is _ABSENT or not self._table.needs_private(index, key) or _is_immutable(value):
+            return value
+        value = copy.deepcopy(value)
+        self._store(index, key, value)
+        return value
+
+    def _store(self, index: int, key: Any, value: Any) -> None:
+        if self._ttl is not None:
+            value = (value, self._ttl.clock())
+        self._table.store(index, key, value)
+
+    def clear(self) -> None:
+        index, key = self._where()
+        if key in self._table.groups[index]:
+            self._table.writable(index).pop(key, None)
+
+
+class ValueState(_KeyedState):
+    """One value per key (Flink's ValueState)."""
+
+    __slots__ = ("_default",)
+
+    def __init__(self, backend: HeapKeyedStateBackend, table: StateTable, ttl: Optional[_Ttl]) -> None:
+        super().__init__(backend, table, ttl)
+        d = table.descriptor
+        assert isinstance(d, ValueStateDescriptor)
+        self._default = d.default
+        self._check = _validator(d.type, f"value state {d.name!r}")
+
+    def value(self) -> Any:
+        v = self._load()
+        return self._default if v is _ABSENT else v
+
+    def update(self, value: Any) -> None:
+        """Sets the current key's value; ``None`` clears it, as in Flink."""
+        if value is None:
+            self.clear()
+            return
+        if self._check is not None:
+            self._check(value)
+        index, key = self._where()
+        self._store(index, key, value)
+
+
+class _FoldingState(_KeyedState):
+    """Reducing and aggregating state: a value folded by ``add``."""
+
+    __slots__ = ()
+
+    def _fold(self, accumulated: Any, value: Any) -> Any:
+        raise NotImplementedError
+
+    def _initial(self) -> Any:
+        return _ABSENT
+
+    def add(self, value: Any) -> None:
+        current = self._load()
+        if current is _ABSENT:
+            current = self._initial()
+        folded = value if current is _ABSENT else self._fold(current, value)
+        if self._check is not None:
+            self._check(folded)
+        index, key = self._where()
+        self._store(index, key, folded)
+
+
+class ReducingState(_FoldingState):
+    """A value per key combined with the descriptor's reduce function (Flink's ReducingState)."""
+
+    __slots__ = ("_reduce",)
+
+    def __init__(self, backend: HeapKeyedStateBackend, table: StateTable, ttl: Optional[_Ttl]) -> None:
+        super().__init__(backend, table, ttl)
+        d = table.descriptor
+        assert isinstance(d, ReducingStateDescriptor)
+        self._reduce = d.reduce_function
+        self._check = _validator(d.type, f"reducing state {d.name!r}")
+
+    def _fold(self, accumulated: Any, value: Any) -> Any:
+        return self._reduce(accumulated, value)
+
+    def get(self) -> Any:
+        v = self._load()
+        return None if v is _ABSENT else v
+
+
+class AggregatingState(_FoldingState):
+    """An accumulator per key (Flink's AggregatingState); ``get`` returns the result."""
+
+    __slots__ = ("_function",)
+
+    def __init__(self, backend: HeapKeyedStateBackend, table: StateTable, ttl: Optional[_Ttl]) -> None:
+        super().__init__(backend, table, ttl)
+        d = table.descriptor
+        assert isinstance(d, AggregatingStateDescriptor)
+        self._function = d.aggregate_function
+        self._check = _validator(d.type, f"aggregating state {d.name!r}")
+
+    def _initial(self) -> Any:
+        return self._function.create_accumulator()
+
+    def _fold(self, accumulated: Any, value: Any) -> Any:
+        return self._function.add(value, accumulated)
+
+    def get(self) -> Any:
+        v = self._load()
+        return None if v is _ABSENT else self._function.get_result(v)
+
+
+class ListState(_KeyedState):
+    """A list per key (Flink's ListState). With a TTL, each element expires on its own."""
+
+    __slots__ = ()
+
+    def __init__(self, backend: HeapKeyedStateBackend, table: StateTable, ttl: Optional[_Ttl]) -> None:
+        super().__init__(backend, table, ttl)
+        d = table.descriptor
+        assert isinstance(d, ListStateDescriptor)
+        self._check = _validator(d.type, f"list state {d.name!r}")
+
+    def _elements(self, write: bool) -> Optional[List[Any]]:
+        """The stored elements of the current key, expired ones dropped; private
+        (safe to change in place) when ``write``."""
+        index, key = self._where()
+        table = self._table
+        stored = table.groups[index].get(key)
+        if stored is None:
+            return None
+        if self._ttl is not None:
+            now = self._ttl.clock()
+            live = [e for e in stored if self._ttl.visible(e[1], now)]
+            if self._ttl.on_read:
+                live = [(v, now) for v, _ in live]
+            if len(live) != len(stored) or self._ttl.on_read:
+                if not live:
+                    self.clear()
+                    return None
+                if table.needs_private(index, key):
+                    live = [_private_copy(e) for e in live]
+                table.store(index, key, live)
+                stored = live
+        return table.own(index, key, stored) if write else stored
+
+    def get(self) -> List[Any]:
+        """The current key's elements, as a new list (empty when there are none)."""
+        index, key = self._where()
+        stored = self._elements(write=False)
+        if not stored:
+            return []
+        if self._table.needs_private(index, key) and not all(_is_immutable(e) for e in stored):
+            stored = self._table.own(index, key, stored)
+        return [e[0] for e in stored] if self._ttl is not None else list(stored)
+
+    def _wrap(self, values: List[Any]) -> List[Any]:
+        for v in values:
+            if v is None:
+                raise ValueError(f"list state {self.name!r}: None cannot be added to a list state")
+            if self._check is not None:
+                self._check(v)
+        if self._ttl is not None:
+            now = self._ttl.clock()
+            return [(v, now) for v in values]
+        return values
+
+    def add(self, value: Any) -> None:
+        self.add_all([value])
+
+    def add_all(self, values: List[Any]) -> None:
+        values = self._wrap(list(values))
+        if not values:
+            return
+        stored = self._elements(write=True)
+        if stored is None:
+            index, key = self._where()
+            self._table.store(index, key, values)
+        else:
+            stored.extend(values)
+
+    def update(self, values: List[Any]) -> None:
+        """Replaces the current key's elements (an empty list clears them)."""
+        values = self._wrap(list(values))
+        if not values:
+            self.clear()
+            return
+        index, key = self._where()
+        self._table.store(index, key, values)
+
+
+class MapState(_KeyedState):
+    """A map per key (Flink's MapState). With a TTL, each entry expires on its own."""
+
+    __slots__ = ("_check_key",)
+
+    def __init__(self, backend: HeapKeyedStateBackend, table: StateTable, ttl: Optional[_Ttl]) -> None:
+        super().__init__(backend, table, ttl)
+        d = table.descriptor
+        assert isinstance(d, MapStateDescriptor)
+        self._check_key = _validator(d.key_type, f"map state {d.name!r} key")
+        self._check = _validator(d.value_type, f"map state {d.name!r} value")
+
+    def _map(self, write: bool) -> Optional[Dict[Any, Any]]:
+        """The stored map of the current key, expired entries dropped; private
+        (safe to change in place, values included) when ``write``."""
+        index, key = self._where()
+        table = self._table
+        stored = table.groups[index].get(key)
+        if stored is None:
+            return None
+        if self._ttl is not None:
+            now = self._ttl.clock()
+            dead = [k for k, (_, stamp) in stored.items() if not self._ttl.visible(stamp, now)]
+            if dead:
+                stored = table.own(index, key, stored)
+                for k in dead:
+                    del stored[k]
+                if not stored:
+                    self.clear()
+                    return None
+        return table.own(index, key, stored) if write else stored
+
+    def _readable_map(self) -> Optional[Dict[Any, Any]]:
+        """The stored map, made private first if a value handed out could reach a snapshot."""
+        stored = self._map(write=False)
+        index, key = self._backend._key_index, self._backend._key
+        if stored and self._table.needs_private(index, key) and not all(_is_immutable(v) for v in stored.values()):
+            stored = self._table.own(index, key, stored)
+        return stored
+
+    def get(self, user_key: Any) -> Any:
+        stored = self._map(write=True) if self._ttl is not None and self._ttl.on_read else self._readable_map()
+        if stored is None or user_key not in stored:
+            return None
+        if self._ttl is None:
+            return stored[user_key]
+        value, _ = stored[user_key]
+        if self._ttl.on_read:
+            stored[user_key] = (value, self._ttl.clock())
+        return value
+
+    def contains(self, user_key: Any) -> bool:
+        stored = self._map(write=False)
+        return stored is not None and user_key in stored
+
+    def put(self, user_key: Any, value: Any) -> None:
+        self.put_all({user_key: value})
+
+    def put_all(self, entries: Dict[Any, Any]) -> None:
+        if not entries:
+            return
+        for k, v in entries.items():
+            if self._check_key is not None:
+                self._check_key(k)
+            if self._check is not None and v is not None:
+                self._check(v)
+        if self._ttl is not None:
+            now = self._ttl.clock()
+            entries = {k: (v, now) for k, v in entries.items()}
+        stored = self._map(write=True)
+        if stored is None:
+            index, key = self._where()
+            self._table.store(index, key, dict(entries))
+        else:
+            stored.update(entries)
+
+    def remove(self, user_key: Any) -> None:
+        stored = self._map(write=True)
+        if stored is not None:
+            stored.pop(user_key, None)
+            if not stored:
+                self.clear()
+
+    def items(self) -> List[Tuple[Any, Any]]:
+        stored = self._readable_map()
+        if not stored:
+            return []
+        if self._ttl is None:
+            return list(stored.items())
+        return [(k, v) for k, (v, _) in stored.items()]
+
+    def keys(self) -> List[Any]:
+        stored = self._map(write=False)
+        return list(stored) if stored else []
+
+    def values(self) -> List[Any]:
+        return [v for _, v in self.items()]
+
+    def is_empty(self) -> bool:
+        return not self._map(write=False)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.keys())
+
+
+_STATE_CLASSES = {
+    "value": ValueState,
+    "list": ListState,
+    "map": MapState,
+    "reducing": ReducingState,
+    "aggregating": AggregatingState,
+}
+
+
+class HeapKeyedStateBackend:
+    """Keyed state of one subtask, held in memory; see the module docstring."""
+
+    kind = "heap"
+
+    def __init__(
+        self,
+        *,
+        max_parallelism: int = DEFAULT_MAX_PARALLELISM,
+        key_group_range: Optional[KeyGroupRange] = None,
+        ttl_clock_ms: Optional[Callable[[], int]] = None,
+    ) -> None:
+        check_parallelism(1, max_parallelism)
+        if key_group_range is None:
+            key_group_range = KeyGroupRange.all(max_parallelism)
+        if key_group_range.start < 0 or key_group_range.end >= max_parallelism or not len(key_group_range):
+            raise ValueError(f"key_group_range {key_group_range} must be a non-empty part of 0-{max_parallelism - 1}")
+        self.max_parallelism = max_parallelism
+        self.key_group_range = key_group_range
+        self._ttl_clock = ttl_clock_ms or (lambda: time.time_ns() // 1_000_000)
+        self._tables: Dict[str, StateTable] = {}
+        self._states: Dict[str, _KeyedState] = {}
+        self._key: Any = None
+        self._key_group = -1
+        self._key_index = -1
+
+    # -- current key --------------------------------------------------------------
+
+    def set_current_key(self, key: Any) -> None:
+        """Makes ``key`` the one every state object of this backend reads and writes."""
+        key_group = assign_to_key_group(key, self.max_parallelism)
+        index = key_group - self.key_group_range.start
+        if not 0 <= index < len(self.key_group_range):
+            raise ValueError(
+                f"key {key!r} belongs to key group {key_group}, outside this backend's key groups "
+                f"{self.key_group_range}"
+            )
+        self._key = key
+        self._key_group = key_group
+        self._key_index = index
+
+    @property
+    def current_key(self) -> Any:
+        return self._key
+
+    @property
+    def current_key_group(self) -> int:
+        return self._key_group
+
+    # -- states -------------------------------------------------------------------
+
+    def get_state(self, descriptor: StateDescriptor) -> Any:
+        """The state object for ``descriptor``, created on first use. Asking again
+        with an equal descriptor returns the same object; a different descriptor
+        under the same name is refused."""
+        state = self._states.get(descriptor.name)
+        if state is not None:
+            if state._table.descriptor != descriptor:
+                raise ValueError(
+                    f"state {descriptor.name!r} is already registered as {state._table.descriptor!r}; "
+                    f"it cannot also be {descriptor!r}"
+                )
+            return state
+        cls = _STATE_CLASSES.get(descriptor.kind)
+        if cls is None:
+            raise TypeError(f"not a keyed state descriptor: {descriptor!r}")
+        table = self._tables.get(descriptor.name)
+        if table is None:
+            table = StateTable(descriptor, len(self.key_group_range))
+            self._tables[descriptor.name] = table
+        elif table.descriptor.kind != descriptor.kind:
+            raise ValueError(
+                f"state {descriptor.name!r} holds {table.descriptor.kind} state; it cannot be read as {descriptor.kind}"
+            )
+        else:
+            table.descriptor = descriptor
+        ttl = _Ttl(descriptor.ttl, self._ttl_clock) if descriptor.ttl is not None else None  # type: ignore[attr-defined]
+        state = cls(self, table, ttl)
+        self._states[descriptor.name] = state
+        return state
+
+    @property
+    def state_names(self) -> List[str]:
+        return sorted(self._tables)
+
+    def keys(self, state_name: str) -> Iterator[Any]:
+        """Every key that has an entry in ``state_name`` (expired ones included until cleaned up)."""
+        table = self._tables.get(state_name)
+        if table is None:
+            raise KeyError(f"no state named {state_name!r}; known: {', '.join(self.state_names) or 'none'}")
+        for group in list(table.groups):
+            yield from list(group)
+
+    def num_entries(self, state_name: Optional[str] = None) -> int:
+        tables = self._tables.values() if state_name is None else [self._tables[state_name]]
+        return sum(len(t) for t in tables)
+
+    def dispose(self) -> None:
+        self._tables.clear()
+        self._states.clear()
+        self._key_index = -1
