@@ -13,6 +13,7 @@ does after the synchronous part can change what the snapshot writes.
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
@@ -104,7 +105,7 @@ class StateTable:
     Both reset when the last unfinished snapshot releases the table.
     """
 
-    __slots__ = ("active_snapshots", "descriptor", "groups", "owned", "shared", "tainted")
+    __slots__ = ("active_snapshots", "descriptor", "groups", "owned", "pickled", "shared", "tainted")
 
     def __init__(self, descriptor: StateDescriptor, num_key_groups: int) -> None:
         self.descriptor = descriptor
@@ -113,6 +114,7 @@ class StateTable:
         self.tainted = [False] * num_key_groups
         self.owned: List[Set[Any]] = [set() for _ in range(num_key_groups)]
         self.active_snapshots = 0
+        self.pickled = False  # restored values still pickled, waiting for an opt-in
 
     def writable(self, index: int) -> Dict[Any, Any]:
         """The key group's dict, copied first if a snapshot still references it."""
@@ -550,6 +552,8 @@ class HeapKeyedStateBackend:
         self._key: Any = None
         self._key_group = -1
         self._key_index = -1
+        # Freezing (task thread) and releasing (a snapshot's thread) must not interleave.
+        self._freeze_lock = threading.Lock()
 
     # -- current key --------------------------------------------------------------
 
@@ -600,7 +604,7 @@ class HeapKeyedStateBackend:
                 f"state {descriptor.name!r} holds {table.descriptor.kind} state; it cannot be read as {descriptor.kind}"
             )
         else:
-            table.descriptor = descriptor
+            self._adopt(table, descriptor)
         ttl = _Ttl(descriptor.ttl, self._ttl_clock) if descriptor.ttl is not None else None  # type: ignore[attr-defined]
         state = cls(self, table, ttl)
         self._states[descriptor.name] = state
@@ -626,3 +630,96 @@ class HeapKeyedStateBackend:
         self._tables.clear()
         self._states.clear()
         self._key_index = -1
+
+    # -- snapshots ----------------------------------------------------------------
+
+    def snapshot(self, checkpoint_id: int, location: Any) -> Any:
+        """The synchronous part of a snapshot: freezes every state (copy-on-write,
+        O(number of key groups)) and returns the asynchronous part, whose ``run()``
+        writes the state file and returns a SnapshotResult."""
+        from ..snapshot.strategies import FullSnapshot, column_of
+
+        names = sorted(self._tables)
+        with self._freeze_lock:
+            tables = [self._tables[n] for n in names]
+            frozen = [t.freeze() for t in tables]
+
+        def release() -> None:
+            with self._freeze_lock:
+                for t in tables:
+                    t.release()
+
+        return FullSnapshot(
+            checkpoint_id=checkpoint_id,
+            location=location,
+            backend=self.kind,
+            max_parallelism=self.max_parallelism,
+            key_group_range=self.key_group_range,
+            columns=[column_of(t.descriptor) for t in tables],
+            frozen=frozen,
+            release=release,
+        )
+
+    def restore(self, handles: Any, *, allow_pickle: Any = ()) -> None:
+        """Replaces all state with the entries of this backend's key groups in
+        ``handles`` (written by any backend, at any parallelism). States come back
+        under their names and take their descriptors from ``get_state``; values a
+        state pickled stay undecoded until a descriptor that opts in asks for them
+        (or the state is named in ``allow_pickle``)."""
+        from ..snapshot.format import read_keyed_state
+        from ..storage.handles import KeyGroupsStateHandle
+
+        restored: Dict[str, StateTable] = {}
+        for handle in handles:
+            if not isinstance(handle, KeyGroupsStateHandle):
+                raise TypeError(f"a keyed backend restores from KeyGroupsStateHandle, got {handle!r}")
+            if handle.key_group_end >= self.max_parallelism:
+                raise ValueError(
+                    f"state written with key groups up to {handle.key_group_end} cannot be restored at "
+                    f"max_parallelism {self.max_parallelism}: max_parallelism must not change"
+                )
+            _, entries = read_keyed_state(handle, self.key_group_range, allow_pickle=allow_pickle, defer_pickle=True)
+            for key_group, spec, keys, values in entries:
+                table = restored.get(spec.name)
+                if table is None:
+                    table = StateTable(_RestoredDescriptor(spec.name, spec.kind), len(self.key_group_range))
+                    table.pickled = spec.serializer == "pickle" and spec.name not in allow_pickle
+                    restored[spec.name] = table
+                elif table.descriptor.kind != spec.kind:
+                    raise ValueError(
+                        f"state {spec.name!r} is {table.descriptor.kind} in one file, {spec.kind} in another"
+                    )
+                table.groups[key_group - self.key_group_range.start].update(zip(keys, values, strict=True))
+        self._tables = restored
+        self._states = {}
+
+    def _adopt(self, table: StateTable, descriptor: StateDescriptor) -> None:
+        """A restored state gets its real descriptor; pickled values are decoded now,
+        if and only if the descriptor opts in to pickle."""
+        if getattr(table, "pickled", False):
+            if not descriptor.allows_pickle:
+                from .serializers import PickleNotAllowedError
+
+                raise PickleNotAllowedError(
+                    f"state {descriptor.name!r} was checkpointed with pickle, which can run code when read; "
+                    "its descriptor must opt in with serializer='pickle'"
+                )
+            from .serializers import PickleSerializer
+
+            loads = PickleSerializer().loads
+            for group in table.groups:
+                for k, raw in group.items():
+                    group[k] = loads(raw)
+            table.pickled = False
+        table.descriptor = descriptor
+
+    def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
+        """Full snapshots keep nothing between checkpoints."""
+
+
+class _RestoredDescriptor(StateDescriptor):
+    """Stands in for a restored state's descriptor until get_state provides the real one."""
+
+    def __init__(self, name: str, kind: str) -> None:
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "kind", kind)  # shadows the class attribute of the kind
