@@ -329,17 +329,20 @@ def read_keyed_state(
     *,
     allow_pickle: Iterable[str] = (),
     defer_pickle: bool = False,
+    states: Optional[Iterable[str]] = None,
     what: str = "",
 ) -> Tuple[SchemaInfo, Iterator[Tuple[int, StateColumn, List[Any], List[Any]]]]:
     """Reads the entries of ``key_groups`` from a state file, verifying checksums:
     the whole file when all of it is wanted, else just the batches of those key
     groups. Returns the file's schema info and an iterator of (key group, state
     column, keys, stored values). Pickled values of states not in ``allow_pickle``
-    are refused, or with ``defer_pickle`` returned still pickled."""
+    are refused, or with ``defer_pickle`` returned still pickled. With ``states``,
+    batches of other states are skipped unread."""
     stream = handle.stream
     path = stream.path if isinstance(stream, StreamStateHandle) else getattr(stream, "name", "inline state")
     where = f"state file {path}{' (' + what + ')' if what else ''}"
     pickle_ok = set(allow_pickle)
+    only = None if states is None else set(states)
     wanted = key_groups.intersection(KeyGroupRange(handle.key_group_start, handle.key_group_end))
     whole = (wanted.start == handle.key_group_start and wanted.end == handle.key_group_end) or not isinstance(
         handle.stream, StreamStateHandle
@@ -362,6 +365,9 @@ def read_keyed_state(
         for entry in handle.index:
             if entry.key_group not in wanted:
                 continue
+            state_index = info.batches[entry.batch - 1][1]
+            if only is not None and info.columns[state_index].name not in only:
+                continue
             try:
                 if whole:
                     batch = reader.get_batch(entry.batch)
@@ -370,7 +376,6 @@ def read_keyed_state(
                     batch = ipc.read_record_batch(ipc.read_message(pa.py_buffer(raw)), schema)
             except (pa.ArrowInvalid, IndexError) as exc:
                 raise CorruptStateError(f"{where}: batch {entry.batch} cannot be read: {exc}") from None
-            state_index = info.batches[entry.batch - 1][1]
             spec = info.columns[state_index]
             value_child = batch.column(3).field(state_index)
             keys = _decode_keys(batch.column(2))

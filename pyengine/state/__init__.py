@@ -26,6 +26,7 @@ from .keygroups import (
     stable_hash,
     subtask_for_key_group,
 )
+from .reader import read_keyed_state
 from .serializers import PickleNotAllowedError, StateSerializationError
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "create_keyed_backend",
     "key_group_range_for_subtask",
     "key_groups_of_int64",
+    "read_keyed_state",
     "stable_hash",
     "subtask_for_key_group",
 ]

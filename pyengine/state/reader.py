@@ -1,0 +1,90 @@
+"""Reading state out of a checkpoint or savepoint without running a job.
+
+The State Processor API Flink users wish Flink had in Python: point it at a
+checkpoint, name an operator (by uid) and a state, get a ``pyarrow.Table``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import pyarrow as pa
+
+from ..snapshot.format import read_keyed_state as _read_file
+from ..storage.metadata import CheckpointMetadata, OperatorState, load_metadata
+from .keygroups import KeyGroupRange
+from .serializers import PickleSerializer, SafeSerializer
+
+__all__ = ["read_keyed_state"]
+
+_SAFE = SafeSerializer()
+
+
+def _operator(metadata: CheckpointMetadata, operator: str, path: str) -> OperatorState:
+    op = metadata.operator(operator)
+    if op is None:
+        known = ", ".join(sorted(metadata.operators)) or "none"
+        raise KeyError(f"checkpoint {path} has no operator {operator!r}; its operators: {known}")
+    return op
+
+
+def _column(values: List[Any], arrow_type: Any = None, *, pickled: bool = False) -> pa.Array:
+    """An Arrow column of ``values``: the given type, else an inferred one, else
+    (mixed or exotic values) losslessly as bytes: through the safe serializer, or
+    pickle for a state written with pickle and read with ``allow_pickle``."""
+    try:
+        return pa.array(values, type=arrow_type)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        dumps = PickleSerializer().dumps if pickled else _SAFE.dumps
+        return pa.array([dumps(v) for v in values], pa.binary())
+
+
+def _unwrap_ttl(kind: str, value: Any) -> Any:
+    if kind == "list":
+        return [e[0] for e in value]
+    if kind == "map":
+        return {k: e[0] for k, e in value.items()}
+    return value[0]
+
+
+def read_keyed_state(checkpoint_path: str, operator: str, state_name: str, *, allow_pickle: bool = False) -> pa.Table:
+    """The entries of keyed state ``state_name`` of ``operator`` in a checkpoint:
+    a table with columns ``key``, ``value`` and ``key_group``. ``checkpoint_path``
+    is the checkpoint's directory or ``_metadata`` (a local path or storage URI).
+    Typed states keep their Arrow type; values of states written with pickle are
+    read only with ``allow_pickle=True``."""
+    metadata = load_metadata(checkpoint_path)
+    op = _operator(metadata, operator, checkpoint_path)
+    keys: List[Any] = []
+    values: List[Any] = []
+    key_groups: List[int] = []
+    spec = None
+    for handle in op.keyed_handles():
+        _, entries = _read_file(
+            handle,
+            KeyGroupRange(handle.key_group_start, handle.key_group_end),
+            allow_pickle=[state_name] if allow_pickle else [],
+            states=[state_name],
+            what=f"checkpoint {metadata.checkpoint_id}, operator {operator!r}",
+        )
+        for key_group, column, ks, vs in entries:
+            spec = column
+            if column.ttl:
+                vs = [_unwrap_ttl(column.kind, v) for v in vs]
+            keys.extend(ks)
+            values.extend(vs)
+            key_groups.extend([key_group] * len(ks))
+    if spec is None:
+        raise KeyError(
+            f"operator {operator!r} in checkpoint {checkpoint_path} has no entries of keyed state {state_name!r}"
+        )
+    value_type = spec.storage_type if spec.typed else None
+    if spec.typed and spec.kind == "map":
+        values = [list(v.items()) for v in values]
+    return pa.table(
+        {
+            "key": _column(keys),
+            "value": _column(values, value_type, pickled=spec.serializer == "pickle"),
+            "key_group": pa.array(key_groups, pa.int32()),
+        }
+    )
