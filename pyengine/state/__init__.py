@@ -26,18 +26,22 @@ from .keygroups import (
     stable_hash,
     subtask_for_key_group,
 )
-from .reader import read_keyed_state
+from .operator import BroadcastState, OperatorListState, OperatorStateBackend
+from .reader import read_keyed_state, read_operator_state
 from .serializers import PickleNotAllowedError, StateSerializationError
 
 __all__ = [
     "DEFAULT_MAX_PARALLELISM",
     "AggregateFunction",
     "AggregatingStateDescriptor",
+    "BroadcastState",
     "HeapKeyedStateBackend",
     "KeyGroupRange",
     "ListStateDescriptor",
     "MapStateDescriptor",
     "NoCurrentKeyError",
+    "OperatorListState",
+    "OperatorStateBackend",
     "PickleNotAllowedError",
     "ReducingStateDescriptor",
     "StateDescriptor",
@@ -51,6 +55,7 @@ __all__ = [
     "key_group_range_for_subtask",
     "key_groups_of_int64",
     "read_keyed_state",
+    "read_operator_state",
     "stable_hash",
     "subtask_for_key_group",
 ]

@@ -13,9 +13,9 @@ import pyarrow as pa
 from ..snapshot.format import read_keyed_state as _read_file
 from ..storage.metadata import CheckpointMetadata, OperatorState, load_metadata
 from .keygroups import KeyGroupRange
-from .serializers import PickleSerializer, SafeSerializer
+from .serializers import PickleNotAllowedError, PickleSerializer, SafeSerializer
 
-__all__ = ["read_keyed_state"]
+__all__ = ["read_keyed_state", "read_operator_state"]
 
 _SAFE = SafeSerializer()
 
@@ -88,3 +88,43 @@ def read_keyed_state(checkpoint_path: str, operator: str, state_name: str, *, al
             "key_group": pa.array(key_groups, pa.int32()),
         }
     )
+
+
+def read_operator_state(
+    checkpoint_path: str, operator: str, state_name: str, *, allow_pickle: bool = False
+) -> pa.Table:
+    """The entries of operator state ``state_name`` of ``operator`` in a checkpoint:
+    columns ``subtask`` and ``value`` for list and union list state, ``subtask``,
+    ``key`` and ``value`` for broadcast state."""
+    from .operator import _read
+
+    metadata = load_metadata(checkpoint_path)
+    op = _operator(metadata, operator, checkpoint_path)
+    subtasks: List[int] = []
+    values: List[Any] = []
+    mode = serializer = None
+    for handle in sorted(op.operator_handles(), key=lambda h: h.subtask):
+        for name, state_mode, state_serializer, raw in _read(handle):
+            if name != state_name:
+                continue
+            mode, serializer = state_mode, state_serializer
+            if serializer == "pickle" and not allow_pickle:
+                raise PickleNotAllowedError(
+                    f"operator state {state_name!r} in {checkpoint_path} was written with pickle; "
+                    "pass allow_pickle=True to read it"
+                )
+            loads = (PickleSerializer() if serializer == "pickle" else _SAFE).loads
+            values.extend(loads(v) for v in raw)
+            subtasks.extend([handle.subtask] * len(raw))
+    if mode is None:
+        raise KeyError(f"operator {operator!r} in checkpoint {checkpoint_path} has no operator state {state_name!r}")
+    pickled = serializer == "pickle"
+    if mode == "broadcast":
+        return pa.table(
+            {
+                "subtask": pa.array(subtasks, pa.int32()),
+                "key": _column([k for k, _ in values], pickled=pickled),
+                "value": _column([v for _, v in values], pickled=pickled),
+            }
+        )
+    return pa.table({"subtask": pa.array(subtasks, pa.int32()), "value": _column(values, pickled=pickled)})

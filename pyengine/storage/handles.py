@@ -14,6 +14,7 @@ __all__ = [
     "BatchIndexEntry",
     "ByteStreamStateHandle",
     "KeyGroupsStateHandle",
+    "OperatorStateHandle",
     "StateHandle",
     "StreamStateHandle",
     "handle_from_json",
@@ -115,13 +116,24 @@ class KeyGroupsStateHandle(StateHandle):
 
     def to_json(self) -> Dict[str, Any]:
         return {
-            "kind": self.kind,
+            "kind": self.kind,  # "keyed", or "operator" for OperatorStateHandle
             "stream": self.stream.to_json(),
             "key_groups": [self.key_group_start, self.key_group_end],
             "index": [e.to_json() for e in self.index],
             "backend": self.backend,
             "shared": list(self.shared),
         }
+
+
+class OperatorStateHandle(KeyGroupsStateHandle):
+    """Operator state of one subtask: a state file and the index of the subtask that
+    wrote it (kept as a one-key-group range, so the JSON form is the keyed one's)."""
+
+    kind = "operator"
+
+    @property
+    def subtask(self) -> int:
+        return self.key_group_start
 
 
 def handle_from_json(data: Dict[str, Any], *, where: str = "") -> StateHandle:
@@ -132,9 +144,10 @@ def handle_from_json(data: Dict[str, Any], *, where: str = "") -> StateHandle:
             return StreamStateHandle(str(data["path"]), int(data["size"]), str(data["checksum"]))
         if kind == "inline":
             return ByteStreamStateHandle(str(data["name"]), bytes.fromhex(data["data"]), str(data["checksum"]))
-        if kind == "keyed":
+        if kind in ("keyed", "operator"):
             start, end = data["key_groups"]
-            return KeyGroupsStateHandle(
+            cls = KeyGroupsStateHandle if kind == "keyed" else OperatorStateHandle
+            return cls(
                 stream=handle_from_json(data["stream"], where=where),
                 key_group_start=int(start),
                 key_group_end=int(end),

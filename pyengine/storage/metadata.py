@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 
 import xxhash
 
-from .handles import KeyGroupsStateHandle, StateHandle, checksum_hex, handle_from_json
+from .handles import KeyGroupsStateHandle, OperatorStateHandle, StateHandle, checksum_hex, handle_from_json
 
 __all__ = [
     "METADATA_FORMAT",
@@ -60,7 +60,15 @@ class OperatorState:
     subtasks: Dict[int, SubtaskState] = field(default_factory=dict)
 
     def keyed_handles(self) -> List[KeyGroupsStateHandle]:
-        return [h for s in self.subtasks.values() for h in s.keyed if isinstance(h, KeyGroupsStateHandle)]
+        return [
+            h
+            for s in self.subtasks.values()
+            for h in s.keyed
+            if isinstance(h, KeyGroupsStateHandle) and not isinstance(h, OperatorStateHandle)
+        ]
+
+    def operator_handles(self) -> List[OperatorStateHandle]:
+        return [h for s in self.subtasks.values() for h in s.operator if isinstance(h, OperatorStateHandle)]
 
 
 @dataclass
