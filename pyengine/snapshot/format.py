@@ -38,6 +38,7 @@ from ..storage.filesystem import CheckpointStateOutputStream, CorruptStateError,
 from ..storage.handles import BatchIndexEntry, KeyGroupsStateHandle, StreamStateHandle
 
 __all__ = [
+    "TOMBSTONE",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "StateColumn",
@@ -52,6 +53,17 @@ ROWS_PER_BATCH = 1 << 20
 _KEY_INT, _KEY_STR, _KEY_PACKED = 0, 1, 2
 _KEY_TYPE = pa.dense_union([pa.field("int", pa.int64()), pa.field("str", pa.string()), pa.field("packed", pa.binary())])
 _SAFE = SafeSerializer()
+
+
+class _Tombstone:
+    """An entry deleted since the previous snapshot (incremental deltas): a null value.
+    Live state never holds None (``update(None)`` clears), so a null is unambiguous."""
+
+    def __repr__(self) -> str:
+        return "TOMBSTONE"
+
+
+TOMBSTONE = _Tombstone()
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -121,9 +133,11 @@ def _value_child(column: StateColumn, values: List[Any]) -> pa.Array:
     try:
         if not column.typed:
             dumps = serializer_for("pickle" if column.serializer == "pickle" else "safe").dumps
-            return pa.array([dumps(v) for v in values], pa.binary())
+            return pa.array([None if v is TOMBSTONE else dumps(v) for v in values], pa.binary())
         if column.kind == "map":
-            return pa.array([list(v.items()) for v in values], column.storage_type)
+            return pa.array([None if v is TOMBSTONE else list(v.items()) for v in values], column.storage_type)
+        if any(v is TOMBSTONE for v in values):
+            values = [None if v is TOMBSTONE else v for v in values]
         return pa.array(values, column.storage_type)
     except (TypeError, ValueError, AttributeError, pickle.PicklingError, pa.ArrowException) as exc:
         raise StateSerializationError(f"cannot snapshot state {column.name!r}: {exc}") from exc
@@ -310,17 +324,20 @@ def _decode_values(
     if column_spec.typed:
         values = child.to_pylist()
         if column_spec.kind == "map":
-            return [dict(v) for v in values]
+            return [TOMBSTONE if v is None else dict(v) for v in values]
+        if child.null_count:
+            return [TOMBSTONE if v is None else v for v in values]
         return values
     if column_spec.serializer == "pickle" and defer_pickle and not allow_pickle:
-        return child.to_pylist()  # still pickled bytes: decoded only once someone opts in
+        # still pickled bytes: decoded only once someone opts in
+        return [TOMBSTONE if v is None else v for v in child.to_pylist()]
     if column_spec.serializer == "pickle" and not allow_pickle:
         raise PickleNotAllowedError(
             f"state {column_spec.name!r} in {where} was written with pickle, which can run code when read; "
             f"restore it with a descriptor that opts in (serializer='pickle') or pass allow_pickle=True"
         )
     loads = serializer_for("pickle" if column_spec.serializer == "pickle" else "safe").loads
-    return [loads(v) for v in child.to_pylist()]
+    return [TOMBSTONE if v is None else loads(v) for v in child.to_pylist()]
 
 
 def read_keyed_state(

@@ -71,11 +71,16 @@ def create_keyed_backend(
     local_recovery_dir: Optional[str] = None,
     **options: Any,
 ) -> HeapKeyedStateBackend:
-    """A keyed state backend of ``kind`` ("heap"; "incremental" is not built yet)."""
+    """A keyed state backend: ``"heap"`` (full snapshots) or ``"incremental"``
+    (deltas since the last completed checkpoint)."""
     if kind == "heap":
         if local_recovery_dir is not None:
             raise NotImplementedError("local recovery is not built yet (issue #3, in progress)")
         return HeapKeyedStateBackend(max_parallelism=max_parallelism, key_group_range=key_group_range, **options)
     if kind == "incremental":
-        raise NotImplementedError("the incremental backend is not built yet (issue #3, in progress)")
+        if local_recovery_dir is not None:
+            raise NotImplementedError("local recovery is not built yet (issue #3, in progress)")
+        from .incremental import IncrementalKeyedStateBackend
+
+        return IncrementalKeyedStateBackend(max_parallelism=max_parallelism, key_group_range=key_group_range, **options)
     raise ValueError(f"unknown state backend {kind!r}; choose one of: {', '.join(BACKENDS)}")

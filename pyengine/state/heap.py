@@ -105,7 +105,7 @@ class StateTable:
     Both reset when the last unfinished snapshot releases the table.
     """
 
-    __slots__ = ("active_snapshots", "descriptor", "groups", "owned", "pickled", "shared", "tainted")
+    __slots__ = ("active_snapshots", "changes", "descriptor", "groups", "owned", "pickled", "shared", "tainted")
 
     def __init__(self, descriptor: StateDescriptor, num_key_groups: int) -> None:
         self.descriptor = descriptor
@@ -115,6 +115,9 @@ class StateTable:
         self.owned: List[Set[Any]] = [set() for _ in range(num_key_groups)]
         self.active_snapshots = 0
         self.pickled = False  # restored values still pickled, waiting for an opt-in
+        # Keys changed since the last snapshot, per key group; kept only by the
+        # incremental backend (None: not tracked).
+        self.changes: Optional[List[Set[Any]]] = None
 
     def writable(self, index: int) -> Dict[Any, Any]:
         """The key group's dict, copied first if a snapshot still references it."""
@@ -128,6 +131,20 @@ class StateTable:
         self.writable(index)[key] = value
         if self.tainted[index]:
             self.owned[index].add(key)
+        if self.changes is not None:
+            self.changes[index].add(key)
+
+    def restamp(self, index: int, key: Any, stored: Any) -> None:
+        """Replaces a stored entry by one holding the same value objects (a new TTL stamp)."""
+        self.writable(index)[key] = stored
+        if self.changes is not None:
+            self.changes[index].add(key)
+
+    def delete(self, index: int, key: Any) -> None:
+        if key in self.groups[index]:
+            self.writable(index).pop(key, None)
+            if self.changes is not None:
+                self.changes[index].add(key)
 
     def needs_private(self, index: int, key: Any) -> bool:
         return self.tainted[index] and key not in self.owned[index]
@@ -136,6 +153,8 @@ class StateTable:
         """A version of the list or dict stored under ``key`` that may be changed
         in place, elements included, without touching an unfinished snapshot."""
         if not self.needs_private(index, key):
+            if self.changes is not None:
+                self.changes[index].add(key)  # the caller is about to change it
             return container
         if isinstance(container, dict):
             container = {k: _private_copy(v) for k, v in container.items()}
@@ -217,10 +236,10 @@ class _KeyedState:
         value, stamp = stored
         now = self._ttl.clock()
         if not self._ttl.visible(stamp, now):
-            self._table.writable(index).pop(key, None)
+            self._table.delete(index, key)
             return _ABSENT
         if self._ttl.on_read:
-            self._table.writable(index)[key] = (value, now)
+            self._table.restamp(index, key, (value, now))  # the same value object, a new stamp
         return self._readable(index, key, value)
 
     def _readable(self, index: int, key: Any, value: Any) -> Any:
@@ -238,8 +257,7 @@ class _KeyedState:
 
     def clear(self) -> None:
         index, key = self._where()
-        if key in self._table.groups[index]:
-            self._table.writable(index).pop(key, None)
+        self._table.delete(index, key)
 
 
 class ValueState(_KeyedState):
@@ -662,11 +680,12 @@ class HeapKeyedStateBackend:
 
     def restore(self, handles: Any, *, allow_pickle: Any = ()) -> None:
         """Replaces all state with the entries of this backend's key groups in
-        ``handles`` (written by any backend, at any parallelism). States come back
+        ``handles`` (written by any backend, at any parallelism; incremental chains
+        in order, base first). States come back
         under their names and take their descriptors from ``get_state``; values a
         state pickled stay undecoded until a descriptor that opts in asks for them
         (or the state is named in ``allow_pickle``)."""
-        from ..snapshot.format import read_keyed_state
+        from ..snapshot.format import TOMBSTONE, read_keyed_state
         from ..storage.handles import KeyGroupsStateHandle
 
         restored: Dict[str, StateTable] = {}
@@ -689,7 +708,12 @@ class HeapKeyedStateBackend:
                     raise ValueError(
                         f"state {spec.name!r} is {table.descriptor.kind} in one file, {spec.kind} in another"
                     )
-                table.groups[key_group - self.key_group_range.start].update(zip(keys, values, strict=True))
+                group = table.groups[key_group - self.key_group_range.start]
+                for k, v in zip(keys, values, strict=True):
+                    if v is TOMBSTONE:  # a later delta deleted it
+                        group.pop(k, None)
+                    else:
+                        group[k] = v
         self._tables = restored
         self._states = {}
 

@@ -19,10 +19,10 @@ from collections import Counter
 from typing import Dict, Iterable, List, Optional
 
 from .filesystem import CheckpointStorage, delete_state_file
-from .handles import StreamStateHandle
+from .handles import KeyGroupsStateHandle, StateHandle, StreamStateHandle
 from .metadata import CheckpointMetadata, MetadataError
 
-__all__ = ["CompletedCheckpointStore", "SharedStateRegistry"]
+__all__ = ["CompletedCheckpointStore", "SharedStateRegistry", "discard_unreferenced", "shared_files"]
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class CompletedCheckpointStore:
                 f"checkpoint {metadata.checkpoint_id} is not newer than the latest completed "
                 f"{self._checkpoints[-1].checkpoint_id}"
             )
-        self.registry.register(metadata.checkpoint_id, metadata.shared)
+        self.registry.register(metadata.checkpoint_id, shared_files(metadata))
         self._checkpoints.append(metadata)
         discarded = []
         while sum(1 for c in self._checkpoints if c.type == "checkpoint") > self.retained:
@@ -126,7 +126,7 @@ class CompletedCheckpointStore:
         self._checkpoints = sorted(good, key=lambda m: m.checkpoint_id)
         self.registry = SharedStateRegistry()
         for metadata in self._checkpoints:
-            self.registry.register(metadata.checkpoint_id, metadata.shared)
+            self.registry.register(metadata.checkpoint_id, shared_files(metadata))
         for path in self.storage.list_files(self.storage.shared_dir):
             uri = self.storage.uri_of(path)
             if not self.registry.is_used(uri):
@@ -140,6 +140,26 @@ class CompletedCheckpointStore:
             for metadata in list(self._checkpoints):
                 self._checkpoints.remove(metadata)
                 self._discard(metadata)
+
+
+def shared_files(metadata: CheckpointMetadata) -> List[str]:
+    """The shared files a checkpoint uses: those ``_metadata`` lists, and the files
+    of its incremental handles (which live in ``shared/``)."""
+    paths = set(metadata.shared)
+    for handle in metadata.handles():
+        if isinstance(handle, KeyGroupsStateHandle) and handle.backend == "incremental":
+            if isinstance(handle.stream, StreamStateHandle):
+                paths.add(handle.stream.path)
+    return sorted(paths)
+
+
+def discard_unreferenced(handles: Iterable[StateHandle], registry: SharedStateRegistry) -> None:
+    """Deletes the files of a failed checkpoint's handles that no retained checkpoint
+    uses (the chain it built on stays)."""
+    for handle in handles:
+        stream = getattr(handle, "stream", handle)
+        if isinstance(stream, StreamStateHandle) and not registry.is_used(stream.path):
+            delete_state_file(stream.path)
 
 
 def stream_paths(metadata: CheckpointMetadata) -> List[str]:
