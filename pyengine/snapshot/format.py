@@ -34,7 +34,7 @@ import pyarrow.ipc as ipc
 
 from ..state.keygroups import KeyGroupRange
 from ..state.serializers import PickleNotAllowedError, SafeSerializer, StateSerializationError, serializer_for
-from ..storage.filesystem import CheckpointStateOutputStream, CorruptStateError, open_input_file, read_bytes, read_range
+from ..storage.filesystem import CorruptStateError, open_input_file, read_bytes, read_range
 from ..storage.handles import BatchIndexEntry, KeyGroupsStateHandle, StreamStateHandle
 
 __all__ = [
@@ -153,7 +153,7 @@ def _union_of(children_types: Sequence[pa.DataType], names: Sequence[str], index
 
 
 def write_keyed_state(
-    stream: CheckpointStateOutputStream,
+    stream: Any,
     *,
     backend: str,
     max_parallelism: int,
@@ -162,7 +162,8 @@ def write_keyed_state(
     groups: Sequence[Sequence[Dict[Any, Any]]],
 ) -> KeyGroupsStateHandle:
     """Writes ``groups[state][key_group - range.start]`` (dicts of key -> stored
-    value) and returns the handle. The stream is closed here, or aborted on error."""
+    value) to ``stream`` (a CheckpointStateOutputStream, or one duplicating it) and
+    returns the handle. The stream is closed here, or aborted on error."""
     value_types = [c.storage_type for c in columns]
     value_names = [f"s{i}" for i in range(len(columns))]
     plan = [

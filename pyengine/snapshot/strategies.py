@@ -11,12 +11,13 @@ from __future__ import annotations
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..state.descriptors import MapStateDescriptor, StateDescriptor
 from ..state.keygroups import KeyGroupRange
 from ..storage.filesystem import INLINE_THRESHOLD, CheckpointStorageLocation
 from ..storage.handles import KeyGroupsStateHandle
+from ..storage.local import LocalRecoveryDirectory
 from .format import StateColumn, write_keyed_state
 
 __all__ = ["FullSnapshot", "SnapshotResult", "column_of"]
@@ -62,6 +63,8 @@ class FullSnapshot:
         columns: Sequence[StateColumn],
         frozen: Sequence[Sequence[Dict[Any, Any]]],
         release: Callable[[], None],
+        local: Optional[LocalRecoveryDirectory] = None,
+        written: Optional[Callable[[int, SnapshotResult], None]] = None,
     ) -> None:
         self.checkpoint_id = checkpoint_id
         self._location = location
@@ -71,6 +74,8 @@ class FullSnapshot:
         self._columns = list(columns)
         self._frozen = list(frozen)
         self._release = release
+        self._local = local
+        self._written = written
         self._done = threading.Event()
         self._released = False
         self._lock = threading.Lock()
@@ -82,7 +87,9 @@ class FullSnapshot:
             if not self._columns:
                 return SnapshotResult()
             name = f"keyed-{self._key_group_range.start}-{self._key_group_range.end}-{uuid.uuid4().hex[:12]}"
-            stream = self._location.create_output_stream(name, inline_threshold=INLINE_THRESHOLD)
+            stream: Any = self._location.create_output_stream(name, inline_threshold=INLINE_THRESHOLD)
+            if self._local is not None:
+                stream = self._local.open_stream(stream)
             handle = write_keyed_state(
                 stream,
                 backend=self._backend,
@@ -92,7 +99,13 @@ class FullSnapshot:
                 groups=self._frozen,
             )
             size = handle.state_size
-            return SnapshotResult(handles=[handle], checkpointed_size=size, full_size=size)
+            result = SnapshotResult(handles=[handle], checkpointed_size=size, full_size=size)
+            if self._local is not None and stream.local_ok:
+                local = self._local.local_handle(handle)
+                result.local_handles = [local] if local is not None else []
+            if self._written is not None:
+                self._written(self.checkpoint_id, result)
+            return result
         finally:
             self.release()
 

@@ -74,13 +74,16 @@ def create_keyed_backend(
     """A keyed state backend: ``"heap"`` (full snapshots) or ``"incremental"``
     (deltas since the last completed checkpoint)."""
     if kind == "heap":
-        if local_recovery_dir is not None:
-            raise NotImplementedError("local recovery is not built yet (issue #3, in progress)")
-        return HeapKeyedStateBackend(max_parallelism=max_parallelism, key_group_range=key_group_range, **options)
-    if kind == "incremental":
-        if local_recovery_dir is not None:
-            raise NotImplementedError("local recovery is not built yet (issue #3, in progress)")
+        cls = HeapKeyedStateBackend
+    elif kind == "incremental":
         from .incremental import IncrementalKeyedStateBackend
 
-        return IncrementalKeyedStateBackend(max_parallelism=max_parallelism, key_group_range=key_group_range, **options)
-    raise ValueError(f"unknown state backend {kind!r}; choose one of: {', '.join(BACKENDS)}")
+        cls = IncrementalKeyedStateBackend
+    else:
+        raise ValueError(f"unknown state backend {kind!r}; choose one of: {', '.join(BACKENDS)}")
+    return cls(
+        max_parallelism=max_parallelism,
+        key_group_range=key_group_range,
+        local_recovery_dir=local_recovery_dir,
+        **options,
+    )

@@ -556,6 +556,7 @@ class HeapKeyedStateBackend:
         max_parallelism: int = DEFAULT_MAX_PARALLELISM,
         key_group_range: Optional[KeyGroupRange] = None,
         ttl_clock_ms: Optional[Callable[[], int]] = None,
+        local_recovery_dir: Optional[str] = None,
     ) -> None:
         check_parallelism(1, max_parallelism)
         if key_group_range is None:
@@ -572,6 +573,12 @@ class HeapKeyedStateBackend:
         self._key_index = -1
         # Freezing (task thread) and releasing (a snapshot's thread) must not interleave.
         self._freeze_lock = threading.Lock()
+        self._local: Any = None
+        self._local_results: Dict[int, List[Any]] = {}
+        if local_recovery_dir is not None:
+            from ..storage.local import LocalRecoveryDirectory
+
+            self._local = LocalRecoveryDirectory(local_recovery_dir)
 
     # -- current key --------------------------------------------------------------
 
@@ -676,7 +683,21 @@ class HeapKeyedStateBackend:
             columns=[column_of(t.descriptor) for t in tables],
             frozen=frozen,
             release=release,
+            local=self._local,
+            written=self._record_local,
         )
+
+    def _record_local(self, checkpoint_id: int, result: Any) -> None:
+        if self._local is not None:
+            self._local_results[checkpoint_id] = list(result.handles)
+
+    def _prune_local(self, checkpoint_id: int) -> None:
+        """Local copies are kept for the latest completed checkpoint only."""
+        handles = self._local_results.get(checkpoint_id)
+        if self._local is None or handles is None:
+            return
+        self._local.keep_only(handles)
+        self._local_results = {c: h for c, h in self._local_results.items() if c >= checkpoint_id}
 
     def restore(self, handles: Any, *, allow_pickle: Any = ()) -> None:
         """Replaces all state with the entries of this backend's key groups in
@@ -689,6 +710,8 @@ class HeapKeyedStateBackend:
         from ..storage.handles import KeyGroupsStateHandle
 
         restored: Dict[str, StateTable] = {}
+        if self._local is not None:
+            handles = self._local.prefer_local(handles)
         for handle in handles:
             if not isinstance(handle, KeyGroupsStateHandle):
                 raise TypeError(f"a keyed backend restores from KeyGroupsStateHandle, got {handle!r}")
@@ -738,7 +761,8 @@ class HeapKeyedStateBackend:
         table.descriptor = descriptor
 
     def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
-        """Full snapshots keep nothing between checkpoints."""
+        """Full snapshots keep nothing between checkpoints but local copies."""
+        self._prune_local(checkpoint_id)
 
 
 class _RestoredDescriptor(StateDescriptor):

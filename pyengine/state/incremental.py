@@ -103,6 +103,7 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
         chain = self._results.get(checkpoint_id)
         if chain is None:
             return  # not ours, or an older checkpoint than one already confirmed
+        self._prune_local(checkpoint_id)
         self._confirmed = chain
         self._results = {c: h for c, h in self._results.items() if c > checkpoint_id}
         self._unconfirmed = [(c, ch) for c, ch in self._unconfirmed if c > checkpoint_id]
@@ -177,11 +178,14 @@ class IncrementalSnapshot:
                 ]
             r = self._backend.key_group_range
             kind = "base" if self._touched is None else "delta"
-            stream = self._location.create_output_stream(
+            stream: Any = self._location.create_output_stream(
                 f"{kind}-{r.start}-{r.end}-{self.checkpoint_id}-{uuid.uuid4().hex[:12]}",
                 shared=True,
                 inline_threshold=INLINE_THRESHOLD,
             )
+            local = self._backend._local
+            if local is not None:
+                stream = local.open_stream(stream)
             handle = write_keyed_state(
                 stream,
                 backend=self._backend.kind,
@@ -192,11 +196,16 @@ class IncrementalSnapshot:
             )
             chain = [*self._base, handle]
             self._backend._written(self.checkpoint_id, chain)
-            return SnapshotResult(
+            result = SnapshotResult(
                 handles=chain,
                 checkpointed_size=handle.state_size,
                 full_size=sum(h.state_size for h in chain),
             )
+            if local is not None:
+                twins = [local.local_handle(h) for h in chain]
+                result.local_handles = [t for t in twins if t is not None]
+                self._backend._record_local(self.checkpoint_id, result)
+            return result
         finally:
             self.release()
 
