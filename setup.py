@@ -28,6 +28,7 @@ if os.environ.get("PYENGINE_DEBUG_BUILD"):
 native = Extension(
     "pyengine._native",
     sources=["bindings/_native.pyx", *_rel("csrc/*.c")],
+    depends=[*_rel("bindings/*.pxi"), *_rel("bindings/*.pxd"), *_rel("csrc/*.h")],
     include_dirs=["csrc", "bindings", numpy.get_include()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=extra_compile_args,

@@ -817,3 +817,4 @@ cdef int dispatch(list notes) except -1:
     for fn, args in notes:
         fn(*args)
     return 0
+include "_columnar.pxi"

@@ -107,3 +107,14 @@ cdef extern from "pe_waiter.h" nogil:
     int pe_waiter_wait_space(pe_waiter *w, uint64_t seen, int64_t deadline_ns)
     int64_t pe_monotonic_ns()
     int64_t pe_wall_ns()
+
+
+cdef extern from "pe_i64map.h" nogil:
+    ctypedef struct pe_i64map:
+        uint32_t size
+
+    int pe_i64map_init(pe_i64map *m, uint32_t min_cap, const pe_allocator *alloc)
+    void pe_i64map_destroy(pe_i64map *m, const pe_allocator *alloc)
+    int64_t pe_i64map_get(const pe_i64map *m, int64_t key)
+    int pe_i64map_put(pe_i64map *m, int64_t key, int64_t val, const pe_allocator *alloc)
+    int pe_i64map_remove(pe_i64map *m, int64_t key, int64_t *old)

@@ -39,6 +39,7 @@ from ..storage.handles import BatchIndexEntry, KeyGroupsStateHandle, StreamState
 
 __all__ = [
     "TOMBSTONE",
+    "ColumnarSlice",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "StateColumn",
@@ -143,6 +144,39 @@ def _value_child(column: StateColumn, values: List[Any]) -> pa.Array:
         raise StateSerializationError(f"cannot snapshot state {column.name!r}: {exc}") from exc
 
 
+@dataclass(frozen=True)
+class ColumnarSlice:
+    """Entries of one key group given as arrays (typed columnar state): int64 keys
+    and their values, plus keys deleted since the previous snapshot (deltas)."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    deleted: Optional[np.ndarray] = None
+
+    def __len__(self) -> int:
+        return len(self.keys) + (0 if self.deleted is None else len(self.deleted))
+
+
+def _columnar_batch_columns(
+    column: StateColumn, piece: ColumnarSlice, start: int, stop: int
+) -> Tuple[pa.Array, pa.Array]:
+    keys, values = piece.keys, piece.values
+    mask = None
+    if piece.deleted is not None and len(piece.deleted):
+        keys = np.concatenate([keys, piece.deleted])
+        values = np.concatenate([values, np.zeros(len(piece.deleted), values.dtype)])
+        mask = np.zeros(len(keys), bool)
+        mask[len(piece.keys) :] = True
+    keys, values = keys[start:stop], values[start:stop]
+    n = len(keys)
+    key_children = [pa.array(keys, pa.int64()), pa.array([], pa.string()), pa.array([], pa.binary())]
+    key_array = pa.UnionArray.from_dense(
+        pa.array(np.zeros(n, np.int8)), pa.array(np.arange(n, dtype=np.int32)), key_children, ["int", "str", "packed"]
+    )
+    value_child = pa.array(values, column.storage_type, mask=None if mask is None else mask[start:stop])
+    return key_array, value_child
+
+
 def _union_of(children_types: Sequence[pa.DataType], names: Sequence[str], index: int, child: pa.Array) -> pa.Array:
     n = len(child)
     children = [pa.array([], t) for t in children_types]
@@ -197,21 +231,25 @@ def write_keyed_state(
         writer.write_batch(_empty_batch(schema))
         batch_number = 0
         for key_group, state_index, chunks in plan:
-            entries = iter(groups[state_index][key_group - key_group_range.start].items())
-            for _ in range(chunks):
-                items = list(itertools.islice(entries, ROWS_PER_BATCH))
-                n = len(items)
+            group = groups[state_index][key_group - key_group_range.start]
+            entries = iter(group.items()) if isinstance(group, dict) else None
+            for chunk in range(chunks):
+                if entries is None:  # a ColumnarSlice: whole arrays, no Python object per entry
+                    start = chunk * ROWS_PER_BATCH
+                    key_array, value_child = _columnar_batch_columns(
+                        columns[state_index], group, start, start + ROWS_PER_BATCH
+                    )
+                else:
+                    items = list(itertools.islice(entries, ROWS_PER_BATCH))
+                    key_array = _key_array([k for k, _ in items])
+                    value_child = _value_child(columns[state_index], [v for _, v in items])
+                n = len(key_array)
                 batch = pa.record_batch(
                     [
                         pa.array(np.full(n, key_group, np.int16)),
                         pa.array(np.full(n, state_index, np.int16)),
-                        _key_array([k for k, _ in items]),
-                        _union_of(
-                            value_types,
-                            value_names,
-                            state_index,
-                            _value_child(columns[state_index], [v for _, v in items]),
-                        ),
+                        key_array,
+                        _union_of(value_types, value_names, state_index, value_child),
                     ],
                     schema=schema,
                 )
@@ -348,14 +386,17 @@ def read_keyed_state(
     allow_pickle: Iterable[str] = (),
     defer_pickle: bool = False,
     states: Optional[Iterable[str]] = None,
+    arrays: bool = False,
     what: str = "",
-) -> Tuple[SchemaInfo, Iterator[Tuple[int, StateColumn, List[Any], List[Any]]]]:
+) -> Tuple[SchemaInfo, Iterator[Tuple[int, StateColumn, Any, Any]]]:
     """Reads the entries of ``key_groups`` from a state file, verifying checksums:
     the whole file when all of it is wanted, else just the batches of those key
     groups. Returns the file's schema info and an iterator of (key group, state
     column, keys, stored values). Pickled values of states not in ``allow_pickle``
     are refused, or with ``defer_pickle`` returned still pickled. With ``states``,
-    batches of other states are skipped unread."""
+    batches of other states are skipped unread. With ``arrays``, typed value
+    states whose keys are all ints come as (int64 keys, values) Arrow arrays,
+    nulls marking deletions."""
     stream = handle.stream
     path = stream.path if isinstance(stream, StreamStateHandle) else getattr(stream, "name", "inline state")
     where = f"state file {path}{' (' + what + ')' if what else ''}"
@@ -379,7 +420,26 @@ def read_keyed_state(
         raise CorruptStateError(f"{where} cannot be read as an Arrow IPC file: {exc}") from None
     info = read_schema_info(schema, where=where)
 
-    def entries() -> Iterator[Tuple[int, StateColumn, List[Any], List[Any]]]:
+    def entries() -> Iterator[Tuple[int, StateColumn, Any, Any]]:
+        for key_group, spec, state_index, batch in raw_batches():
+            if arrays and spec.typed and spec.kind == "value":
+                key_column = batch.column(2)
+                codes = key_column.type_codes.to_numpy(zero_copy_only=False)
+                if len(codes) and bool((codes == _KEY_INT).all()):
+                    # keys and values as Arrow arrays, for columnar state
+                    yield key_group, spec, key_column.field(_KEY_INT), batch.column(3).field(state_index)
+                    continue
+            keys = _decode_keys(batch.column(2))
+            values = _decode_values(
+                spec,
+                batch.column(3).field(state_index),
+                allow_pickle=spec.name in pickle_ok,
+                defer_pickle=defer_pickle,
+                where=where,
+            )
+            yield key_group, spec, keys, values
+
+    def raw_batches() -> Iterator[Tuple[int, StateColumn, int, pa.RecordBatch]]:
         for entry in handle.index:
             if entry.key_group not in wanted:
                 continue
@@ -394,12 +454,6 @@ def read_keyed_state(
                     batch = ipc.read_record_batch(ipc.read_message(pa.py_buffer(raw)), schema)
             except (pa.ArrowInvalid, IndexError) as exc:
                 raise CorruptStateError(f"{where}: batch {entry.batch} cannot be read: {exc}") from None
-            spec = info.columns[state_index]
-            value_child = batch.column(3).field(state_index)
-            keys = _decode_keys(batch.column(2))
-            values = _decode_values(
-                spec, value_child, allow_pickle=spec.name in pickle_ok, defer_pickle=defer_pickle, where=where
-            )
-            yield entry.key_group, spec, keys, values
+            yield entry.key_group, info.columns[state_index], state_index, batch
 
     return info, entries()

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
+import numpy as np
 import pyarrow as pa
 
 from .descriptors import (
@@ -557,6 +558,7 @@ class HeapKeyedStateBackend:
         key_group_range: Optional[KeyGroupRange] = None,
         ttl_clock_ms: Optional[Callable[[], int]] = None,
         local_recovery_dir: Optional[str] = None,
+        columnar: bool = True,
     ) -> None:
         check_parallelism(1, max_parallelism)
         if key_group_range is None:
@@ -566,8 +568,9 @@ class HeapKeyedStateBackend:
         self.max_parallelism = max_parallelism
         self.key_group_range = key_group_range
         self._ttl_clock = ttl_clock_ms or (lambda: time.time_ns() // 1_000_000)
-        self._tables: Dict[str, StateTable] = {}
-        self._states: Dict[str, _KeyedState] = {}
+        # Tables are StateTable (dicts) or columnar.ColumnarValueTable; states likewise.
+        self._tables: Dict[str, Any] = {}
+        self._states: Dict[str, Any] = {}
         self._key: Any = None
         self._key_group = -1
         self._key_index = -1
@@ -575,6 +578,7 @@ class HeapKeyedStateBackend:
         self._freeze_lock = threading.Lock()
         self._local: Any = None
         self._local_results: Dict[int, List[Any]] = {}
+        self._columnar = columnar  # typed value state in columns (see columnar.py)
         if local_recovery_dir is not None:
             from ..storage.local import LocalRecoveryDirectory
 
@@ -620,7 +624,24 @@ class HeapKeyedStateBackend:
         cls = _STATE_CLASSES.get(descriptor.kind)
         if cls is None:
             raise TypeError(f"not a keyed state descriptor: {descriptor!r}")
-        table = self._tables.get(descriptor.name)
+        from .columnar import ColumnarValueState, ColumnarValueTable, columnar_dtype
+
+        dtype = columnar_dtype(descriptor) if self._columnar else None
+        table: Any = self._tables.get(descriptor.name)
+        if isinstance(table, ColumnarValueTable) and (dtype is None or dtype != table.dtype):
+            self._columnar_to_dict(descriptor.name)
+            table = self._tables[descriptor.name]
+        if table is None and dtype is not None:
+            table = ColumnarValueTable(descriptor, len(self.key_group_range), dtype)
+            self._tables[descriptor.name] = table
+        if isinstance(table, ColumnarValueTable):
+            if table.descriptor.kind != descriptor.kind:
+                raise ValueError(f"state {descriptor.name!r} holds value state; it cannot be read as {descriptor.kind}")
+            table.descriptor = descriptor
+            check = _validator(getattr(descriptor, "type", None), f"value state {descriptor.name!r}")
+            columnar_state = ColumnarValueState(self, table, check)
+            self._states[descriptor.name] = columnar_state
+            return columnar_state
         if table is None:
             table = StateTable(descriptor, len(self.key_group_range))
             self._tables[descriptor.name] = table
@@ -644,6 +665,9 @@ class HeapKeyedStateBackend:
         table = self._tables.get(state_name)
         if table is None:
             raise KeyError(f"no state named {state_name!r}; known: {', '.join(self.state_names) or 'none'}")
+        if hasattr(table, "iter_keys"):
+            yield from list(table.iter_keys())
+            return
         for group in list(table.groups):
             yield from list(group)
 
@@ -708,8 +732,9 @@ class HeapKeyedStateBackend:
         (or the state is named in ``allow_pickle``)."""
         from ..snapshot.format import TOMBSTONE, read_keyed_state
         from ..storage.handles import KeyGroupsStateHandle
+        from .columnar import ColumnarValueTable
 
-        restored: Dict[str, StateTable] = {}
+        restored: Dict[str, Any] = {}
         if self._local is not None:
             handles = self._local.prefer_local(handles)
         for handle in handles:
@@ -720,9 +745,28 @@ class HeapKeyedStateBackend:
                     f"state written with key groups up to {handle.key_group_end} cannot be restored at "
                     f"max_parallelism {self.max_parallelism}: max_parallelism must not change"
                 )
-            _, entries = read_keyed_state(handle, self.key_group_range, allow_pickle=allow_pickle, defer_pickle=True)
+            _, entries = read_keyed_state(
+                handle, self.key_group_range, allow_pickle=allow_pickle, defer_pickle=True, arrays=self._columnar
+            )
             for key_group, spec, keys, values in entries:
                 table = restored.get(spec.name)
+                if isinstance(keys, pa.Array):  # typed value state with int keys: straight into columns
+                    if table is None:
+                        table = ColumnarValueTable(
+                            _RestoredDescriptor(spec.name, spec.kind),
+                            len(self.key_group_range),
+                            np.dtype(values.type.to_pandas_dtype()),
+                        )
+                        restored[spec.name] = table
+                    if isinstance(table, ColumnarValueTable):
+                        table.load(key_group - self.key_group_range.start, keys, values)
+                        continue
+                    keys = keys.to_pylist()
+                    values = [TOMBSTONE if v is None else v for v in values.to_pylist()]
+                if isinstance(table, ColumnarValueTable):  # mixed key types: dict storage after all
+                    dict_table = StateTable(table.descriptor, len(self.key_group_range))
+                    dict_table.groups = table.to_dicts()
+                    restored[spec.name] = table = dict_table
                 if table is None:
                     table = StateTable(_RestoredDescriptor(spec.name, spec.kind), len(self.key_group_range))
                     table.pickled = spec.serializer == "pickle" and spec.name not in allow_pickle
@@ -739,6 +783,17 @@ class HeapKeyedStateBackend:
                         group[k] = v
         self._tables = restored
         self._states = {}
+
+    def _columnar_to_dict(self, name: str) -> Any:
+        """Turns a columnar state into dict storage (its first non-int key, or a
+        descriptor that does not fit columns); returns the dict-backed state object."""
+        columnar = self._tables[name]
+        table = StateTable(columnar.descriptor, len(self.key_group_range))
+        table.groups = columnar.to_dicts()
+        table.changes = columnar.changes
+        self._tables[name] = table
+        state = ValueState(self, table, None)
+        return state
 
     def _adopt(self, table: StateTable, descriptor: StateDescriptor) -> None:
         """A restored state gets its real descriptor; pickled values are decoded now,

@@ -24,7 +24,7 @@ from ..snapshot.format import TOMBSTONE, write_keyed_state
 from ..snapshot.strategies import SnapshotResult, column_of
 from ..storage.filesystem import INLINE_THRESHOLD, CheckpointStorageLocation
 from ..storage.handles import KeyGroupsStateHandle
-from .heap import HeapKeyedStateBackend, StateTable
+from .heap import HeapKeyedStateBackend
 
 __all__ = ["IncrementalKeyedStateBackend", "IncrementalSnapshot"]
 
@@ -45,38 +45,47 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
         self._unconfirmed: List[Tuple[int, Changes]] = []  # change sets of snapshots not yet completed
         self._results: Dict[int, List[KeyGroupsStateHandle]] = {}  # chains written, by checkpoint
 
-    def _track(self, table: StateTable) -> StateTable:
+    def _track(self, table: Any) -> Any:
         if table.changes is None:
             table.changes = [set() for _ in table.groups]
         return table
 
     def get_state(self, descriptor: Any) -> Any:
         state = super().get_state(descriptor)
-        self._track(state._table)
+        self._track(self._tables[descriptor.name])
+        return state
+
+    def _columnar_to_dict(self, name: str) -> Any:
+        state = super()._columnar_to_dict(name)
+        self._track(self._tables[name])
         return state
 
     def snapshot(self, checkpoint_id: int, location: CheckpointStorageLocation) -> IncrementalSnapshot:
         """Synchronous part: freezes state (copy-on-write) and takes the change log;
         the asynchronous part writes a delta on the last completed chain, or a full base."""
         names = sorted(self._tables)
+        full = not self._confirmed or len(self._confirmed) > self.max_chain
+        touched: Optional[Changes] = None
         with self._freeze_lock:
             tables = [self._track(self._tables[n]) for n in names]
-            frozen = [t.freeze() for t in tables]
             taken: Changes = {}
             for name, table in zip(names, tables, strict=True):
                 assert table.changes is not None
                 taken[name] = table.changes
                 table.changes = [set() for _ in table.groups]
-        self._unconfirmed.append((checkpoint_id, taken))
-        full = not self._confirmed or len(self._confirmed) > self.max_chain
-        touched: Optional[Changes] = None
-        if not full:
-            touched = {name: [set() for _ in self.key_group_range] for name in names}
-            for _, changes in self._unconfirmed:
-                for name, per_group in changes.items():
-                    if name in touched:
-                        for i, keys in enumerate(per_group):
-                            touched[name][i] |= keys
+            self._unconfirmed.append((checkpoint_id, taken))
+            if not full:
+                touched = {name: [set() for _ in self.key_group_range] for name in names}
+                for _, changes in self._unconfirmed:
+                    for name, per_group in changes.items():
+                        if name in touched:
+                            for i, keys in enumerate(per_group):
+                                touched[name][i] |= keys
+            # Columnar tables hand over just the changed entries, gathered here.
+            frozen = [
+                t.freeze_changes(touched[n]) if touched is not None and hasattr(t, "freeze_changes") else t.freeze()
+                for n, t in zip(names, tables, strict=True)
+            ]
 
         def release() -> None:
             with self._freeze_lock:
@@ -170,7 +179,9 @@ class IncrementalSnapshot:
                 groups = self._frozen
             else:
                 groups = [
-                    [
+                    frozen_table
+                    if frozen_table and not isinstance(frozen_table[0], dict)  # columnar: already the delta
+                    else [
                         {k: frozen_group.get(k, TOMBSTONE) for k in keys}
                         for frozen_group, keys in zip(frozen_table, self._touched[name], strict=True)
                     ]

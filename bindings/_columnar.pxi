@@ -1,0 +1,142 @@
+# Included by _native.pyx: typed keyed state stored in columns.
+#
+# One ColumnarGroup per key group and state: an int64 -> position map (C) over
+# dense NumPy arrays of keys and values, entries 0..n-1, deletion by moving the
+# last entry into the hole. A snapshot takes keys[:n] and values[:n] as they are
+# (zero-copy into Arrow); after a freeze, the first write copies the two arrays,
+# so what the snapshot holds never changes.
+
+cimport numpy as cnp
+import numpy as np
+
+cnp.import_array()
+
+
+cdef class ColumnarGroup:
+    cdef pe_i64map index
+    cdef bint index_ready
+    cdef object keys
+    cdef object values
+    cdef Py_ssize_t n
+    cdef public bint shared
+
+    def __cinit__(self, dtype, Py_ssize_t capacity=8):
+        if capacity < 8:
+            capacity = 8
+        if pe_i64map_init(&self.index, <uint32_t>capacity, &PY_ALLOC) != PE_OK:
+            raise MemoryError()
+        self.index_ready = True
+        self.keys = np.empty(capacity, np.int64)
+        self.values = np.empty(capacity, dtype)
+
+    def __dealloc__(self):
+        if self.index_ready:
+            pe_i64map_destroy(&self.index, &PY_ALLOC)
+
+    def __len__(self):
+        return self.n
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+    cdef int own(self) except -1:
+        if self.shared:
+            self.keys = self.keys.copy()
+            self.values = self.values.copy()
+            self.shared = False
+        return 0
+
+    cdef Py_ssize_t append(self, int64_t key) except -1:
+        cdef Py_ssize_t pos = self.n
+        if pos == len(self.keys):
+            grown = max(16, pos * 2)
+            keys = np.empty(grown, np.int64)
+            values = np.empty(grown, self.values.dtype)
+            keys[:pos] = self.keys[:pos]
+            values[:pos] = self.values[:pos]
+            self.keys, self.values = keys, values
+        self.keys[pos] = key
+        if pe_i64map_put(&self.index, key, pos, &PY_ALLOC) < 0:
+            raise MemoryError()
+        self.n += 1
+        return pos
+
+    def position(self, int64_t key):
+        """Where ``key`` is in the arrays, or -1."""
+        return pe_i64map_get(&self.index, key)
+
+    def contains(self, int64_t key):
+        return pe_i64map_get(&self.index, key) >= 0
+
+    def get(self, int64_t key, default=None):
+        cdef int64_t pos = pe_i64map_get(&self.index, key)
+        if pos < 0:
+            return default
+        return self.values.item(pos)
+
+    def put(self, int64_t key, value):
+        cdef int64_t pos = pe_i64map_get(&self.index, key)
+        self.own()
+        if pos < 0:
+            pos = self.append(key)
+        self.values[pos] = value
+
+    def remove(self, int64_t key):
+        """Deletes ``key``; True if it was there."""
+        cdef int64_t pos, last_key
+        cdef Py_ssize_t last
+        if pe_i64map_get(&self.index, key) < 0:
+            return False
+        self.own()
+        pe_i64map_remove(&self.index, key, &pos)
+        last = self.n - 1
+        if pos != last:
+            last_key = self.keys[last]
+            self.keys[pos] = last_key
+            self.values[pos] = self.values[last]
+            pe_i64map_put(&self.index, last_key, pos, &PY_ALLOC)
+        self.n -= 1
+        return True
+
+    def clear(self):
+        cdef int64_t i
+        for i in range(self.n):
+            pe_i64map_remove(&self.index, self.keys[i], NULL)
+        self.n = 0
+        self.shared = False
+        self.keys = np.empty(8, np.int64)
+        self.values = np.empty(8, self.values.dtype)
+
+    def arrays(self):
+        """(keys, values) of every entry, as views: valid until the next write
+        unless the group is frozen first."""
+        return self.keys[: self.n], self.values[: self.n]
+
+    def put_many(self, keys, values):
+        """Inserts or replaces many entries (keys: int64 array)."""
+        cdef const cnp.int64_t[::1] k = np.ascontiguousarray(keys, dtype=np.int64)
+        cdef Py_ssize_t i, m = k.shape[0]
+        cdef int64_t pos
+        positions = np.empty(m, np.int64)
+        cdef cnp.int64_t[::1] p = positions
+        self.own()
+        for i in range(m):
+            pos = pe_i64map_get(&self.index, k[i])
+            if pos < 0:
+                pos = self.append(k[i])
+            p[i] = pos
+        self.values[positions] = values
+
+    def get_many(self, keys):
+        """(found: bool array, values: array) for many keys."""
+        cdef const cnp.int64_t[::1] k = np.ascontiguousarray(keys, dtype=np.int64)
+        cdef Py_ssize_t i, m = k.shape[0]
+        positions = np.empty(m, np.int64)
+        cdef cnp.int64_t[::1] p = positions
+        for i in range(m):
+            p[i] = pe_i64map_get(&self.index, k[i])
+        found = positions >= 0
+        values = np.zeros(m, self.values.dtype)
+        values[found] = self.values[positions[found]]
+        return found, values

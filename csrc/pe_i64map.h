@@ -1,0 +1,45 @@
+/*
+ * An int64 -> int64 hash map: open addressing, linear probing, backward-shift
+ * deletion (no tombstones), growing at 70% load.
+ *
+ * The slot comes from the high bits of murmur3's fmix64: pyengine derives a key's
+ * key group from the same hash's low bits, so inside one key group the low bits
+ * are all alike and must not choose the slot.
+ */
+#ifndef PE_I64MAP_H
+#define PE_I64MAP_H
+
+#include "pe_common.h"
+
+typedef struct pe_i64map {
+    int64_t *keys;
+    int64_t *vals;
+    uint8_t *used;
+    uint32_t cap;  /* power of two */
+    uint32_t bits; /* log2(cap) */
+    uint32_t size;
+} pe_i64map;
+
+int pe_i64map_init(pe_i64map *m, uint32_t min_cap, const pe_allocator *alloc);
+void pe_i64map_destroy(pe_i64map *m, const pe_allocator *alloc);
+
+/* The value of key, or -1 when absent (pyengine stores positions, never negative). */
+int64_t pe_i64map_get(const pe_i64map *m, int64_t key);
+
+/* Inserts or replaces; 1 inserted, 0 replaced, PE_ERR_NOMEM when it cannot grow. */
+int pe_i64map_put(pe_i64map *m, int64_t key, int64_t val, const pe_allocator *alloc);
+
+/* Removes key; 1 if it was there (its value in *old), 0 otherwise. */
+int pe_i64map_remove(pe_i64map *m, int64_t key, int64_t *old);
+
+static inline uint64_t pe_fmix64(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+#endif /* PE_I64MAP_H */

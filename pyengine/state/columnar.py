@@ -1,0 +1,203 @@
+"""Columnar storage for typed value state: the fast path behind ``type=pa.int64()``.
+
+A value state whose descriptor declares a fixed-width Arrow type (integers,
+floats, bool) and has no time-to-live is stored per key group as int64 keys and
+NumPy values (``pyengine._native.ColumnarGroup``): a snapshot writes those arrays
+as they are, restore loads Arrow columns straight into them, and vectorised code
+reads and writes many keys per call. Keys must be ints within int64; the first
+other key turns the state into ordinary (dict) storage, transparently.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional, Set
+
+import numpy as np
+import pyarrow as pa
+
+from .. import _native
+from .descriptors import StateDescriptor, ValueStateDescriptor
+from .keygroups import key_groups_of_int64
+
+__all__ = ["ColumnarValueState", "ColumnarValueTable", "columnar_dtype"]
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_MISSING = object()
+
+
+def columnar_dtype(descriptor: StateDescriptor) -> Optional[np.dtype]:
+    """The NumPy dtype a value state is stored in columnar, or None if it is not eligible."""
+    if not isinstance(descriptor, ValueStateDescriptor) or descriptor.ttl is not None:
+        return None
+    if descriptor.serializer != "safe" or descriptor.type is None:
+        return None
+    t = descriptor.type
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+        return np.dtype(t.to_pandas_dtype())
+    return None
+
+
+class ColumnarValueTable:
+    """Same role as ``heap.StateTable``, for one columnar value state."""
+
+    def __init__(self, descriptor: StateDescriptor, num_key_groups: int, dtype: np.dtype) -> None:
+        self.descriptor = descriptor
+        self.dtype = dtype
+        self.groups = [_native.ColumnarGroup(dtype) for _ in range(num_key_groups)]
+        self.active_snapshots = 0
+        self.pickled = False
+        self.changes: Optional[List[Set[Any]]] = None
+
+    def __len__(self) -> int:
+        return sum(len(g) for g in self.groups)
+
+    def iter_keys(self) -> Iterator[Any]:
+        for group in self.groups:
+            yield from group.arrays()[0].tolist()
+
+    def freeze(self) -> List[Any]:
+        """Synchronous part of a snapshot: the arrays as they are, shared from now on."""
+        from ..snapshot.format import ColumnarSlice
+
+        frozen = []
+        for group in self.groups:
+            group.shared = True
+            keys, values = group.arrays()
+            frozen.append(ColumnarSlice(keys, values))
+        self.active_snapshots += 1
+        return frozen
+
+    def freeze_changes(self, touched: List[Set[Any]]) -> List[Any]:
+        """The changed entries only (an incremental delta), gathered now, while nothing writes."""
+        from ..snapshot.format import ColumnarSlice
+
+        frozen = []
+        for group, keys in zip(self.groups, touched, strict=True):
+            wanted = np.fromiter(keys, np.int64, len(keys))
+            found, values = group.get_many(wanted)
+            frozen.append(ColumnarSlice(wanted[found], values[found], wanted[~found]))
+        self.active_snapshots += 1
+        return frozen
+
+    def release(self) -> None:
+        self.active_snapshots -= 1
+        if self.active_snapshots == 0:
+            for group in self.groups:
+                group.shared = False
+
+    def to_dicts(self) -> List[Dict[Any, Any]]:
+        out = []
+        for group in self.groups:
+            keys, values = group.arrays()
+            out.append(dict(zip(keys.tolist(), values.tolist(), strict=True)))
+        return out
+
+    def load(self, index: int, keys: pa.Array, values: pa.Array) -> None:
+        """Restores a batch of entries into key group ``index`` (nulls delete)."""
+        group = self.groups[index]
+        k = keys.to_numpy(zero_copy_only=False)
+        if values.null_count:
+            deleted = np.asarray(values.is_null())
+            for key in k[deleted].tolist():
+                group.remove(key)
+            k = k[~deleted]
+            values = values.filter(pa.array(~deleted))
+        group.put_many(k, values.to_numpy(zero_copy_only=False))
+
+
+class ColumnarValueState:
+    """A value state in columns; the same interface as ``heap.ValueState``, plus
+    ``update_many``/``get_many`` for many keys at once."""
+
+    def __init__(self, backend: Any, table: ColumnarValueTable, check: Any) -> None:
+        self._backend = backend
+        self._table = table
+        self._default = table.descriptor.default  # type: ignore[attr-defined]
+        self._check = check
+        self._fallback: Any = None
+
+    @property
+    def name(self) -> str:
+        return self._table.descriptor.name
+
+    def _group(self) -> Any:
+        b = self._backend
+        key = b._key
+        if b._key_index < 0:
+            from .heap import NoCurrentKeyError
+
+            raise NoCurrentKeyError(f"state {self.name!r} was used before set_current_key()")
+        if type(key) is not int or not _INT64_MIN <= key <= _INT64_MAX:
+            self._fallback = self._backend._columnar_to_dict(self.name)
+            return None
+        return self._table.groups[b._key_index]
+
+    def value(self) -> Any:
+        if self._fallback is None:
+            group = self._group()
+            if group is not None:
+                v = group.get(self._backend._key, _MISSING)
+                return self._default if v is _MISSING else v
+        return self._fallback.value()
+
+    def update(self, value: Any) -> None:
+        if value is None:
+            self.clear()
+            return
+        if self._fallback is None:
+            group = self._group()
+            if group is not None:
+                if self._check is not None:
+                    self._check(value)
+                group.put(self._backend._key, value)
+                self._changed()
+                return
+        self._fallback.update(value)
+
+    def clear(self) -> None:
+        if self._fallback is None:
+            group = self._group()
+            if group is not None:
+                if group.remove(self._backend._key):
+                    self._changed()
+                return
+        self._fallback.clear()
+
+    def _changed(self) -> None:
+        if self._table.changes is not None:
+            self._table.changes[self._backend._key_index].add(self._backend._key)
+
+    def _split(self, keys: Any) -> Any:
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        start = self._backend.key_group_range.start
+        groups = key_groups_of_int64(keys, self._backend.max_parallelism) - start
+        if len(groups) and (groups.min() < 0 or groups.max() >= len(self._table.groups)):
+            raise ValueError(f"state {self.name!r}: some keys are outside this backend's key groups")
+        order = np.argsort(groups, kind="stable")
+        bounds = np.searchsorted(groups[order], np.arange(len(self._table.groups) + 1))
+        return keys, order, bounds
+
+    def update_many(self, keys: Any, values: Any) -> None:
+        """Sets the values of many int64 keys at once (no Python call per key)."""
+        if self._fallback is not None:
+            raise TypeError(f"state {self.name!r} holds non-int keys; update_many needs columnar state")
+        keys, order, bounds = self._split(keys)
+        values = np.asarray(values, dtype=self._table.dtype)
+        for index in np.nonzero(np.diff(bounds))[0].tolist():
+            sel = order[bounds[index] : bounds[index + 1]]
+            self._table.groups[index].put_many(keys[sel], values[sel])
+            if self._table.changes is not None:
+                self._table.changes[index].update(keys[sel].tolist())
+
+    def get_many(self, keys: Any) -> Any:
+        """(found, values) arrays for many int64 keys; values are 0 where not found."""
+        if self._fallback is not None:
+            raise TypeError(f"state {self.name!r} holds non-int keys; get_many needs columnar state")
+        keys, order, bounds = self._split(keys)
+        found = np.zeros(len(keys), bool)
+        values = np.zeros(len(keys), self._table.dtype)
+        for index in np.nonzero(np.diff(bounds))[0].tolist():
+            sel = order[bounds[index] : bounds[index + 1]]
+            f, v = self._table.groups[index].get_many(keys[sel])
+            found[sel], values[sel] = f, v
+        return found, values

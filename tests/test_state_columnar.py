@@ -1,0 +1,111 @@
+"""Columnar typed value state against dict storage: same behaviour, other layout."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from pyengine.state import KeyGroupRange, ValueStateDescriptor, create_keyed_backend
+from pyengine.state.columnar import ColumnarValueState, ColumnarValueTable
+from pyengine.storage import checkpoint_storage
+
+TYPES = [(pa.int64(), lambda r: r.randrange(-(2**63), 2**63)), (pa.float64(), lambda r: r.random()),
+         (pa.int32(), lambda r: r.randrange(-(2**31), 2**31)), (pa.bool_(), lambda r: r.random() < 0.5)]  # fmt: skip
+
+
+def contents(backend, descriptor):
+    state = backend.get_state(descriptor)
+    out = {}
+    for k in backend.keys(descriptor.name):
+        backend.set_current_key(k)
+        out[k] = state.value()
+    return out
+
+
+@pytest.mark.parametrize("arrow_type, draw", TYPES, ids=lambda t: str(t) if isinstance(t, pa.DataType) else "")
+@pytest.mark.parametrize("kind", ["heap", "incremental"])
+def test_columnar_behaves_like_dict_storage(tmp_path, arrow_type, draw, kind) -> None:
+    rng = random.Random(str(arrow_type))
+    storage = checkpoint_storage(str(tmp_path), "job")
+    d = ValueStateDescriptor("v", None, arrow_type)
+    col = create_keyed_backend(kind, max_parallelism=8)
+    plain = create_keyed_backend(kind, max_parallelism=8, columnar=False)
+    states = [b.get_state(d) for b in (col, plain)]
+    assert isinstance(states[0], ColumnarValueState) and not isinstance(states[1], ColumnarValueState)
+    for checkpoint_id in range(1, 6):
+        for _ in range(500):
+            k, v, op = rng.randrange(300), draw(rng), rng.random()
+            for b, s in zip((col, plain), states, strict=True):
+                b.set_current_key(k)
+                if op < 0.6:
+                    s.update(v)
+                elif op < 0.8:
+                    s.clear()
+            if op >= 0.8:
+                assert states[0].value() == states[1].value()
+        assert contents(col, d) == contents(plain, d)
+        snaps = [b.snapshot(checkpoint_id, storage.location(checkpoint_id)) for b in (col, plain)]
+        later = draw(rng)
+        for b, s in zip((col, plain), states, strict=True):  # after the synchronous part
+            b.set_current_key(0)
+            s.update(later)
+        results = [snap.run() for snap in snaps]
+        for b in (col, plain):
+            b.notify_checkpoint_complete(checkpoint_id)
+        restored = [create_keyed_backend("heap", max_parallelism=8) for _ in range(2)]
+        for r, result in zip(restored, results, strict=True):
+            r.restore(result.handles)
+        assert contents(restored[0], d) == contents(restored[1], d)
+
+
+def test_first_non_int_key_moves_the_state_to_dict_storage() -> None:
+    b = create_keyed_backend("heap", max_parallelism=8)
+    d = ValueStateDescriptor("v", 0, pa.int64())
+    s = b.get_state(d)
+    for k in range(100):
+        b.set_current_key(k)
+        s.update(k)
+    assert isinstance(b._tables["v"], ColumnarValueTable)
+    b.set_current_key("text")
+    s.update(5)
+    assert not isinstance(b._tables["v"], ColumnarValueTable)
+    assert contents(b, d) == {**{k: k for k in range(100)}, "text": 5}
+
+
+def test_vectorised_updates_and_reads() -> None:
+    b = create_keyed_backend("heap", max_parallelism=128, key_group_range=KeyGroupRange(0, 127))
+    s = b.get_state(ValueStateDescriptor("count", 0, pa.int64()))
+    keys = np.arange(0, 100_000, 7, dtype=np.int64)
+    s.update_many(keys, keys * 2)
+    found, values = s.get_many(np.array([0, 7, 8, 99_995]))
+    assert found.tolist() == [True, True, False, True] and values.tolist() == [0, 14, 0, 199_990]
+    b.set_current_key(7)
+    assert s.value() == 14
+    assert b.num_entries("count") == len(keys)
+
+
+def test_vectorised_keys_outside_the_key_groups_are_refused() -> None:
+    b = create_keyed_backend("heap", max_parallelism=128, key_group_range=KeyGroupRange(0, 0))
+    s = b.get_state(ValueStateDescriptor("count", 0, pa.int64()))
+    with pytest.raises(ValueError, match="outside this backend's key groups"):
+        s.update_many(np.arange(1000), np.arange(1000))
+
+
+def test_restored_columns_read_through_a_descriptor_that_does_not_fit_columns(tmp_path) -> None:
+    storage = checkpoint_storage(str(tmp_path), "job")
+    b = create_keyed_backend("heap", max_parallelism=8)
+    s = b.get_state(ValueStateDescriptor("v", 0, pa.int64()))
+    for k in range(50):
+        b.set_current_key(k)
+        s.update(k * 3)
+    result = b.snapshot(1, storage.location(1)).run()
+    r = create_keyed_backend("heap", max_parallelism=8)
+    r.restore(result.handles)
+    assert isinstance(r._tables["v"], ColumnarValueTable)
+    untyped = r.get_state(ValueStateDescriptor("v", 0))  # no declared type: dict storage
+    assert not isinstance(r._tables["v"], ColumnarValueTable)
+    r.set_current_key(7)
+    assert untyped.value() == 21
