@@ -114,17 +114,30 @@ cdef class ColumnarGroup:
         return self.keys[: self.n], self.values[: self.n]
 
     def put_many(self, keys, values):
-        """Inserts or replaces many entries (keys: int64 array)."""
+        """Inserts or replaces many entries (keys: int64 array), in one C loop."""
         cdef const cnp.int64_t[::1] k = np.ascontiguousarray(keys, dtype=np.int64)
         cdef Py_ssize_t i, m = k.shape[0]
         cdef int64_t pos
+        cdef cnp.int64_t[::1] dense
         positions = np.empty(m, np.int64)
         cdef cnp.int64_t[::1] p = positions
         self.own()
+        if self.n + m > len(self.keys):  # room for every key being new: one growth at most
+            grown = max(16, self.n + m, 2 * len(self.keys))
+            new_keys = np.empty(grown, np.int64)
+            new_values = np.empty(grown, self.values.dtype)
+            new_keys[: self.n] = self.keys[: self.n]
+            new_values[: self.n] = self.values[: self.n]
+            self.keys, self.values = new_keys, new_values
+        dense = self.keys
         for i in range(m):
             pos = pe_i64map_get(&self.index, k[i])
             if pos < 0:
-                pos = self.append(k[i])
+                pos = self.n
+                dense[pos] = k[i]
+                if pe_i64map_put(&self.index, k[i], pos, &PY_ALLOC) < 0:
+                    raise MemoryError()
+                self.n += 1
             p[i] = pos
         self.values[positions] = values
 

@@ -629,8 +629,7 @@ class HeapKeyedStateBackend:
         dtype = columnar_dtype(descriptor) if self._columnar else None
         table: Any = self._tables.get(descriptor.name)
         if isinstance(table, ColumnarValueTable) and (dtype is None or dtype != table.dtype):
-            self._columnar_to_dict(descriptor.name)
-            table = self._tables[descriptor.name]
+            table = self._columnar_table_to_dict(descriptor.name)
         if table is None and dtype is not None:
             table = ColumnarValueTable(descriptor, len(self.key_group_range), dtype)
             self._tables[descriptor.name] = table
@@ -784,16 +783,19 @@ class HeapKeyedStateBackend:
         self._tables = restored
         self._states = {}
 
-    def _columnar_to_dict(self, name: str) -> Any:
-        """Turns a columnar state into dict storage (its first non-int key, or a
-        descriptor that does not fit columns); returns the dict-backed state object."""
+    def _columnar_table_to_dict(self, name: str) -> StateTable:
+        """Moves a columnar state into dict storage (its first non-int key, or a
+        descriptor that does not fit columns)."""
         columnar = self._tables[name]
         table = StateTable(columnar.descriptor, len(self.key_group_range))
         table.groups = columnar.to_dicts()
         table.changes = columnar.changes
         self._tables[name] = table
-        state = ValueState(self, table, None)
-        return state
+        return table
+
+    def _columnar_to_dict(self, name: str) -> Any:
+        """As ``_columnar_table_to_dict``, returning a dict-backed state object for it."""
+        return ValueState(self, self._columnar_table_to_dict(name), None)
 
     def _adopt(self, table: StateTable, descriptor: StateDescriptor) -> None:
         """A restored state gets its real descriptor; pickled values are decoded now,

@@ -55,10 +55,10 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
         self._track(self._tables[descriptor.name])
         return state
 
-    def _columnar_to_dict(self, name: str) -> Any:
-        state = super()._columnar_to_dict(name)
-        self._track(self._tables[name])
-        return state
+    def _columnar_table_to_dict(self, name: str) -> Any:
+        table = super()._columnar_table_to_dict(name)
+        self._track(table)
+        return table
 
     def snapshot(self, checkpoint_id: int, location: CheckpointStorageLocation) -> IncrementalSnapshot:
         """Synchronous part: freezes state (copy-on-write) and takes the change log;
