@@ -130,6 +130,11 @@ cdef class ColumnarGroup:
             new_values[: self.n] = self.values[: self.n]
             self.keys, self.values = new_keys, new_values
         dense = self.keys
+        if self.n == 0 and m > 64:  # loading into an empty group: size the map once
+            pe_i64map_destroy(&self.index, &PY_ALLOC)
+            if pe_i64map_init(&self.index, <uint32_t>m, &PY_ALLOC) != PE_OK:
+                self.index_ready = False
+                raise MemoryError()
         for i in range(m):
             pos = pe_i64map_get(&self.index, k[i])
             if pos < 0:

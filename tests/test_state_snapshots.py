@@ -204,8 +204,12 @@ def test_corrupted_or_truncated_files_are_refused_with_the_path(storage, how) ->
         b.restore([handle])
 
 
-def test_partial_restore_verifies_only_the_batches_it_reads(storage) -> None:
+def test_partial_restore_verifies_only_the_batches_it_reads(storage, monkeypatch) -> None:
+    from pyengine.snapshot import format as state_format
+
+    monkeypatch.setattr(state_format, "TARGET_ROWS", 1)  # a batch per key group
     handle = _big_snapshot(storage)
+    assert len({(e.key_group, e.last_key_group) for e in handle.index}) == 8
     # damage one byte inside a batch of key group 7
     entry = next(e for e in handle.index if e.key_group == 7)
     fs, p, _ = resolve(handle.stream.path)
@@ -302,3 +306,37 @@ def test_random_states_round_trip(storage) -> None:
     for k, v in values.items():
         r.set_current_key(k)
         assert got.value() == v
+
+
+def test_large_state_is_written_in_few_batches_covering_key_group_ranges(storage) -> None:
+    import numpy as np
+
+    b = create_keyed_backend("heap", max_parallelism=8)
+    b.get_state(COUNT).update_many(np.arange(1_000_000), np.arange(1_000_000))
+    handle = b.snapshot(1, storage.location(1)).run().handles[0]
+    spans = [(e.key_group, e.last_key_group) for e in handle.index]
+    assert 2 <= len(spans) <= 8 and spans[0][0] == 0 and spans[-1][1] == 7
+    half = create_keyed_backend("heap", max_parallelism=8, key_group_range=KeyGroupRange(4, 7))
+    half.restore([handle])
+    full = create_keyed_backend("heap", max_parallelism=8)
+    full.restore([handle])
+    assert half.num_entries() + create_keyed_backend_restored(handle, 0, 3) == full.num_entries() == 1_000_000
+
+
+def create_keyed_backend_restored(handle, start, end) -> int:
+    b = create_keyed_backend("heap", max_parallelism=8, key_group_range=KeyGroupRange(start, end))
+    b.restore([handle])
+    return b.num_entries()
+
+
+def test_damage_outside_every_batch_is_caught_too(storage) -> None:
+    handle = _big_snapshot(storage)
+    fs, p, _ = resolve(handle.stream.path)
+    data = bytearray(fs.open_input_file(p).read())
+    last_batch_end = max(e.offset + e.length for e in handle.index)
+    assert last_batch_end < len(data) - 16
+    data[len(data) - 12] ^= 0x01  # inside the footer, after every batch
+    with fs.open_output_stream(p) as out:
+        out.write(bytes(data))
+    with pytest.raises(CorruptStateError):
+        create_keyed_backend("heap", max_parallelism=8).restore([handle])

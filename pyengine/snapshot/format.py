@@ -51,6 +51,9 @@ __all__ = [
 FORMAT_NAME = "pyengine-keyed-state"
 FORMAT_VERSION = 1
 ROWS_PER_BATCH = 1 << 20
+TARGET_ROWS = 1 << 18
+OWN_BATCH_ROWS = 1 << 15  # a key group this large is a batch of its own: no copying to merge it
+_RUNS = pa.run_end_encoded(pa.int32(), pa.int16())
 _KEY_INT, _KEY_STR, _KEY_PACKED = 0, 1, 2
 _KEY_TYPE = pa.dense_union([pa.field("int", pa.int64()), pa.field("str", pa.string()), pa.field("packed", pa.binary())])
 _SAFE = SafeSerializer()
@@ -159,7 +162,7 @@ class ColumnarSlice:
 
 def _columnar_batch_columns(
     column: StateColumn, piece: ColumnarSlice, start: int, stop: int
-) -> Tuple[pa.Array, pa.Array]:
+) -> Tuple[np.ndarray, pa.Array]:
     keys, values = piece.keys, piece.values
     mask = None
     if piece.deleted is not None and len(piece.deleted):
@@ -167,14 +170,22 @@ def _columnar_batch_columns(
         values = np.concatenate([values, np.zeros(len(piece.deleted), values.dtype)])
         mask = np.zeros(len(keys), bool)
         mask[len(piece.keys) :] = True
-    keys, values = keys[start:stop], values[start:stop]
+    value_child = pa.array(values[start:stop], column.storage_type, mask=None if mask is None else mask[start:stop])
+    return keys[start:stop], value_child
+
+
+def _all_int64_keys(group: Any) -> bool:
+    if isinstance(group, ColumnarSlice):
+        return True
+    return all(type(k) is int and _INT64_MIN <= k <= _INT64_MAX for k in group)
+
+
+def _int_key_union(keys: Any) -> pa.Array:
     n = len(keys)
-    key_children = [pa.array(keys, pa.int64()), pa.array([], pa.string()), pa.array([], pa.binary())]
-    key_array = pa.UnionArray.from_dense(
-        pa.array(np.zeros(n, np.int8)), pa.array(np.arange(n, dtype=np.int32)), key_children, ["int", "str", "packed"]
+    children = [pa.array(keys, pa.int64()), pa.array([], pa.string()), pa.array([], pa.binary())]
+    return pa.UnionArray.from_dense(
+        pa.array(np.zeros(n, np.int8)), pa.array(np.arange(n, dtype=np.int32)), children, ["int", "str", "packed"]
     )
-    value_child = pa.array(values, column.storage_type, mask=None if mask is None else mask[start:stop])
-    return key_array, value_child
 
 
 def _union_of(children_types: Sequence[pa.DataType], names: Sequence[str], index: int, child: pa.Array) -> pa.Array:
@@ -186,6 +197,38 @@ def _union_of(children_types: Sequence[pa.DataType], names: Sequence[str], index
     )
 
 
+def _plan_batches(
+    groups: Sequence[Sequence[Any]], key_group_range: KeyGroupRange, num_states: int
+) -> List[Tuple[int, List[Tuple[int, Any, int, int]]]]:
+    """Batches as (state, parts), each part (key group, group, start, stop): one state
+    per batch, consecutive key groups merged until a batch has TARGET_ROWS rows
+    (few, large batches keep per-batch costs down), none over ROWS_PER_BATCH."""
+    plan: List[Tuple[int, List[Tuple[int, Any, int, int]]]] = []
+    for state_index in range(num_states):
+        parts: List[Tuple[int, Any, int, int]] = []
+        rows = 0
+        for offset, key_group in enumerate(key_group_range):
+            group = groups[state_index][offset]
+            size, start = len(group), 0
+            if size >= OWN_BATCH_ROWS and parts:  # large groups are not merged with others
+                plan.append((state_index, parts))
+                parts, rows = [], 0
+            while start < size:
+                take = min(size - start, ROWS_PER_BATCH - rows)
+                parts.append((key_group, group, start, start + take))
+                rows += take
+                start += take
+                if rows >= ROWS_PER_BATCH:
+                    plan.append((state_index, parts))
+                    parts, rows = [], 0
+            if rows >= TARGET_ROWS or (size >= OWN_BATCH_ROWS and parts):
+                plan.append((state_index, parts))
+                parts, rows = [], 0
+        if parts:
+            plan.append((state_index, parts))
+    return plan
+
+
 def write_keyed_state(
     stream: Any,
     *,
@@ -193,19 +236,18 @@ def write_keyed_state(
     max_parallelism: int,
     key_group_range: KeyGroupRange,
     columns: Sequence[StateColumn],
-    groups: Sequence[Sequence[Dict[Any, Any]]],
+    groups: Sequence[Sequence[Any]],
 ) -> KeyGroupsStateHandle:
     """Writes ``groups[state][key_group - range.start]`` (dicts of key -> stored
-    value) to ``stream`` (a CheckpointStateOutputStream, or one duplicating it) and
-    returns the handle. The stream is closed here, or aborted on error."""
+    value, or ColumnarSlices) to ``stream`` (a CheckpointStateOutputStream, or one
+    duplicating it) and returns the handle. The stream is closed here, or aborted
+    on error."""
     value_types = [c.storage_type for c in columns]
     value_names = [f"s{i}" for i in range(len(columns))]
-    plan = [
-        (key_group, state_index, -(-len(groups[state_index][offset]) // ROWS_PER_BATCH))
-        for offset, key_group in enumerate(key_group_range)
-        for state_index in range(len(columns))
-        if groups[state_index][offset]
-    ]
+    plan = _plan_batches(groups, key_group_range, len(columns))
+    # Plain columns where they can be: unions cost a type id and an offset per row.
+    plain_keys = all(_all_int64_keys(group) for _, parts in plan for _, group, _, _ in parts)
+    plain_values = len(columns) == 1
     meta = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -213,14 +255,17 @@ def write_keyed_state(
         "max_parallelism": max_parallelism,
         "key_groups": [key_group_range.start, key_group_range.end],
         "states": [c.to_json() for c in columns],
-        "batches": [[kg, s] for kg, s, chunks in plan for _ in range(chunks)],
+        "batches": [[parts[0][0], parts[-1][0], state_index] for state_index, parts in plan],
+        "key_encoding": "int64" if plain_keys else "union",
+        "value_encoding": "plain" if plain_values else "union",
     }
+    value_union = pa.dense_union([pa.field(n, t) for n, t in zip(value_names, value_types, strict=True)])
     schema = pa.schema(
         [
-            pa.field("key_group", pa.int16()),
-            pa.field("state", pa.int16()),
-            pa.field("key", _KEY_TYPE),
-            pa.field("value", pa.dense_union([pa.field(n, t) for n, t in zip(value_names, value_types, strict=True)])),
+            pa.field("key_group", _RUNS),
+            pa.field("state", _RUNS),
+            pa.field("key", pa.int64() if plain_keys else _KEY_TYPE),
+            pa.field("value", value_types[0] if plain_values else value_union),
         ],
         metadata={"pyengine": json.dumps(meta, separators=(",", ":"))},
     )
@@ -229,35 +274,48 @@ def write_keyed_state(
         writer = ipc.new_file(stream, schema, options=ipc.IpcWriteOptions(compression="lz4"))
         # Batch 0 is empty: it makes the writer emit the header, so batches 1.. have exact ranges.
         writer.write_batch(_empty_batch(schema))
-        batch_number = 0
-        for key_group, state_index, chunks in plan:
-            group = groups[state_index][key_group - key_group_range.start]
-            entries = iter(group.items()) if isinstance(group, dict) else None
-            for chunk in range(chunks):
-                if entries is None:  # a ColumnarSlice: whole arrays, no Python object per entry
-                    start = chunk * ROWS_PER_BATCH
-                    key_array, value_child = _columnar_batch_columns(
-                        columns[state_index], group, start, start + ROWS_PER_BATCH
+        for batch_number, (state_index, parts) in enumerate(plan, start=1):
+            column = columns[state_index]
+            lengths: List[int] = []
+            if isinstance(parts[0][1], ColumnarSlice):  # whole arrays, no Python object per entry
+                key_pieces, value_pieces = [], []
+                for _, group, start, stop in parts:
+                    keys, values = _columnar_batch_columns(column, group, start, stop)
+                    key_pieces.append(keys)
+                    value_pieces.append(values)
+                    lengths.append(len(keys))
+                all_keys = key_pieces[0] if len(key_pieces) == 1 else np.concatenate(key_pieces)
+                key_array = pa.array(all_keys, pa.int64()) if plain_keys else _int_key_union(all_keys)
+                value_child = value_pieces[0] if len(value_pieces) == 1 else pa.concat_arrays(value_pieces)
+            else:
+                items: List[Tuple[Any, Any]] = []
+                for _, group, start, stop in parts:
+                    chunk = (
+                        group.items()
+                        if (start, stop) == (0, len(group))
+                        else itertools.islice(group.items(), start, stop)
                     )
-                else:
-                    items = list(itertools.islice(entries, ROWS_PER_BATCH))
-                    key_array = _key_array([k for k, _ in items])
-                    value_child = _value_child(columns[state_index], [v for _, v in items])
-                n = len(key_array)
-                batch = pa.record_batch(
-                    [
-                        pa.array(np.full(n, key_group, np.int16)),
-                        pa.array(np.full(n, state_index, np.int16)),
-                        key_array,
-                        _union_of(value_types, value_names, state_index, value_child),
-                    ],
-                    schema=schema,
-                )
-                batch_number += 1
-                stream.begin_segment()
-                writer.write_batch(batch)
-                offset, length, checksum = stream.end_segment()
-                index.append(BatchIndexEntry(key_group, batch_number, offset, length, checksum))
+                    before = len(items)
+                    items.extend(chunk)
+                    lengths.append(len(items) - before)
+                key_list = [k for k, _ in items]
+                key_array = pa.array(key_list, pa.int64()) if plain_keys else _key_array(key_list)
+                value_child = _value_child(column, [v for _, v in items])
+            n = len(key_array)
+            value_array = value_child if plain_values else _union_of(value_types, value_names, state_index, value_child)
+            batch = pa.record_batch(
+                [
+                    _runs([kg for kg, _, _, _ in parts], lengths),
+                    _runs([state_index], [n]),
+                    key_array,
+                    value_array,
+                ],
+                schema=schema,
+            )
+            stream.begin_segment()
+            writer.write_batch(batch)
+            offset, length, checksum = stream.end_segment()
+            index.append(BatchIndexEntry(parts[0][0], batch_number, offset, length, checksum, parts[-1][0]))
         writer.close()
         handle = stream.close_and_get_handle()
     return KeyGroupsStateHandle(
@@ -269,10 +327,31 @@ def write_keyed_state(
     )
 
 
-def _empty_batch(schema: pa.Schema) -> pa.RecordBatch:
-    return pa.RecordBatch.from_arrays(
-        [pa.array([], f.type) if not pa.types.is_union(f.type) else _empty_union(f.type) for f in schema], schema=schema
+def _runs(values: Sequence[int], lengths: Sequence[int]) -> pa.Array:
+    """A run-end encoded int16 column: a few runs per batch instead of a value per row."""
+    return pa.RunEndEncodedArray.from_arrays(
+        pa.array(np.cumsum(np.asarray(lengths, np.int64)).astype(np.int32)), pa.array(np.asarray(values, np.int16))
     )
+
+
+def _run_list(column: Any) -> List[Tuple[int, int, int]]:
+    """(value, first row, end row) of each run of a run-end encoded column."""
+    ends = column.run_ends.to_numpy(zero_copy_only=False).tolist()
+    values = column.values.to_numpy(zero_copy_only=False).tolist()
+    starts = [0, *ends[:-1]]
+    return list(zip(values, starts, ends, strict=True))
+
+
+def _empty_batch(schema: pa.Schema) -> pa.RecordBatch:
+    arrays = []
+    for f in schema:
+        if pa.types.is_union(f.type):
+            arrays.append(_empty_union(f.type))
+        elif f.type == _RUNS:
+            arrays.append(_runs([], []))
+        else:
+            arrays.append(pa.array([], f.type))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
 def _empty_union(union_type: pa.DataType) -> pa.Array:
@@ -289,7 +368,9 @@ class SchemaInfo:
     max_parallelism: int
     key_groups: KeyGroupRange
     columns: Tuple[StateColumn, ...]
-    batches: Tuple[Tuple[int, int], ...]  # (key group, state) of batches 1..n
+    batches: Tuple[Tuple[int, int, int], ...]  # (first key group, last key group, state) of batches 1..n
+    plain_keys: bool = False  # the key column is int64, not a union
+    plain_values: bool = False  # the value column is the one state's own, not a union
 
 
 def read_schema_info(schema: pa.Schema, *, where: str) -> SchemaInfo:
@@ -308,12 +389,13 @@ def read_schema_info(schema: pa.Schema, *, where: str) -> SchemaInfo:
             f"{FORMAT_VERSION}"
         )
     value_field = schema.field("value").type
+    plain_values = meta.get("value_encoding") == "plain"
     columns = []
     for i, c in enumerate(meta["states"]):
         # The exact declared types are the value union's children, not the metadata's text.
         arrow_type = map_key_type = None
         if c.get("typed"):
-            child = value_field.field(i).type
+            child = value_field if plain_values else value_field.field(i).type
             if c["kind"] == "list":
                 arrow_type = child.value_type
             elif c["kind"] == "map":
@@ -336,8 +418,19 @@ def read_schema_info(schema: pa.Schema, *, where: str) -> SchemaInfo:
         max_parallelism=int(meta["max_parallelism"]),
         key_groups=KeyGroupRange(int(start), int(end)),
         columns=tuple(columns),
-        batches=tuple((int(kg), int(s)) for kg, s in meta["batches"]),
+        plain_keys=meta.get("key_encoding") == "int64",
+        plain_values=plain_values,
+        batches=tuple((int(b[0]), int(b[1]), int(b[2])) for b in meta["batches"]),
     )
+
+
+def _union_child(column: Any, code: int) -> pa.Array:
+    """The rows of a (possibly sliced) dense union as its child ``code``: the files
+    this module writes use one child per batch, at offsets 0..n-1, so a slice of
+    the union is the matching slice of that child."""
+    if not len(column):
+        return column.field(code).slice(0, 0)
+    return column.field(code).slice(column.offsets[0].as_py(), len(column))
 
 
 def _decode_keys(column: pa.UnionArray) -> List[Any]:
@@ -345,7 +438,7 @@ def _decode_keys(column: pa.UnionArray) -> List[Any]:
     if len(codes) != 1:
         return [_decode_key(column, i) for i in range(len(column))]
     code = codes.pop()
-    values = column.field(code).to_pylist()
+    values = _union_child(column, code).to_pylist()
     if code == _KEY_PACKED:
         return [_SAFE.loads(v) for v in values]
     return values
@@ -408,7 +501,8 @@ def read_keyed_state(
     )
     try:
         if whole:
-            data = read_bytes(handle.stream, what=what)
+            segments = [(e.offset, e.length, e.checksum) for e in handle.index]
+            data = read_bytes(handle.stream, what=what, segments=segments)
             reader = ipc.open_file(pa.py_buffer(data))
             schema = reader.schema
         else:
@@ -421,29 +515,34 @@ def read_keyed_state(
     info = read_schema_info(schema, where=where)
 
     def entries() -> Iterator[Tuple[int, StateColumn, Any, Any]]:
-        for key_group, spec, state_index, batch in raw_batches():
-            if arrays and spec.typed and spec.kind == "value":
-                key_column = batch.column(2)
+        for spec, state_index, batch, runs in raw_batches():
+            # Decode the whole batch once (unions are never sliced: pyarrow's union
+            # offsets ignore a slice's own offset), then cut it into key groups.
+            key_column = batch.column(2)
+            value_column = batch.column(3) if info.plain_values else _union_child(batch.column(3), state_index)
+            int_keys: Optional[pa.Array] = None
+            if info.plain_keys:
+                int_keys = key_column
+            else:
                 codes = key_column.type_codes.to_numpy(zero_copy_only=False)
                 if len(codes) and bool((codes == _KEY_INT).all()):
-                    # keys and values as Arrow arrays, for columnar state
-                    yield key_group, spec, key_column.field(_KEY_INT), batch.column(3).field(state_index)
-                    continue
-            keys = _decode_keys(batch.column(2))
-            values = _decode_values(
-                spec,
-                batch.column(3).field(state_index),
-                allow_pickle=spec.name in pickle_ok,
-                defer_pickle=defer_pickle,
-                where=where,
-            )
-            yield key_group, spec, keys, values
-
-    def raw_batches() -> Iterator[Tuple[int, StateColumn, int, pa.RecordBatch]]:
-        for entry in handle.index:
-            if entry.key_group not in wanted:
+                    int_keys = _union_child(key_column, _KEY_INT)
+            if arrays and spec.typed and spec.kind == "value" and int_keys is not None:
+                for key_group, a, b in runs:  # keys and values as Arrow arrays, for columnar state
+                    yield key_group, spec, int_keys.slice(a, b - a), value_column.slice(a, b - a)
                 continue
-            state_index = info.batches[entry.batch - 1][1]
+            keys = int_keys.to_pylist() if int_keys is not None else _decode_keys(key_column)
+            values = _decode_values(
+                spec, value_column, allow_pickle=spec.name in pickle_ok, defer_pickle=defer_pickle, where=where
+            )
+            for key_group, a, b in runs:
+                yield key_group, spec, keys[a:b], values[a:b]
+
+    def raw_batches() -> Iterator[Tuple[StateColumn, int, pa.RecordBatch, List[Tuple[int, int, int]]]]:
+        for entry in handle.index:
+            if not entry.overlaps(wanted.start, wanted.end):
+                continue
+            state_index = info.batches[entry.batch - 1][2]
             if only is not None and info.columns[state_index].name not in only:
                 continue
             try:
@@ -454,6 +553,9 @@ def read_keyed_state(
                     batch = ipc.read_record_batch(ipc.read_message(pa.py_buffer(raw)), schema)
             except (pa.ArrowInvalid, IndexError) as exc:
                 raise CorruptStateError(f"{where}: batch {entry.batch} cannot be read: {exc}") from None
-            yield entry.key_group, info.columns[state_index], state_index, batch
+            # A batch may hold several key groups, in order: (key group, first row, end row) runs.
+            runs = [run for run in _run_list(batch.column(0)) if run[0] in wanted]
+            if runs:
+                yield info.columns[state_index], state_index, batch, runs
 
     return info, entries()

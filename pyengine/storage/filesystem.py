@@ -18,7 +18,7 @@ import json
 import re
 import threading
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -118,6 +118,7 @@ class CheckpointStateOutputStream:
         self._hash = xxhash.xxh3_64()
         self._segment: Optional[Any] = None
         self._segment_start = 0
+        self._segmented = False
         self._size = 0
         self.closed = False
 
@@ -132,24 +133,27 @@ class CheckpointStateOutputStream:
                 self._pending = None
         else:
             self._out.write(view)
-        self._hash.update(view)
-        if self._segment is not None:
-            self._segment.update(view)
+        # Each byte is hashed once: by its segment's hasher inside one, else by the file's.
+        (self._segment if self._segment is not None else self._hash).update(view)
         self._size += view.nbytes
         return view.nbytes
 
     def begin_segment(self) -> None:
-        """Starts hashing a byte range of its own (one record batch of a state file)."""
+        """Starts hashing a byte range of its own (one record batch of a state file).
+        The file's checksum then covers the segment through the segment's digest:
+        ``xxh3s:`` checksums, verified with the segments' index (``read_bytes``)."""
         self._segment = xxhash.xxh3_64()
         self._segment_start = self._size
+        self._segmented = True
 
     def end_segment(self) -> Tuple[int, int, str]:
         """(offset, length, checksum) of the bytes written since ``begin_segment``."""
         if self._segment is None:
             raise ValueError("end_segment() without begin_segment()")
-        digest = checksum_hex(self._segment.intdigest())
+        value = self._segment.intdigest()
         self._segment = None
-        return self._segment_start, self._size - self._segment_start, digest
+        self._hash.update(value.to_bytes(8, "little"))
+        return self._segment_start, self._size - self._segment_start, checksum_hex(value)
 
     def tell(self) -> int:
         return self._size
@@ -168,6 +172,8 @@ class CheckpointStateOutputStream:
             raise ValueError(f"stream for {self.path} is already closed")
         self.closed = True
         checksum = checksum_hex(self._hash.intdigest())
+        if self._segmented:
+            checksum = "xxh3s" + checksum[len("xxh3") :]
         if self._pending is not None:
             return ByteStreamStateHandle(self._prefix + self.path, bytes(self._pending), checksum)
         self._out.close()
@@ -343,7 +349,23 @@ def _what(what: str) -> str:
     return f" ({what})" if what else ""
 
 
-def _verify(data: bytes, checksum: str, subject: str, what: str) -> None:
+def _segmented_digest(data: bytes, segments: Sequence[Tuple[int, int, str]], subject: str, what: str) -> int:
+    """The checksum of a file written with segments: each segment verified against
+    its own checksum, everything else and the segment digests hashed in order."""
+    hasher = xxhash.xxh3_64()
+    view = memoryview(data)
+    position = 0
+    for offset, length, checksum in sorted(segments):
+        hasher.update(view[position:offset])
+        piece = view[offset : offset + length]
+        _verify(piece, checksum, f"bytes {offset}-{offset + length} of {subject}", what)
+        hasher.update(xxhash.xxh3_64_intdigest(piece).to_bytes(8, "little"))
+        position = offset + length
+    hasher.update(view[position:])
+    return hasher.intdigest()
+
+
+def _verify(data: Any, checksum: str, subject: str, what: str) -> None:
     expected = parse_checksum(checksum)
     if expected is None:
         raise CorruptStateError(f"{subject}{_what(what)} has no usable checksum ({checksum!r})")
@@ -363,20 +385,31 @@ def open_input_file(path: str, *, what: str = "") -> Any:
         raise CorruptStateError(f"state file {path} is missing{_what(what)}") from None
 
 
-def read_bytes(handle: StateHandle, *, what: str = "") -> bytes:
-    """The whole content behind ``handle``, checksum verified."""
+def read_bytes(
+    handle: StateHandle, *, what: str = "", segments: Optional[Sequence[Tuple[int, int, str]]] = None
+) -> bytes:
+    """The whole content behind ``handle``, checksum verified; content written with
+    segments (an ``xxh3s:`` checksum) needs their (offset, length, checksum) to verify."""
     if isinstance(handle, ByteStreamStateHandle):
-        _verify(handle.data, handle.checksum, f"inline state {handle.name!r}", what)
-        return handle.data
-    if not isinstance(handle, StreamStateHandle):
+        data, subject = handle.data, f"inline state {handle.name!r}"
+    elif isinstance(handle, StreamStateHandle):
+        with open_input_file(handle.path, what=what) as f:
+            data = f.read()
+        subject = f"state file {handle.path}"
+        if len(data) != handle.size:
+            raise CorruptStateError(
+                f"{subject}{_what(what)} has {len(data)} bytes where {handle.size} were written: truncated?"
+            )
+    else:
         raise TypeError(f"cannot read bytes of {handle!r}")
-    with open_input_file(handle.path, what=what) as f:
-        data = f.read()
-    if len(data) != handle.size:
-        raise CorruptStateError(
-            f"state file {handle.path}{_what(what)} has {len(data)} bytes where {handle.size} were written: truncated?"
-        )
-    _verify(data, handle.checksum, f"state file {handle.path}", what)
+    if handle.checksum.startswith("xxh3s:"):
+        if segments is None:
+            raise CorruptStateError(f"{subject}{_what(what)} needs its batch index to be verified")
+        actual = checksum_hex(_segmented_digest(data, segments, subject, what))
+        if actual[len("xxh3:") :] != handle.checksum[len("xxh3s:") :]:
+            raise CorruptStateError(f"checksum mismatch in {subject}{_what(what)}: recorded {handle.checksum}")
+    else:
+        _verify(data, handle.checksum, subject, what)
     return data
 
 

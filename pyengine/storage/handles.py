@@ -72,21 +72,31 @@ class ByteStreamStateHandle(StateHandle):
 
 @dataclass(frozen=True)
 class BatchIndexEntry:
-    """Where one record batch of a state file is: its key group and byte range, so a
-    subtask can read (and verify) only the key groups it owns."""
+    """Where one record batch of a state file is: the key groups it holds
+    (``key_group`` to ``last_key_group``) and its byte range, so a subtask can
+    read (and verify) only batches with key groups it owns."""
 
     key_group: int
     batch: int
     offset: int
     length: int
     checksum: str
+    last_key_group: int = -1
+
+    def __post_init__(self) -> None:
+        if self.last_key_group < 0:
+            object.__setattr__(self, "last_key_group", self.key_group)
+
+    def overlaps(self, start: int, end: int) -> bool:
+        return self.key_group <= end and self.last_key_group >= start
 
     def to_json(self) -> List[Any]:
-        return [self.key_group, self.batch, self.offset, self.length, self.checksum]
+        return [self.key_group, self.batch, self.offset, self.length, self.checksum, self.last_key_group]
 
     @classmethod
     def from_json(cls, data: List[Any]) -> BatchIndexEntry:
-        return cls(int(data[0]), int(data[1]), int(data[2]), int(data[3]), str(data[4]))
+        last = int(data[5]) if len(data) > 5 else -1
+        return cls(int(data[0]), int(data[1]), int(data[2]), int(data[3]), str(data[4]), last)
 
 
 @dataclass(frozen=True)
@@ -112,7 +122,7 @@ class KeyGroupsStateHandle(StateHandle):
         return range(self.key_group_start, self.key_group_end + 1)
 
     def batches_for(self, start: int, end: int) -> List[BatchIndexEntry]:
-        return [e for e in self.index if start <= e.key_group <= end]
+        return [e for e in self.index if e.overlaps(start, end)]
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -165,6 +175,7 @@ def checksum_hex(value: int) -> str:
 
 
 def parse_checksum(text: Optional[str]) -> Optional[int]:
+    """The value of an ``xxh3:`` checksum (None for anything else, segmented ones included)."""
     if not text or not text.startswith("xxh3:"):
         return None
     return int(text[5:], 16)

@@ -143,7 +143,8 @@ class LocalRecoveryDirectory:
             local = self.local_handle(handle)
             if local is not None:
                 try:
-                    read_bytes(local.stream, what="local recovery copy")
+                    segments = [(e.offset, e.length, e.checksum) for e in local.index]
+                    read_bytes(local.stream, what="local recovery copy", segments=segments)
                 except CorruptStateError as exc:
                     log.warning("local recovery copy unusable, reading primary storage instead: %s", exc)
                     local = None
