@@ -121,7 +121,7 @@ def test_single_calls(benchmark, mode: str, n: int) -> None:
     native, reference = paired_best(
         lambda: single_calls_round(native_gate, order, n),
         lambda: single_calls_round(reference_gate, order, n),
-        rounds=2 if n >= 64 else 4,
+        rounds=4 if n >= 64 else 6,
     )
     buffers = n * PER_CHANNEL
     RESULTS[("single", mode, n, "native")] = native / buffers
