@@ -623,13 +623,18 @@ cdef class InputGate:
             pe_bitset_set(&self.blocked, ch)
         return 0
 
+    cdef int64_t end_alignment(self) except? -1:
+        """Ends the aligned phase: releases the blocked channels, records how long it took."""
+        cdef int64_t duration = self.mono() - self.alignment_start
+        self.release_blocks()
+        self.last_alignment_ns = duration
+        return duration
+
     cdef int complete(self, object barrier, list notes) except -1:
         cdef int64_t duration
         self.pending = False
         if self.phase == ALIGNED:
-            duration = self.mono() - self.alignment_start
-            self.release_blocks()
-            self.last_alignment_ns = duration
+            duration = self.end_alignment()
             metrics = Metrics(duration, self.last_start_delay_ns, self.bytes_during_alignment, False)
             notes.append((self.cb_trigger, (barrier, metrics)))
         elif self.cb_finish is not None:
@@ -637,12 +642,9 @@ cdef class InputGate:
         return 0
 
     cdef int abort_pending(self, object reason, list notes) except -1:
-        cdef int64_t duration
         self.pending = False
         if self.phase == ALIGNED:
-            duration = self.mono() - self.alignment_start
-            self.release_blocks()
-            self.last_alignment_ns = duration
+            self.end_alignment()
         notes.append((self.cb_abort, (self.align.checkpoint_id, reason)))
         return 0
 

@@ -445,13 +445,18 @@ class ReferenceCheckpointedInputGate:
             self._timeout_eligible = unaligned_kind
             self._block(ch)
 
+    def _end_alignment(self) -> int:
+        """Ends the aligned phase: releases the blocked channels, records how long it took."""
+        duration = self._mono() - self._alignment_start
+        self._release_blocks()
+        self._last_alignment_ns = duration
+        return duration
+
     def _complete(self, barrier: CheckpointBarrier, notes: List[Callable[[], Any]]) -> None:
         self._pending = False
         checkpoint_id = self._current
         if self._phase == _ALIGNED:
-            duration = self._mono() - self._alignment_start
-            self._release_blocks()
-            self._last_alignment_ns = duration
+            duration = self._end_alignment()
             metrics = CheckpointMetrics(duration, self._last_start_delay_ns, self._bytes_during_alignment, False)
             notes.append(lambda: self._cb.trigger(barrier, metrics))
         elif self._cb.finish_input is not None:
@@ -461,9 +466,7 @@ class ReferenceCheckpointedInputGate:
     def _abort_pending(self, reason: CheckpointFailureReason, notes: List[Callable[[], Any]]) -> None:
         self._pending = False
         if self._phase == _ALIGNED:
-            duration = self._mono() - self._alignment_start
-            self._release_blocks()
-            self._last_alignment_ns = duration
+            self._end_alignment()
         notes.append(self._abort_note(self._current, reason))
 
     def _eo_cancel(self, checkpoint_id: int, notes: List[Callable[[], Any]]) -> None:

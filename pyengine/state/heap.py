@@ -216,7 +216,10 @@ class _KeyedState:
         self._backend = backend
         self._table = table
         self._ttl = ttl
-        self._check: Optional[Callable[[Any], None]] = None
+        d = table.descriptor
+        self._check: Optional[Callable[[Any], None]] = _validator(
+            getattr(d, "type", None), f"{d.kind} state {d.name!r}"
+        )
 
     @property
     def name(self) -> str:
@@ -271,7 +274,6 @@ class ValueState(_KeyedState):
         d = table.descriptor
         assert isinstance(d, ValueStateDescriptor)
         self._default = d.default
-        self._check = _validator(d.type, f"value state {d.name!r}")
 
     def value(self) -> Any:
         v = self._load()
@@ -320,7 +322,6 @@ class ReducingState(_FoldingState):
         d = table.descriptor
         assert isinstance(d, ReducingStateDescriptor)
         self._reduce = d.reduce_function
-        self._check = _validator(d.type, f"reducing state {d.name!r}")
 
     def _fold(self, accumulated: Any, value: Any) -> Any:
         return self._reduce(accumulated, value)
@@ -340,7 +341,6 @@ class AggregatingState(_FoldingState):
         d = table.descriptor
         assert isinstance(d, AggregatingStateDescriptor)
         self._function = d.aggregate_function
-        self._check = _validator(d.type, f"aggregating state {d.name!r}")
 
     def _initial(self) -> Any:
         return self._function.create_accumulator()
@@ -362,7 +362,6 @@ class ListState(_KeyedState):
         super().__init__(backend, table, ttl)
         d = table.descriptor
         assert isinstance(d, ListStateDescriptor)
-        self._check = _validator(d.type, f"list state {d.name!r}")
 
     def _elements(self, write: bool) -> Optional[List[Any]]:
         """The stored elements of the current key, expired ones dropped; private
