@@ -74,24 +74,18 @@ def _state_bytes(backend) -> int:
 
 
 def test_heap_snapshot_against_raw_arrow_ipc(benchmark, filled) -> None:
-    f = filled
-    label = f.label
-    backend = f.backend
-    storage = f.storage
-    keys = f.keys
-    values = f.values
     syncs, asyncs, raws = [], [], []
     for _ in range(5):  # interleaved, so a slow spell of the machine hits both
         checkpoint_id = next(_ids)
         start = time.perf_counter()
-        snapshot = backend.snapshot(checkpoint_id, storage.location(checkpoint_id))
+        snapshot = filled.backend.snapshot(checkpoint_id, filled.storage.location(checkpoint_id))
         syncs.append(time.perf_counter() - start)
         start = time.perf_counter()
         snapshot.run()
         asyncs.append(time.perf_counter() - start)
-        storage.location(checkpoint_id).dispose()
+        filled.storage.location(checkpoint_id).dispose()
         start = time.perf_counter()
-        _raw_ipc(storage, keys, values)
+        _raw_ipc(filled.storage, filled.keys, filled.values)
         raws.append(time.perf_counter() - start)
     benchmark.group = "state snapshot"
     benchmark.pedantic(lambda: None, rounds=1)
@@ -100,7 +94,7 @@ def test_heap_snapshot_against_raw_arrow_ipc(benchmark, filled) -> None:
     met = "met" if ratio >= 0.70 else "NOT MET, reported only"
     benchmark.extra_info.update(async_s=min(asyncs), raw_ipc_s=min(raws), sync_ms=min(syncs) * 1e3)
     SUMMARY.append(
-        f"heap snapshot {label}: async {min(asyncs):.3f} s, raw pyarrow.ipc {min(raws):.3f} s -> "
+        f"heap snapshot {filled.label}: async {min(asyncs):.3f} s, raw pyarrow.ipc {min(raws):.3f} s -> "
         f"{ratio:.0%} of raw throughput (target >= 70%: {met}); sync {min(syncs) * 1e3:.2f} ms = "
         f"{sync_share:.2%} of async (target <= 5%)"
     )
@@ -110,39 +104,27 @@ def test_heap_snapshot_against_raw_arrow_ipc(benchmark, filled) -> None:
 def test_against_pickling_the_dict(filled) -> None:
     """Reported: pickle of an all-int dict is C-accelerated and about as fast as
     raw Arrow IPC with LZ4 here, so 5x faster than it is out of reach."""
-    f = filled
-    label = f.label
-    backend = f.backend
-    storage = f.storage
-    keys = f.keys
-    values = f.values
-    directory = f.directory
-    as_dict = dict(zip(keys.tolist(), values.tolist(), strict=True))
+    as_dict = dict(zip(filled.keys.tolist(), filled.values.tolist(), strict=True))
     start = time.perf_counter()
-    with open(os.path.join(directory, "dict.pickle"), "wb") as f:
+    with open(os.path.join(filled.directory, "dict.pickle"), "wb") as f:
         pickle.dump(as_dict, f, protocol=pickle.HIGHEST_PROTOCOL)
     pickled = time.perf_counter() - start
     del as_dict
     checkpoint_id = next(_ids)
     start = time.perf_counter()
-    backend.snapshot(checkpoint_id, storage.location(checkpoint_id)).run()
+    filled.backend.snapshot(checkpoint_id, filled.storage.location(checkpoint_id)).run()
     ours = time.perf_counter() - start
-    storage.location(checkpoint_id).dispose()
+    filled.storage.location(checkpoint_id).dispose()
     SUMMARY.append(
-        f"heap snapshot {label}: {ours:.3f} s vs pickling the dict {pickled:.3f} s -> {pickled / ours:.1f}x "
+        f"heap snapshot {filled.label}: {ours:.3f} s vs pickling the dict {pickled:.3f} s -> {pickled / ours:.1f}x "
         f"(target >= 5x: {'met' if pickled / ours >= 5 else 'NOT MET'}, reported only)"
     )
     assert ours > 0
 
 
 def test_restore_throughput(benchmark, filled) -> None:
-    f = filled
-    label = f.label
-    n = f.n
-    backend = f.backend
-    storage = f.storage
     checkpoint_id = next(_ids)
-    result = backend.snapshot(checkpoint_id, storage.location(checkpoint_id)).run()
+    result = filled.backend.snapshot(checkpoint_id, filled.storage.location(checkpoint_id)).run()
     size = result.checkpointed_size
 
     def restore():
@@ -152,10 +134,10 @@ def test_restore_throughput(benchmark, filled) -> None:
 
     benchmark.group = "state restore"
     restored = benchmark.pedantic(restore, rounds=3, iterations=1)
-    assert restored.num_entries("count") == n
+    assert restored.num_entries("count") == filled.n
     rate = size / best_seconds(benchmark) / 1e6
     benchmark.extra_info["MB_per_s"] = round(rate)
-    SUMMARY.append(f"restore {label}: {rate:.0f} MB/s of state files (target >= 200 MB/s per core)")
+    SUMMARY.append(f"restore {filled.label}: {rate:.0f} MB/s of state files (target >= 200 MB/s per core)")
     assert rate >= 200
 
 
@@ -211,20 +193,18 @@ def _peak_rss() -> int:
 
 def test_peak_memory_while_snapshotting(filled) -> None:
     """On disk storage: memory storage would hold the written file in RAM by design."""
-    f = filled
-    label, backend, directory = f.label, f.backend, f.directory
-    disk = checkpoint_storage(str(directory / "disk"), "bench")
+    disk = checkpoint_storage(str(filled.directory / "disk"), "bench")
     gc.collect()
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # resets the peak (VmHWM) to the current RSS
     before = _rss()
     checkpoint_id = next(_ids)
-    backend.snapshot(checkpoint_id, disk.location(checkpoint_id)).run()
+    filled.backend.snapshot(checkpoint_id, disk.location(checkpoint_id)).run()
     extra = _peak_rss() - before
-    state = _state_bytes(backend)
+    state = _state_bytes(filled.backend)
     disk.location(checkpoint_id).dispose()
     SUMMARY.append(
-        f"snapshot {label}: peak memory +{extra / 2**20:.0f} MB over a {state / 2**20:.0f} MB state "
+        f"snapshot {filled.label}: peak memory +{extra / 2**20:.0f} MB over a {state / 2**20:.0f} MB state "
         f"({(state + extra) / state:.2f}x, target <= 1.5x)"
     )
     assert state + extra <= 1.5 * state
