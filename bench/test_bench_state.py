@@ -9,11 +9,12 @@ part; restore >= 200 MB/s of state files; peak memory while snapshotting within
 1.5x the state's size; an incremental checkpoint of 1% changed keys <= 3% of the
 bytes of a full one.
 
-Measured and reported, NOT yet met robustly (issue #3 stays open for them):
->= 70% of raw pyarrow.ipc throughput (met at 10M entries, 49-61% at 1M, where
-fixed per-file costs weigh more); >= 5x faster than pickling the dict (5-8x,
-too close to the line to assert on a shared machine); the incremental checkpoint
-in <= 10% of a full one's time (~17%: fixed per-checkpoint costs).
+Measured and reported, not met robustly on this shared 2-core machine:
+>= 70% of raw pyarrow.ipc throughput (50-69%: the file is 128 key-group batches
+with per-batch checksums, and pyarrow alone writes 128 batches at 60-72% of the
+speed of one); >= 5x faster than pickling the dict (5-8x, too close to the line
+to assert); the incremental checkpoint in <= 10% of a full one's time (9-12%:
+gathering 1% of the keys is random access into the whole state).
 """
 
 from __future__ import annotations
@@ -163,13 +164,16 @@ def test_incremental_checkpoint_of_one_percent_changes(benchmark) -> None:
         start = time.perf_counter()
         result = backend.snapshot(2 + round_, storage.location(2 + round_)).run()
         deltas.append(time.perf_counter() - start)
+        # As in a job with max_concurrent=1: each checkpoint completes before the next.
+        backend.notify_checkpoint_complete(2 + round_)
     benchmark.group = "incremental"
     benchmark.pedantic(lambda: None, rounds=1)
     byte_share = result.checkpointed_size / full.checkpointed_size
     time_share = min(deltas) / min(fulls)
     SUMMARY.append(
         f"incremental, 1% of {n:,} keys changed: {byte_share:.2%} of the bytes (target <= 3%) in "
-        f"{time_share:.1%} of the time (target <= 10%: {'met' if time_share <= 0.10 else 'NOT MET, reported only'}) "
+        f"{min(deltas) * 1e3:.1f} ms vs {min(fulls) * 1e3:.1f} ms = {time_share:.1%} of the time "
+        f"(target <= 10%: {'met' if time_share <= 0.10 else 'NOT MET, reported only'}) "
         "of a full checkpoint"
     )
     assert byte_share <= 0.03

@@ -158,3 +158,46 @@ cdef class ColumnarGroup:
         values = np.zeros(m, self.values.dtype)
         values[found] = self.values[positions[found]]
         return found, values
+
+
+def gather_changes(list groups, list touched):
+    """The entries behind many groups' changed-key sets, in one call: per-group
+    Python calls would cost more than the lookups when each group has few changes
+    (1% of a large state spread over 128 key groups).
+
+    Returns (keys, values, deleted, upserts, deletes): upserted keys and their
+    values, then the keys no longer present, all groups' concatenated in group
+    order; ``upserts[i]`` and ``deletes[i]`` are group i's counts."""
+    cdef Py_ssize_t g, ngroups = len(groups), total = 0, u = 0, d = 0, start, dstart
+    cdef ColumnarGroup group
+    cdef int64_t key, pos
+    if len(touched) != ngroups:
+        raise ValueError(f"{ngroups} groups but {len(touched)} change sets")
+    for changed in touched:
+        total += len(changed)
+    keys = np.empty(total, np.int64)
+    positions = np.empty(total, np.int64)
+    deleted = np.empty(total, np.int64)
+    upserts = np.zeros(ngroups, np.int64)
+    deletes = np.zeros(ngroups, np.int64)
+    cdef cnp.int64_t[::1] k = keys, p = positions, dl = deleted, uc = upserts, dc = deletes
+    dtype = (<ColumnarGroup?>groups[0]).values.dtype if ngroups else np.int64
+    values = np.empty(total, dtype)
+    for g in range(ngroups):
+        group = <ColumnarGroup?>groups[g]
+        start, dstart = u, d
+        for changed_key in touched[g]:
+            key = changed_key
+            pos = pe_i64map_get(&group.index, key)
+            if pos >= 0:
+                k[u] = key
+                p[u] = pos
+                u += 1
+            else:
+                dl[d] = key
+                d += 1
+        uc[g] = u - start
+        dc[g] = d - dstart
+        if u > start:
+            values[start:u] = group.values[positions[start:u]]
+    return keys[:u], values[:u], deleted[:d], upserts, deletes

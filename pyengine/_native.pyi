@@ -4,7 +4,7 @@ Use the gate through ``pyengine.io.CheckpointedInputGate``; this module is the
 implementation detail behind ``implementation="native"``.
 """
 
-from typing import Any, Callable, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Set, Tuple
 
 def bind(
     barrier_type: type,
@@ -62,3 +62,6 @@ class ColumnarGroup:
     def arrays(self) -> Tuple[Any, Any]: ...
     def put_many(self, keys: Any, values: Any) -> None: ...
     def get_many(self, keys: Any) -> Tuple[Any, Any]: ...
+
+def gather_changes(groups: List[ColumnarGroup], touched: List[Set[int]]) -> Tuple[Any, Any, Any, Any, Any]:
+    """(keys, values, deleted, upserts, deletes) of many groups' changed keys, in one call."""

@@ -2,22 +2,23 @@
 
 Every file is readable with ``pyarrow.ipc.open_file`` alone. Columns:
 
-* ``key_group`` (int16) and ``state`` (int16, an index into the state list in the
-  schema metadata);
-* ``key``: a dense union of ``int`` (int64), ``str`` (utf8) and ``packed``
-  (binary: the key through the safe serializer), whichever holds a batch's keys
-  exactly;
-* ``value``: a dense union with one child per state. A state with a declared
-  Arrow type and no time-to-live stores its values in a column of that type
-  (lists as ``list<type>``, maps as ``map<key, value>``); any other state stores
-  each entry through its serializer as binary.
+* ``key_group`` and ``state`` (an index into the state list in the schema
+  metadata): run-end encoded, a few runs per batch instead of a value per row;
+* ``key``: int64 when every key in the file is a 64-bit int, else a dense union
+  of ``int`` (int64), ``str`` (utf8) and ``packed`` (binary: the key through the
+  safe serializer), whichever holds a key exactly;
+* ``value``: with one state, that state's storage type; with several, a dense
+  union with one child per state. A state with a declared Arrow type and no
+  time-to-live stores its values as that type (lists as ``list<type>``, maps as
+  ``map<key, value>``); any other state stores each entry through its
+  serializer as binary. Deletions in a delta are null values.
 
-Each record batch holds entries of one key group and one state, in key-group
-order (batch 0 is empty: it makes the writer emit the file header first, so every
-other batch has an exact byte range). The schema metadata ``pyengine`` (JSON)
-names the format version, backend, key-group range, states and the (key group,
-state) of every batch; the state handle also records each batch's byte range and
-xxh3-64, so a subtask can read and verify only its own key groups.
+Each record batch holds entries of one state and of consecutive key groups, in
+key-group order; small key groups share a batch, so per-batch costs stay low.
+The schema metadata ``pyengine`` (JSON) names the format version, backend,
+key-group range, states and the (first key group, last key group, state) of
+every batch; the state handle also records each batch's byte range and xxh3-64,
+so a subtask reads and verifies only the batches holding its key groups.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ ROWS_PER_BATCH = 1 << 20
 TARGET_ROWS = 1 << 18
 OWN_BATCH_ROWS = 1 << 15  # a key group this large is a batch of its own: no copying to merge it
 _RUNS = pa.run_end_encoded(pa.int32(), pa.int16())
+_WRITE_OPTIONS = ipc.IpcWriteOptions(compression="lz4")
+_FILE_MAGIC = b"ARROW1\0\0"  # the IPC file's leading magic and its padding to 8 bytes
 _KEY_INT, _KEY_STR, _KEY_PACKED = 0, 1, 2
 _KEY_TYPE = pa.dense_union([pa.field("int", pa.int64()), pa.field("str", pa.string()), pa.field("packed", pa.binary())])
 _SAFE = SafeSerializer()
@@ -160,18 +163,24 @@ class ColumnarSlice:
         return len(self.keys) + (0 if self.deleted is None else len(self.deleted))
 
 
-def _columnar_batch_columns(
-    column: StateColumn, piece: ColumnarSlice, start: int, stop: int
-) -> Tuple[np.ndarray, pa.Array]:
+def _columnar_batch_columns(piece: ColumnarSlice, start: int, stop: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows ``start:stop`` of a slice as (keys, values, deleted mask): NumPy only, so
+    a batch of many key groups becomes one Arrow array with one concatenation."""
     keys, values = piece.keys, piece.values
-    mask = None
     if piece.deleted is not None and len(piece.deleted):
         keys = np.concatenate([keys, piece.deleted])
         values = np.concatenate([values, np.zeros(len(piece.deleted), values.dtype)])
         mask = np.zeros(len(keys), bool)
         mask[len(piece.keys) :] = True
-    value_child = pa.array(values[start:stop], column.storage_type, mask=None if mask is None else mask[start:stop])
-    return keys[start:stop], value_child
+        return keys[start:stop], values[start:stop], mask[start:stop]
+    return keys[start:stop], values[start:stop], _NO_DELETES
+
+
+_NO_DELETES = np.zeros(0, bool)
+
+
+def _joined(pieces: List[np.ndarray]) -> np.ndarray:
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
 def _all_int64_keys(group: Any) -> bool:
@@ -271,22 +280,27 @@ def write_keyed_state(
     )
     index: List[BatchIndexEntry] = []
     with stream:
-        writer = ipc.new_file(stream, schema, options=ipc.IpcWriteOptions(compression="lz4"))
-        # Batch 0 is empty: it makes the writer emit the header, so batches 1.. have exact ranges.
-        writer.write_batch(_empty_batch(schema))
-        for batch_number, (state_index, parts) in enumerate(plan, start=1):
+        writer = ipc.new_file(stream, schema, options=_WRITE_OPTIONS)
+        # The writer emits the file header (magic, padding, schema message) with the
+        # first batch; it is that long, so batch 0's byte range starts right after it.
+        header = len(_FILE_MAGIC) + schema.serialize().size
+        for batch_number, (state_index, parts) in enumerate(plan):
             column = columns[state_index]
             lengths: List[int] = []
             if isinstance(parts[0][1], ColumnarSlice):  # whole arrays, no Python object per entry
-                key_pieces, value_pieces = [], []
+                key_pieces, value_pieces, masks = [], [], []
                 for _, group, start, stop in parts:
-                    keys, values = _columnar_batch_columns(column, group, start, stop)
+                    keys, values, deleted = _columnar_batch_columns(group, start, stop)
                     key_pieces.append(keys)
                     value_pieces.append(values)
+                    masks.append(deleted)
                     lengths.append(len(keys))
-                all_keys = key_pieces[0] if len(key_pieces) == 1 else np.concatenate(key_pieces)
+                all_keys = _joined(key_pieces)
                 key_array = pa.array(all_keys, pa.int64()) if plain_keys else _int_key_union(all_keys)
-                value_child = value_pieces[0] if len(value_pieces) == 1 else pa.concat_arrays(value_pieces)
+                mask = None
+                if any(len(m) for m in masks):  # tombstones of a delta: null values
+                    mask = _joined([m if len(m) else np.zeros(n, bool) for m, n in zip(masks, lengths, strict=True)])
+                value_child = pa.array(_joined(value_pieces), column.storage_type, mask=mask)
             else:
                 items: List[Tuple[Any, Any]] = []
                 for _, group, start, stop in parts:
@@ -312,7 +326,7 @@ def write_keyed_state(
                 ],
                 schema=schema,
             )
-            stream.begin_segment()
+            stream.begin_segment(header if batch_number == 0 else None)
             writer.write_batch(batch)
             offset, length, checksum = stream.end_segment()
             index.append(BatchIndexEntry(parts[0][0], batch_number, offset, length, checksum, parts[-1][0]))
@@ -340,24 +354,6 @@ def _run_list(column: Any) -> List[Tuple[int, int, int]]:
     values = column.values.to_numpy(zero_copy_only=False).tolist()
     starts = [0, *ends[:-1]]
     return list(zip(values, starts, ends, strict=True))
-
-
-def _empty_batch(schema: pa.Schema) -> pa.RecordBatch:
-    arrays = []
-    for f in schema:
-        if pa.types.is_union(f.type):
-            arrays.append(_empty_union(f.type))
-        elif f.type == _RUNS:
-            arrays.append(_runs([], []))
-        else:
-            arrays.append(pa.array([], f.type))
-    return pa.RecordBatch.from_arrays(arrays, schema=schema)
-
-
-def _empty_union(union_type: pa.DataType) -> pa.Array:
-    children = [pa.array([], union_type.field(i).type) for i in range(union_type.num_fields)]
-    names = [union_type.field(i).name for i in range(union_type.num_fields)]
-    return pa.UnionArray.from_dense(pa.array([], pa.int8()), pa.array([], pa.int32()), children, names)
 
 
 @dataclass(frozen=True)
@@ -542,7 +538,7 @@ def read_keyed_state(
         for entry in handle.index:
             if not entry.overlaps(wanted.start, wanted.end):
                 continue
-            state_index = info.batches[entry.batch - 1][2]
+            state_index = info.batches[entry.batch][2]
             if only is not None and info.columns[state_index].name not in only:
                 continue
             try:

@@ -71,11 +71,13 @@ class ColumnarValueTable:
         """The changed entries only (an incremental delta), gathered now, while nothing writes."""
         from ..snapshot.format import ColumnarSlice
 
+        keys, values, deleted, upserts, deletes = _native.gather_changes(self.groups, touched)
         frozen = []
-        for group, keys in zip(self.groups, touched, strict=True):
-            wanted = np.fromiter(keys, np.int64, len(keys))
-            found, values = group.get_many(wanted)
-            frozen.append(ColumnarSlice(wanted[found], values[found], wanted[~found]))
+        u = d = 0
+        for up, de in zip(upserts.tolist(), deletes.tolist(), strict=True):
+            frozen.append(ColumnarSlice(keys[u : u + up], values[u : u + up], deleted[d : d + de]))
+            u += up
+            d += de
         self.active_snapshots += 1
         return frozen
 

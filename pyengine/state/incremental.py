@@ -74,7 +74,9 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
                 taken[name] = table.changes
                 table.changes = [set() for _ in table.groups]
             self._unconfirmed.append((checkpoint_id, taken))
-            if not full:
+            if not full and len(self._unconfirmed) == 1:
+                touched = taken  # the usual case: the previous checkpoint completed; no copy
+            elif not full:
                 touched = {name: [set() for _ in self.key_group_range] for name in names}
                 for _, changes in self._unconfirmed:
                     for name, per_group in changes.items():

@@ -10,7 +10,6 @@ from typing import Any, List
 
 import pyarrow as pa
 
-from ..snapshot.format import read_keyed_state as _read_file
 from ..storage.metadata import CheckpointMetadata, OperatorState, load_metadata
 from .keygroups import KeyGroupRange
 from .serializers import PickleNotAllowedError, PickleSerializer, SafeSerializer
@@ -53,6 +52,10 @@ def read_keyed_state(checkpoint_path: str, operator: str, state_name: str, *, al
     is the checkpoint's directory or ``_metadata`` (a local path or storage URI).
     Typed states keep their Arrow type; values of states written with pickle are
     read only with ``allow_pickle=True``."""
+    # Imported here: the snapshot format builds on this package's key groups and
+    # serializers, so a top-level import would make a cycle.
+    from ..snapshot.format import read_keyed_state as _read_file
+
     metadata = load_metadata(checkpoint_path)
     op = _operator(metadata, operator, checkpoint_path)
     keys: List[Any] = []

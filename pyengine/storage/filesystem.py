@@ -134,22 +134,35 @@ class CheckpointStateOutputStream:
         else:
             self._out.write(view)
         # Each byte is hashed once: by its segment's hasher inside one, else by the file's.
-        (self._segment if self._segment is not None else self._hash).update(view)
+        if self._segment is None:
+            self._hash.update(view)
+        elif self._size >= self._segment_start:
+            self._segment.update(view)
+        else:  # the segment starts inside (or after) this write
+            before = min(self._segment_start - self._size, view.nbytes)
+            self._hash.update(view[:before])
+            self._segment.update(view[before:])
         self._size += view.nbytes
         return view.nbytes
 
-    def begin_segment(self) -> None:
-        """Starts hashing a byte range of its own (one record batch of a state file).
+    def begin_segment(self, start: Optional[int] = None) -> None:
+        """Starts hashing a byte range of its own (one record batch of a state file),
+        from ``start`` (default: here) - a writer's next call may first emit
+        bytes that are not the segment's, such as a file header.
         The file's checksum then covers the segment through the segment's digest:
         ``xxh3s:`` checksums, verified with the segments' index (``read_bytes``)."""
+        if start is not None and start < self._size:
+            raise ValueError(f"segment start {start} is before the {self._size} bytes already written")
         self._segment = xxhash.xxh3_64()
-        self._segment_start = self._size
+        self._segment_start = self._size if start is None else start
         self._segmented = True
 
     def end_segment(self) -> Tuple[int, int, str]:
         """(offset, length, checksum) of the bytes written since ``begin_segment``."""
         if self._segment is None:
             raise ValueError("end_segment() without begin_segment()")
+        if self._size < self._segment_start:
+            raise ValueError(f"segment from byte {self._segment_start} ended at byte {self._size}")
         value = self._segment.intdigest()
         self._segment = None
         self._hash.update(value.to_bytes(8, "little"))

@@ -69,8 +69,8 @@ class DuplicatingOutputStream:
     def close(self) -> None:
         pass
 
-    def begin_segment(self) -> None:
-        self.primary.begin_segment()
+    def begin_segment(self, start: Optional[int] = None) -> None:
+        self.primary.begin_segment(start)
 
     def end_segment(self) -> Tuple[int, int, str]:
         return self.primary.end_segment()
