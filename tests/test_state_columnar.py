@@ -109,3 +109,30 @@ def test_restored_columns_read_through_a_descriptor_that_does_not_fit_columns(tm
     assert not isinstance(r._tables["v"], ColumnarValueTable)
     r.set_current_key(7)
     assert untyped.value() == 21
+
+
+def test_gather_changes_matches_per_key_lookups() -> None:
+    """The one-call gather of changed entries against the obvious per-key loop."""
+    import random
+
+    import numpy as np
+
+    from pyengine import _native
+
+    rng = random.Random(5)
+    groups = [_native.ColumnarGroup(np.int64) for _ in range(6)]
+    for g in groups:
+        keys = np.array(rng.sample(range(-1000, 1000), rng.randint(0, 300)), np.int64)
+        g.put_many(keys, keys * 3)
+    touched = [set(rng.sample(range(-1200, 1200), rng.randint(0, 150))) for _ in groups]
+    keys, values, deleted, upserts, deletes = _native.gather_changes(groups, touched)
+    u = d = 0
+    for g, changed, up, de in zip(groups, touched, upserts.tolist(), deletes.tolist(), strict=True):
+        expected = {k: g.get(k) for k in changed if g.contains(k)}
+        assert dict(zip(keys[u : u + up].tolist(), values[u : u + up].tolist(), strict=True)) == expected
+        assert set(deleted[d : d + de].tolist()) == {k for k in changed if not g.contains(k)}
+        u += up
+        d += de
+    assert u == len(keys) and d == len(deleted)
+    with pytest.raises(ValueError, match="2 groups but 1 change sets"):
+        _native.gather_changes(groups[:2], touched[:1])
