@@ -1,0 +1,546 @@
+"""The checkpoint coordinator: Flink's ``CheckpointCoordinator`` rules, in one class.
+
+It decides when a checkpoint starts (periodic scheduler, manual triggers,
+``max_concurrent``, ``min_pause``), collects acknowledgements into a
+``PendingCheckpoint``, completes it (``_metadata``, the completed store,
+subsumption, notifications), or aborts it (decline, expiry, failover) and
+deletes what it wrote. It talks to tasks only through a ``JobGateway`` whose
+calls must not block (they post to task mailboxes), so it may call them while
+holding its lock; and it never reads a clock itself (``TimerService``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import logging
+import random
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, Optional, Protocol, Sequence, Set, Tuple
+
+from ..io.events import CheckpointFailureReason, CheckpointOptions, CheckpointType
+from ..storage.filesystem import CheckpointStorage, CheckpointStorageLocation, checkpoint_storage
+from ..storage.handles import StateHandle
+from ..storage.metadata import CheckpointMetadata, OperatorState, SubtaskState
+from ..storage.store import CompletedCheckpointStore, discard_unreferenced
+from .config import CheckpointConfig
+from .stats import CheckpointStatsTracker, SubtaskMetrics
+from .timers import Cancellable, TimerService
+
+__all__ = [
+    "AckResult",
+    "CheckpointCoordinator",
+    "CheckpointException",
+    "ExecutionAttempt",
+    "JobGateway",
+    "PendingCheckpoint",
+    "TaskStateSnapshot",
+]
+
+log = logging.getLogger(__name__)
+
+# Failures that say nothing about the job's health: they never count against
+# tolerable_failures (as Flink's CheckpointFailureManager ignores them).
+_NOT_COUNTED = {
+    CheckpointFailureReason.CHECKPOINT_SUBSUMED,
+    CheckpointFailureReason.NOT_ALL_REQUIRED_TASKS_RUNNING,
+    CheckpointFailureReason.CHECKPOINT_COORDINATOR_SUSPEND,
+    CheckpointFailureReason.CHECKPOINT_COORDINATOR_SHUTDOWN,
+    CheckpointFailureReason.PERIODIC_SCHEDULER_SHUTDOWN,
+    CheckpointFailureReason.TOO_MANY_CHECKPOINT_REQUESTS,
+    CheckpointFailureReason.MINIMUM_TIME_BETWEEN_CHECKPOINTS,
+    CheckpointFailureReason.JOB_FAILOVER_REGION,
+}
+MAX_QUEUED_REQUESTS = 1000
+RECENT_EXPIRED = 16  # as Flink's NUM_GHOST_CHECKPOINT_IDS
+
+
+class CheckpointException(Exception):
+    """A checkpoint that did not complete, and why (a ``CheckpointFailureReason``)."""
+
+    def __init__(self, reason: CheckpointFailureReason, detail: str = "") -> None:
+        super().__init__(reason.message + (f" {detail}" if detail else ""))
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class ExecutionAttempt:
+    """One run of one subtask: a restart makes a new attempt, whose acks are the
+    only ones the coordinator accepts for checkpoints it triggered after it."""
+
+    vertex: str
+    subtask: int
+    attempt: int = 0
+
+    @property
+    def task(self) -> Tuple[str, int]:
+        return (self.vertex, self.subtask)
+
+    def __str__(self) -> str:
+        return f"{self.vertex}#{self.subtask}"
+
+
+@dataclass
+class TaskStateSnapshot:
+    """What a subtask acknowledges with: its state handles per operator uid."""
+
+    operators: Dict[str, SubtaskState] = field(default_factory=dict)
+
+    def handles(self) -> List[StateHandle]:
+        return [h for s in self.operators.values() for h in s.handles()]
+
+
+class JobGateway(Protocol):
+    """What the coordinator needs from a runner. No method may block."""
+
+    def tasks_to_trigger(self) -> Sequence[ExecutionAttempt]: ...
+
+    def tasks_to_ack(self) -> Sequence[ExecutionAttempt]: ...
+
+    def all_running(self) -> bool: ...
+
+    def operator_parallelism(self) -> Dict[str, Tuple[int, int]]: ...
+
+    def trigger(
+        self, task: ExecutionAttempt, checkpoint_id: int, timestamp: int, options: CheckpointOptions
+    ) -> None: ...
+
+    def notify_complete(self, task: ExecutionAttempt, checkpoint_id: int) -> None: ...
+
+    def notify_aborted(self, task: ExecutionAttempt, checkpoint_id: int) -> None: ...
+
+    def fail_job(self, cause: BaseException) -> None: ...
+
+
+class AckResult(enum.Enum):
+    SUCCESS = "success"
+    DUPLICATE = "duplicate"
+    UNKNOWN = "unknown"  # not a task this checkpoint waits for (for example an old attempt)
+    DISCARDED = "discarded"  # the checkpoint is already gone
+
+
+class PendingCheckpoint:
+    """A triggered checkpoint waiting for its acknowledgements."""
+
+    def __init__(
+        self,
+        checkpoint_id: int,
+        timestamp: int,
+        checkpoint_type: CheckpointType,
+        tasks: Sequence[ExecutionAttempt],
+        location: CheckpointStorageLocation,
+        storage: CheckpointStorage,
+    ) -> None:
+        self.checkpoint_id = checkpoint_id
+        self.timestamp = timestamp
+        self.checkpoint_type = checkpoint_type
+        self.location = location
+        self.storage = storage
+        self.not_yet_acknowledged: Set[ExecutionAttempt] = set(tasks)
+        self.acknowledged: Dict[ExecutionAttempt, TaskStateSnapshot] = {}
+        self.future: concurrent.futures.Future[CheckpointMetadata] = concurrent.futures.Future()
+        self.disposed = False
+        self.timeout: Optional[Cancellable] = None
+
+    @property
+    def is_savepoint(self) -> bool:
+        return self.checkpoint_type.is_savepoint
+
+    @property
+    def fully_acknowledged(self) -> bool:
+        return not self.not_yet_acknowledged and not self.disposed
+
+    def acknowledge_task(self, task: ExecutionAttempt, state: TaskStateSnapshot) -> AckResult:
+        if self.disposed:
+            return AckResult.DISCARDED
+        if task in self.not_yet_acknowledged:
+            self.not_yet_acknowledged.discard(task)
+            self.acknowledged[task] = state
+            return AckResult.SUCCESS
+        if task in self.acknowledged:
+            return AckResult.DUPLICATE
+        return AckResult.UNKNOWN
+
+    def handles(self) -> List[StateHandle]:
+        return [h for s in self.acknowledged.values() for h in s.handles()]
+
+    def __repr__(self) -> str:
+        return f"PendingCheckpoint({self.checkpoint_id}, waiting for {len(self.not_yet_acknowledged)})"
+
+
+@dataclass
+class _Request:
+    checkpoint_type: CheckpointType
+    periodic: bool
+    target: Optional[str]
+    future: concurrent.futures.Future[CheckpointMetadata]
+
+
+class CheckpointCoordinator:
+    """Triggers, tracks, completes and aborts the checkpoints of one job.
+
+    Restarts keep the same coordinator (ids keep increasing, statistics carry
+    over); ``restore_latest`` tells it which checkpoint the new attempt starts from."""
+
+    def __init__(
+        self,
+        job_id: str,
+        config: CheckpointConfig,
+        storage: CheckpointStorage,
+        gateway: JobGateway,
+        timers: TimerService,
+        *,
+        rng: Optional[random.Random] = None,
+        history_size: int = 10,
+    ) -> None:
+        self.job_id = job_id
+        self.config = config
+        self.storage = storage
+        self.gateway = gateway
+        self.timers = timers
+        self.store = CompletedCheckpointStore(storage, config.retained)
+        self.stats = CheckpointStatsTracker(history_size)
+        self._rng = rng or random.Random()
+        self._lock = threading.RLock()
+        self._next_id = 1
+        self._pending: Dict[int, PendingCheckpoint] = {}
+        self._queue: Deque[_Request] = deque()
+        self._recent: Deque[int] = deque(maxlen=RECENT_EXPIRED)
+        self._scheduler: Optional[Cancellable] = None
+        self._pause_timer: Optional[Cancellable] = None
+        self._periodic = False
+        self._last_completion_ms: Optional[int] = None
+        self._consecutive_failures = 0
+        self._shutdown = False
+
+    # -- scheduler ---------------------------------------------------------------------------
+
+    def start_checkpoint_scheduler(self) -> None:
+        """Starts periodic checkpoints after a random initial delay in
+        [min_pause, interval], so jobs started together do not checkpoint together."""
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError("the checkpoint coordinator is shut down")
+            self.stop_checkpoint_scheduler(abort_pending=False)
+            self._periodic = True
+            low = min(self.config.min_pause_ms, self.config.interval_ms)
+            delay = self._rng.uniform(low, self.config.interval_ms + 1)
+            self._scheduler = self.timers.schedule(delay, self._on_scheduler_tick)
+
+    def stop_checkpoint_scheduler(self, abort_pending: bool = True) -> None:
+        with self._lock:
+            self._periodic = False
+            if self._scheduler is not None:
+                self._scheduler.cancel()
+                self._scheduler = None
+            if abort_pending:
+                self.abort_pending_checkpoints(CheckpointFailureReason.CHECKPOINT_COORDINATOR_SUSPEND)
+
+    @property
+    def is_periodic_checkpointing_started(self) -> bool:
+        return self._periodic
+
+    def job_status_changed(self, running: bool) -> None:
+        """The job went to RUNNING (start the scheduler) or left it (stop it)."""
+        if running:
+            self.start_checkpoint_scheduler()
+        else:
+            self.stop_checkpoint_scheduler()
+
+    def _on_scheduler_tick(self) -> None:
+        with self._lock:
+            if not self._periodic:
+                return
+            self._scheduler = self.timers.schedule(self.config.interval_ms, self._on_scheduler_tick)
+            self._request(CheckpointType.CHECKPOINT, periodic=True, target=None)
+
+    # -- triggering ----------------------------------------------------------------------------
+
+    def trigger_checkpoint(self, periodic: bool = False) -> concurrent.futures.Future[CheckpointMetadata]:
+        """Requests a checkpoint; the future gives its metadata or a CheckpointException."""
+        with self._lock:
+            return self._request(CheckpointType.CHECKPOINT, periodic=periodic, target=None)
+
+    def trigger_savepoint(self, target_dir: str) -> concurrent.futures.Future[CheckpointMetadata]:
+        """A savepoint into ``target_dir``: never subsumed, never counted against
+        ``max_concurrent`` or held back by ``min_pause``."""
+        if not isinstance(target_dir, str) or not target_dir:
+            raise ValueError(f"a savepoint needs a target directory, got {target_dir!r}")
+        with self._lock:
+            return self._request(CheckpointType.SAVEPOINT, periodic=False, target=target_dir)
+
+    def _request(
+        self, checkpoint_type: CheckpointType, *, periodic: bool, target: Optional[str]
+    ) -> concurrent.futures.Future[CheckpointMetadata]:
+        future: concurrent.futures.Future[CheckpointMetadata] = concurrent.futures.Future()
+        if self._shutdown:
+            future.set_exception(CheckpointException(CheckpointFailureReason.CHECKPOINT_COORDINATOR_SHUTDOWN))
+            return future
+        if periodic and any(r.periodic for r in self._queue):
+            # One queued periodic request is enough: the next tick would only pile up.
+            future.set_exception(CheckpointException(CheckpointFailureReason.TOO_MANY_CHECKPOINT_REQUESTS))
+            return future
+        if len(self._queue) >= MAX_QUEUED_REQUESTS:
+            future.set_exception(CheckpointException(CheckpointFailureReason.TOO_MANY_CHECKPOINT_REQUESTS))
+            return future
+        request = _Request(checkpoint_type, periodic, target, future)
+        if checkpoint_type.is_savepoint:
+            self._queue.appendleft(request)
+        else:
+            self._queue.append(request)
+        self._execute_queued()
+        return future
+
+    def _execute_queued(self) -> None:
+        """Starts queued requests that the rules allow now; arranges a retry when
+        only the minimum pause holds them back."""
+        while self._queue:
+            request = self._queue[0]
+            if not request.checkpoint_type.is_savepoint:
+                if self._num_pending_checkpoints() >= self.config.max_concurrent:
+                    return  # retried when a pending checkpoint ends
+                wait = self._pause_left_ms()
+                if wait > 0:
+                    if self._pause_timer is None:
+                        self._pause_timer = self.timers.schedule(wait, self._on_pause_over)
+                    return
+            self._queue.popleft()
+            self._start(request)
+
+    def _on_pause_over(self) -> None:
+        with self._lock:
+            self._pause_timer = None
+            self._execute_queued()
+
+    def _pause_left_ms(self) -> float:
+        if self._last_completion_ms is None or self.config.min_pause_ms == 0:
+            return 0
+        return self._last_completion_ms + self.config.min_pause_ms - self.timers.now_ms()
+
+    def _num_pending_checkpoints(self) -> int:
+        return sum(1 for p in self._pending.values() if not p.is_savepoint)
+
+    def _start(self, request: _Request) -> None:
+        if not self.gateway.all_running():
+            request.future.set_exception(CheckpointException(CheckpointFailureReason.NOT_ALL_REQUIRED_TASKS_RUNNING))
+            return
+        checkpoint_id = self._next_id
+        self._next_id += 1
+        now = self.timers.now_ms()
+        storage = self.storage
+        if request.target is not None:
+            try:
+                storage = checkpoint_storage(request.target, f"savepoint-{self.job_id[:8]}-{checkpoint_id}")
+            except OSError as exc:
+                request.future.set_exception(CheckpointException(CheckpointFailureReason.IO_EXCEPTION, str(exc)))
+                return
+        pending = PendingCheckpoint(
+            checkpoint_id,
+            now,
+            request.checkpoint_type,
+            self.gateway.tasks_to_ack(),
+            storage.location(checkpoint_id),
+            storage,
+        )
+        pending.future = request.future
+        self._pending[checkpoint_id] = pending
+        self.stats.report_pending(
+            checkpoint_id, now, "savepoint" if pending.is_savepoint else "checkpoint", len(pending.not_yet_acknowledged)
+        )
+        pending.timeout = self.timers.schedule(self.config.timeout_ms, lambda: self._expire(checkpoint_id))
+        unaligned = self.config.unaligned and not pending.is_savepoint  # savepoints are always aligned
+        options = CheckpointOptions(request.checkpoint_type, unaligned=unaligned)
+        for task in self.gateway.tasks_to_trigger():
+            self.gateway.trigger(task, checkpoint_id, now, options)
+
+    def _expire(self, checkpoint_id: int) -> None:
+        with self._lock:
+            pending = self._pending.get(checkpoint_id)
+            if pending is not None:
+                self._abort(pending, CheckpointException(CheckpointFailureReason.CHECKPOINT_EXPIRED))
+
+    # -- messages from tasks -----------------------------------------------------------------
+
+    def receive_acknowledge_message(
+        self,
+        checkpoint_id: int,
+        task: ExecutionAttempt,
+        state: Optional[TaskStateSnapshot] = None,
+        metrics: Optional[SubtaskMetrics] = None,
+    ) -> AckResult:
+        """An acknowledgement; completes the checkpoint when it is the last one.
+        State that cannot be used (unknown task, gone checkpoint) is deleted."""
+        state = state or TaskStateSnapshot()
+        with self._lock:
+            pending = self._pending.get(checkpoint_id)
+            if pending is None:
+                if checkpoint_id in self._recent:
+                    log.info("late acknowledgement of checkpoint %s from %s: discarding its state", checkpoint_id, task)
+                else:
+                    log.warning("acknowledgement of unknown checkpoint %s from %s: discarding", checkpoint_id, task)
+                self._discard(state.handles())
+                return AckResult.DISCARDED
+            result = pending.acknowledge_task(task, state)
+            if result is AckResult.SUCCESS:
+                self.stats.report_ack(checkpoint_id, str(task), metrics or SubtaskMetrics(), self.timers.now_ms())
+                if pending.fully_acknowledged:
+                    self.complete_pending_checkpoint(pending)
+            elif result in (AckResult.UNKNOWN, AckResult.DISCARDED):
+                self._discard(state.handles())
+            return result
+
+    def receive_decline_message(
+        self,
+        checkpoint_id: int,
+        task: ExecutionAttempt,
+        cause: Optional[BaseException] = None,
+        state: Optional[TaskStateSnapshot] = None,
+    ) -> None:
+        """A task could not take the checkpoint: it fails."""
+        with self._lock:
+            if state is not None:
+                self._discard(state.handles())
+            pending = self._pending.get(checkpoint_id)
+            if pending is None:
+                return
+            reason = CheckpointFailureReason.CHECKPOINT_DECLINED
+            if isinstance(cause, CheckpointException):
+                reason = cause.reason
+            detail = f"declined by {task}" + (f": {cause}" if cause is not None else "")
+            self._abort(pending, CheckpointException(reason, detail))
+
+    # -- completion and abortion -------------------------------------------------------------
+
+    def complete_pending_checkpoint(self, pending: PendingCheckpoint) -> None:
+        """All acks are in: ``_metadata`` makes it exist; then subsume, retain, notify."""
+        with self._lock:
+            checkpoint_id = pending.checkpoint_id
+            metadata = self._metadata_of(pending)
+            try:
+                if pending.is_savepoint:
+                    pending.storage.write_metadata(checkpoint_id, metadata.to_json())
+                else:
+                    self.store.complete(metadata)
+                path = pending.storage.uri_of(pending.storage.checkpoint_dir(checkpoint_id))
+            except Exception as exc:  # a storage failure fails this checkpoint, not the coordinator
+                self._abort(pending, CheckpointException(CheckpointFailureReason.FINALIZE_CHECKPOINT_FAILURE, str(exc)))
+                return
+            self._pending.pop(checkpoint_id, None)
+            pending.disposed = True
+            if pending.timeout is not None:
+                pending.timeout.cancel()
+            now = self.timers.now_ms()
+            self.stats.report_completed(checkpoint_id, now, path)
+            if not pending.is_savepoint:
+                self._last_completion_ms = now
+                self._consecutive_failures = 0
+                older_ones = [p for p in self._pending.values() if p.checkpoint_id < checkpoint_id]
+                for older in [p for p in older_ones if not p.is_savepoint]:
+                    self._abort(older, CheckpointException(CheckpointFailureReason.CHECKPOINT_SUBSUMED))
+            for task in self.gateway.tasks_to_ack():
+                self.gateway.notify_complete(task, checkpoint_id)
+            pending.future.set_result(metadata)
+            self._execute_queued()
+
+    def _metadata_of(self, pending: PendingCheckpoint) -> CheckpointMetadata:
+        parallelism = self.gateway.operator_parallelism()
+        operators: Dict[str, OperatorState] = {}
+        for task, snapshot in pending.acknowledged.items():
+            for uid, sub in snapshot.operators.items():
+                p, max_p = parallelism.get(uid, (0, 0))
+                op = operators.setdefault(uid, OperatorState(parallelism=p, max_parallelism=max_p))
+                op.subtasks[task.subtask] = sub
+        return CheckpointMetadata(
+            job_id=self.job_id,
+            checkpoint_id=pending.checkpoint_id,
+            timestamp=pending.timestamp,
+            type="savepoint" if pending.is_savepoint else "checkpoint",
+            operators=operators,
+        )
+
+    def _abort(self, pending: PendingCheckpoint, cause: CheckpointException) -> None:
+        checkpoint_id = pending.checkpoint_id
+        if self._pending.pop(checkpoint_id, None) is None:
+            return
+        pending.disposed = True
+        if pending.timeout is not None:
+            pending.timeout.cancel()
+        self._recent.append(checkpoint_id)
+        self._discard(pending.handles())
+        try:
+            pending.location.dispose()
+        except OSError as exc:
+            log.warning("could not delete the location of failed checkpoint %s: %s", checkpoint_id, exc)
+        self.stats.report_failed(checkpoint_id, self.timers.now_ms(), str(cause))
+        for task in self.gateway.tasks_to_ack():
+            self.gateway.notify_aborted(task, checkpoint_id)
+        pending.future.set_exception(cause)
+        if cause.reason not in _NOT_COUNTED and not pending.is_savepoint:
+            self._consecutive_failures += 1
+            if self._consecutive_failures > self.config.tolerable_failures:
+                self._consecutive_failures = 0
+                self.gateway.fail_job(
+                    CheckpointException(
+                        cause.reason,
+                        f"exceeded tolerable_failures={self.config.tolerable_failures}: {cause}",
+                    )
+                )
+        if not self._shutdown:
+            self._execute_queued()
+
+    def abort_pending_checkpoints(self, reason: CheckpointFailureReason) -> None:
+        """Aborts every pending checkpoint, for example on failover."""
+        with self._lock:
+            for pending in list(self._pending.values()):
+                self._abort(pending, CheckpointException(reason))
+
+    def _discard(self, handles: List[StateHandle]) -> None:
+        try:
+            discard_unreferenced(handles, self.store.registry)
+        except OSError as exc:
+            log.warning("could not delete discarded state: %s", exc)
+
+    # -- restore and shutdown ----------------------------------------------------------------
+
+    def restore_latest(self) -> Optional[CheckpointMetadata]:
+        """The checkpoint a (re)started job resumes from: the latest completed one."""
+        with self._lock:
+            latest = self.store.latest()
+            if latest is not None:
+                self._next_id = max(self._next_id, latest.checkpoint_id + 1)
+                self.stats.report_restored(
+                    latest.checkpoint_id,
+                    self.timers.now_ms(),
+                    self.storage.uri_of(self.storage.checkpoint_dir(latest.checkpoint_id)),
+                    False,
+                )
+            return latest
+
+    def note_restored_from(self, metadata: CheckpointMetadata, path: str) -> None:
+        """The job started from an external checkpoint or savepoint."""
+        with self._lock:
+            self._next_id = max(self._next_id, metadata.checkpoint_id + 1)
+            self.stats.report_restored(metadata.checkpoint_id, self.timers.now_ms(), path, metadata.type == "savepoint")
+
+    @property
+    def pending_checkpoints(self) -> Dict[int, PendingCheckpoint]:
+        with self._lock:
+            return dict(self._pending)
+
+    @property
+    def num_queued_requests(self) -> int:
+        return len(self._queue)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self.stop_checkpoint_scheduler(abort_pending=False)
+            self._shutdown = True
+            self.abort_pending_checkpoints(CheckpointFailureReason.CHECKPOINT_COORDINATOR_SHUTDOWN)
+            while self._queue:
+                self._queue.popleft().future.set_exception(
+                    CheckpointException(CheckpointFailureReason.CHECKPOINT_COORDINATOR_SHUTDOWN)
+                )
+            if self._pause_timer is not None:
+                self._pause_timer.cancel()
