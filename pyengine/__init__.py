@@ -1,7 +1,39 @@
-"""pyengine: Flink-grade, exactly-once checkpointing for Python stream pipelines."""
+"""pyengine: Flink-grade, exactly-once checkpointing for Python stream pipelines.
+
+``import pyengine as pe``; then ``pe.StreamEnvironment``, ``pe.CheckpointConfig``,
+``pe.KeyedProcessFunction``, ``pe.sinks.FileSink`` and friends."""
 
 from __future__ import annotations
 
+from typing import Any
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "CheckpointConfig",
+    "KeyedProcessFunction",
+    "StreamEnvironment",
+    "__version__",
+    "sinks",
+]
+
+_LAZY = {
+    "StreamEnvironment": ("pyengine.api", "StreamEnvironment"),
+    "CheckpointConfig": ("pyengine.coordinator.config", "CheckpointConfig"),
+    "KeyedProcessFunction": ("pyengine.runtime.operators", "KeyedProcessFunction"),
+    "sinks": ("pyengine.sinks", None),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The job API, imported on first use: ``import pyengine`` stays cheap for
+    tools that only need the gate or the state backends."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'pyengine' has no attribute {name!r}")
+    import importlib
+
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value

@@ -202,7 +202,11 @@ class OperatorStateBackend:
         self._states = {}
         for name, (mode, serializer, parts) in by_state.items():
             parts.sort(key=lambda p: p[0])
-            if mode == "split":
+            if mode == "split" and sorted(sub for sub, _ in parts) == list(range(self.parallelism)):
+                # Same parallelism: every subtask keeps its own elements, as Flink's
+                # round-robin repartitioner does when nothing rescales.
+                mine = next(values for sub, values in parts if sub == self.subtask_index)
+            elif mode == "split":
                 everything = [v for _, values in parts for v in values]
                 mine = everything[self.subtask_index :: self.parallelism]
             elif mode == "union":

@@ -1,0 +1,302 @@
+"""The job API: ``StreamEnvironment`` and the stream builder users write jobs with.
+
+A pipeline is cut into vertices at exchanges (``key_by``, ``rebalance``,
+``broadcast``); operators between two exchanges are chained into one task.
+Operators are created per subtask and per attempt from factories, so a restart
+never sees state a failed attempt left in memory."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, List, Optional
+
+from .coordinator import CheckpointConfig
+from .runtime.operators import (
+    FilterOperator,
+    FlatMapOperator,
+    KeyedProcessFunction,
+    KeyedProcessOperator,
+    MapBatchesOperator,
+    MapOperator,
+    Operator,
+    key_selector,
+)
+from .runtime.sources import CollectionSource, GeneratorSource, Source, SourceOperator
+from .runtime.task import SinkOperator
+from .sinks import Sink
+from .state.keygroups import check_parallelism
+
+__all__ = ["DataStream", "JobClient", "JobGraph", "KeyedStream", "StreamEnvironment"]
+
+BACKENDS = ("heap", "incremental")
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
+    if type(value) is bool or not isinstance(value, int):
+        raise TypeError(f"StreamEnvironment {name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"StreamEnvironment {name} must be >= {minimum}, got {value}")
+
+
+@dataclass
+class _Step:
+    kind: str  # "op" or "exchange"
+    name: str
+    factory: Optional[Callable[[str, str, bool], Operator]] = None
+    exchange: str = "forward"
+    key: Optional[Callable[[Any], Any]] = None
+    uid: Optional[str] = None
+
+
+@dataclass
+class Vertex:
+    name: str
+    exchange: str  # how records reach this vertex from the previous one
+    key_selector: Optional[Callable[[Any], Any]]
+    steps: List[_Step] = field(default_factory=list)
+
+    def uids(self) -> List[str]:
+        return [s.uid or s.name for s in self.steps]
+
+    def create_chain(self, checkpointing: bool) -> List[Operator]:
+        out = []
+        for step, uid in zip(self.steps, self.uids(), strict=True):
+            assert step.factory is not None
+            out.append(step.factory(uid, step.name, checkpointing))
+        return out
+
+
+class JobGraph:
+    def __init__(self, steps: List[_Step], sink: Sink) -> None:
+        self.sink = sink
+        self.vertices: List[Vertex] = []
+        current = Vertex("v0", "forward", None)
+        for step in steps:
+            if step.kind == "exchange":
+                if current.steps:
+                    self.vertices.append(current)
+                current = Vertex(f"v{len(self.vertices)}", step.exchange, step.key)
+            else:
+                current.steps.append(step)
+        self.vertices.append(current)
+        uids = [u for v in self.vertices for u in v.uids()]
+        duplicates = sorted({u for u in uids if uids.count(u) > 1})
+        if duplicates:
+            raise ValueError(f"operator uids must be unique in a job; repeated: {duplicates}")
+
+    def state_uids(self) -> List[str]:
+        return [u for v in self.vertices for u in v.uids()] + [f"__channel_state__{v.name}" for v in self.vertices]
+
+
+class StreamEnvironment:
+    """Where a job is built and run; every setting is checked here."""
+
+    def __init__(
+        self,
+        parallelism: int = 1,
+        max_parallelism: int = 128,
+        checkpointing: Optional[CheckpointConfig] = None,
+        state_backend: str = "heap",
+        checkpoint_storage: Optional[str] = None,
+        local_recovery: bool = False,
+        buffer_size: int = 1024,
+        buffer_timeout_ms: int = 100,
+        restart_attempts: int = 3,
+        restart_delay_ms: int = 0,
+        channel_capacity: int = 8,
+    ) -> None:
+        _positive_int("parallelism", parallelism)
+        _positive_int("max_parallelism", max_parallelism)
+        try:
+            check_parallelism(parallelism, max_parallelism)
+        except ValueError as exc:
+            raise ValueError(f"StreamEnvironment parallelism={parallelism}: {exc}") from None
+        if checkpointing is not None and not isinstance(checkpointing, CheckpointConfig):
+            raise TypeError(f"StreamEnvironment checkpointing must be a CheckpointConfig, got {checkpointing!r}")
+        if state_backend not in BACKENDS:
+            raise ValueError(
+                f"StreamEnvironment state_backend must be one of {', '.join(BACKENDS)}, got {state_backend!r}"
+            )
+        if checkpoint_storage is not None and (not isinstance(checkpoint_storage, str) or not checkpoint_storage):
+            raise ValueError(f"StreamEnvironment checkpoint_storage must be a URI string, got {checkpoint_storage!r}")
+        _positive_int("buffer_size", buffer_size)
+        _positive_int("buffer_timeout_ms", buffer_timeout_ms, 0)
+        _positive_int("restart_attempts", restart_attempts, 0)
+        _positive_int("restart_delay_ms", restart_delay_ms, 0)
+        _positive_int("channel_capacity", channel_capacity)
+        self.parallelism = parallelism
+        self.max_parallelism = max_parallelism
+        self.checkpointing = checkpointing
+        self.state_backend = state_backend
+        self.checkpoint_storage = checkpoint_storage
+        self.local_recovery = bool(local_recovery)
+        self.buffer_size = buffer_size
+        self.buffer_timeout_ms = buffer_timeout_ms
+        self.restart_attempts = restart_attempts
+        self.restart_delay_ms = restart_delay_ms
+        self.channel_capacity = channel_capacity
+        self._streams: List[DataStream] = []
+        self._local_root: Optional[str] = None
+
+    def _local_dir(self, vertex: str, subtask: int) -> Optional[str]:
+        if not self.local_recovery:
+            return None
+        if self._local_root is None:
+            import tempfile
+
+            self._local_root = tempfile.mkdtemp(prefix="pyengine-local-recovery-")
+        return os.path.join(self._local_root, f"{vertex}-{subtask}")
+
+    # -- sources -----------------------------------------------------------------------------
+
+    def from_source(self, source: Source, name: str = "source") -> DataStream:
+        if not isinstance(source, Source):
+            raise TypeError(f"from_source takes a pyengine Source, got {source!r}")
+        stream = DataStream(self, [_Step("op", name, lambda uid, n, _c: SourceOperator(uid, n, source))])
+        self._streams.append(stream)
+        return stream
+
+    def from_collection(self, records: Iterable[Any], name: str = "collection") -> DataStream:
+        return self.from_source(CollectionSource(list(records)), name)
+
+    def from_generator(self, fn: Callable[[int], Any], count: int, name: str = "generator") -> DataStream:
+        return self.from_source(GeneratorSource(fn, count), name)
+
+    # -- running -----------------------------------------------------------------------------
+
+    def _graph(self) -> JobGraph:
+        sinks = [s for s in self._streams if s._sink is not None]
+        if not sinks:
+            raise ValueError("the job has no sink: end the pipeline with .sink_to(...)")
+        if len(sinks) > 1:
+            raise ValueError("the embedded runner runs one pipeline per environment (one sink_to)")
+        stream = sinks[0]
+        assert stream._sink is not None
+        return JobGraph(stream._steps, stream._sink)
+
+    def execute(self, name: str = "pyengine-job", *, restore_from: Optional[str] = None) -> Any:
+        """Runs the job to its end; returns a ``JobResult`` (FINISHED, or FAILED with its cause)."""
+        from .runners.local import LocalRunner
+
+        return LocalRunner(self._graph(), self, name, restore_from).run()
+
+    def execute_async(self, name: str = "pyengine-job", *, restore_from: Optional[str] = None) -> JobClient:
+        """Starts the job on a background thread; the client triggers savepoints and waits."""
+        from .runners.local import LocalRunner
+
+        return JobClient(LocalRunner(self._graph(), self, name, restore_from))
+
+
+class JobClient:
+    """A running job: ``trigger_savepoint(dir)``, ``stop_with_savepoint(dir)``, ``wait()``."""
+
+    def __init__(self, runner: Any) -> None:
+        self._runner = runner
+        self._result: Any = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name=f"job-{runner.name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = self._runner.run()
+        except BaseException as exc:
+            self._error = exc
+
+    def _wait_running(self, timeout_s: float) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not self._runner.all_running():
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"job {self._runner.name!r} is not running")
+            time.sleep(0.005)
+
+    def trigger_savepoint(self, directory: str, timeout_s: float = 600) -> str:
+        self._wait_running(timeout_s)
+        return str(self._runner.trigger_savepoint(directory, timeout_s))
+
+    def stop_with_savepoint(self, directory: str, timeout_s: float = 600) -> str:
+        self._wait_running(timeout_s)
+        return str(self._runner.stop_with_savepoint(directory, timeout_s))
+
+    def wait(self, timeout_s: Optional[float] = None) -> Any:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"job {self._runner.name!r} still running after {timeout_s} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class DataStream:
+    def __init__(self, env: StreamEnvironment, steps: List[_Step]) -> None:
+        self._env = env
+        self._steps = steps
+        self._sink: Optional[Sink] = None
+
+    def _then(self, step: _Step) -> DataStream:
+        self._steps.append(step)
+        return self
+
+    def _op(self, name: str, factory: Callable[[str, str, bool], Operator]) -> DataStream:
+        return self._then(_Step("op", f"{len(self._steps)}-{name}", factory))
+
+    def uid(self, uid: str) -> DataStream:
+        """Names the last operator's state, so checkpoints match it across job versions."""
+        if not isinstance(uid, str) or not uid:
+            raise ValueError(f"uid must be a non-empty string, got {uid!r}")
+        ops = [s for s in self._steps if s.kind == "op"]
+        ops[-1].uid = uid
+        return self
+
+    def name(self, name: str) -> DataStream:
+        ops = [s for s in self._steps if s.kind == "op"]
+        ops[-1].name = name
+        return self
+
+    def map(self, fn: Callable[[Any], Any]) -> DataStream:
+        return self._op("map", lambda uid, n, _c: MapOperator(uid, n, fn))
+
+    def filter(self, fn: Callable[[Any], bool]) -> DataStream:
+        return self._op("filter", lambda uid, n, _c: FilterOperator(uid, n, fn))
+
+    def flat_map(self, fn: Callable[[Any], Iterable[Any]]) -> DataStream:
+        return self._op("flat_map", lambda uid, n, _c: FlatMapOperator(uid, n, fn))
+
+    def map_batches(self, fn: Callable[[Any], Any]) -> DataStream:
+        return self._op("map_batches", lambda uid, n, _c: MapBatchesOperator(uid, n, fn))
+
+    def rebalance(self) -> DataStream:
+        return self._then(_Step("exchange", "rebalance", exchange="rebalance"))
+
+    def broadcast(self) -> DataStream:
+        return self._then(_Step("exchange", "broadcast", exchange="broadcast"))
+
+    def key_by(self, key: Any) -> KeyedStream:
+        select = key_selector(key)
+        self._then(_Step("exchange", "hash", exchange="hash", key=select))
+        return KeyedStream(self, select)
+
+    def sink_to(self, sink: Sink) -> DataStream:
+        if not isinstance(sink, Sink):
+            raise TypeError(f"sink_to takes a pyengine sink, got {sink!r}")
+        self._op("sink", lambda uid, n, c: SinkOperator(uid, n, sink, c))
+        self._sink = sink
+        return self
+
+
+class KeyedStream:
+    def __init__(self, stream: DataStream, select: Callable[[Any], Any]) -> None:
+        self._stream = stream
+        self._select = select
+
+    def process(self, fn: KeyedProcessFunction) -> DataStream:
+        if not isinstance(fn, KeyedProcessFunction):
+            raise TypeError(f"process takes a pyengine.KeyedProcessFunction, got {fn!r}")
+        import copy
+
+        select = self._select
+        return self._stream._op("process", lambda uid, n, _c: KeyedProcessOperator(uid, n, select, copy.deepcopy(fn)))

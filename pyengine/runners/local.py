@@ -1,0 +1,384 @@
+"""The embedded runner: every subtask a thread of this process.
+
+Channels are native input gates with the configured capacity (backpressure is
+a full gate); failover restarts the whole job from the latest completed
+checkpoint, as Flink's full-restart strategy, up to ``restart_attempts``."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ..coordinator import (
+    CheckpointCoordinator,
+    CheckpointException,
+    ExecutionAttempt,
+    ThreadTimerService,
+)
+from ..io import CheckpointedInputGate, CheckpointFailureReason, CheckpointOptions
+from ..runtime.operators import OperatorContext
+from ..runtime.task import Output, StreamTask
+from ..storage import checkpoint_storage
+from ..storage.metadata import CheckpointMetadata, OperatorState, load_metadata
+from .result import JobResult
+
+__all__ = ["LocalRunner", "resolve_restore_path"]
+
+log = logging.getLogger(__name__)
+
+
+def resolve_restore_path(path: str) -> Tuple[CheckpointMetadata, str]:
+    """A checkpoint directory, a savepoint directory or ``_metadata`` file, or a
+    job's checkpoint directory (its latest completed checkpoint)."""
+    from ..storage.filesystem import resolve
+
+    try:
+        return load_metadata(path), path
+    except (OSError, ValueError) as first:
+        fs, root, prefix = resolve(path)
+        try:
+            from pyarrow.fs import FileSelector
+
+            infos = fs.get_file_info(FileSelector(root, recursive=True, max_recursion=2, allow_not_found=True))
+        except OSError:
+            infos = []
+        candidates = []
+        for info in infos:
+            if info.base_name == "_metadata":
+                directory = info.path.rsplit("/", 1)[0]
+                name = directory.rsplit("/", 1)[-1]
+                if name.startswith("chk-") and name[4:].isdigit():
+                    candidates.append((int(name[4:]), prefix + directory))
+        for _, directory in sorted(candidates, reverse=True):
+            try:
+                return load_metadata(directory), directory
+            except (OSError, ValueError) as exc:
+                log.warning("skipping %s: %s", directory, exc)
+        raise ValueError(
+            f"restore_from={path!r} is not a checkpoint, a savepoint or a job's checkpoints: {first}"
+        ) from None
+
+
+class LocalRunner:
+    """Runs a job graph (``pyengine.api.JobGraph``) in this process."""
+
+    def __init__(self, graph: Any, env: Any, name: str, restore_from: Optional[str] = None) -> None:
+        self.graph = graph
+        self.env = env
+        self.name = name
+        self.job_id = uuid.uuid4().hex
+        self.restore_from = restore_from
+        self._tasks: List[StreamTask] = []
+        self._failure: Optional[BaseException] = None
+        self._failure_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._exhausted: set = set()
+        self.coordinator: Optional[CheckpointCoordinator] = None
+        self._temp: Optional[tempfile.TemporaryDirectory] = None
+        self._stop_with_savepoint = threading.Event()
+
+    # -- the JobGateway ----------------------------------------------------------------------
+
+    def tasks_to_trigger(self) -> Sequence[ExecutionAttempt]:
+        return [t.attempt for t in self._tasks if t.gate is None]
+
+    def tasks_to_ack(self) -> Sequence[ExecutionAttempt]:
+        return [t.attempt for t in self._tasks]
+
+    def all_running(self) -> bool:
+        if self._failure is not None or not self._tasks:
+            return False
+        return all(t.running.is_set() and not t.end_requested.is_set() for t in self._tasks)
+
+    def operator_parallelism(self) -> Dict[str, Tuple[int, int]]:
+        p, max_p = self.env.parallelism, self.env.max_parallelism
+        return {uid: (p, max_p) for uid in self.graph.state_uids()}
+
+    def _task(self, attempt: ExecutionAttempt) -> Optional[StreamTask]:
+        for t in self._tasks:
+            if t.attempt == attempt:
+                return t
+        return None
+
+    def trigger(self, task: ExecutionAttempt, checkpoint_id: int, timestamp: int, options: CheckpointOptions) -> None:
+        t = self._task(task)
+        if t is not None:
+            t.trigger_checkpoint(checkpoint_id, timestamp, options)
+
+    def notify_complete(self, task: ExecutionAttempt, checkpoint_id: int) -> None:
+        t = self._task(task)
+        if t is not None:
+            t.notify_checkpoint_complete(checkpoint_id)
+
+    def notify_aborted(self, task: ExecutionAttempt, checkpoint_id: int) -> None:
+        t = self._task(task)
+        if t is not None:
+            t.notify_checkpoint_aborted(checkpoint_id)
+
+    def fail_job(self, cause: BaseException) -> None:
+        with self._failure_lock:
+            if self._failure is None:
+                self._failure = cause
+        self._wake.set()
+
+    def _source_exhausted(self, attempt: ExecutionAttempt) -> None:
+        self._exhausted.add(attempt)
+        self._wake.set()
+
+    # -- running -----------------------------------------------------------------------------
+
+    def _storage_uri(self) -> str:
+        if self.env.checkpoint_storage:
+            return str(self.env.checkpoint_storage)
+        self._temp = tempfile.TemporaryDirectory(prefix="pyengine-checkpoints-")
+        return self._temp.name
+
+    def _build(self, attempt_number: int, restored: Dict[str, OperatorState], executor: Any, storage: Any) -> None:
+        env, graph = self.env, self.graph
+        p = env.parallelism
+        checkpointing = env.checkpointing
+        mode = checkpointing.mode if checkpointing else "exactly_once"
+        unaligned = bool(checkpointing and checkpointing.unaligned)
+        aligned_timeout = checkpointing.aligned_timeout_ms if checkpointing else 0
+        tasks_by_vertex: List[List[StreamTask]] = []
+        for v_index in reversed(range(len(graph.vertices))):
+            vertex = graph.vertices[v_index]
+            downstream = tasks_by_vertex[0] if tasks_by_vertex else None
+            row: List[StreamTask] = []
+            for s in range(p):
+                attempt = ExecutionAttempt(vertex.name, s, attempt_number)
+                ctx = OperatorContext(
+                    job_name=self.name,
+                    subtask=s,
+                    parallelism=p,
+                    max_parallelism=env.max_parallelism,
+                    state_backend=env.state_backend,
+                    local_recovery_dir=env._local_dir(vertex.name, s),
+                    attempt=attempt_number,
+                )
+                cancelled_holder: List[threading.Event] = []
+                output = None
+                if downstream is not None:
+                    nxt = graph.vertices[v_index + 1]
+                    cancelled = threading.Event()
+                    cancelled_holder.append(cancelled)
+                    output = Output(
+                        [t.gate for t in downstream],  # type: ignore[misc]
+                        s,
+                        nxt.exchange,
+                        nxt.key_selector,
+                        env.max_parallelism,
+                        env.buffer_size,
+                        cancelled,
+                    )
+                gate_factory: Optional[Callable[[Any], Any]] = None
+                if v_index > 0:
+
+                    def gate_factory(listener: Any) -> Any:
+                        return CheckpointedInputGate(
+                            p,
+                            listener,
+                            mode=mode,
+                            unaligned=unaligned,
+                            aligned_timeout_ms=aligned_timeout,
+                            capacity=max(1, env.channel_capacity),
+                        )
+
+                task = StreamTask(
+                    attempt=attempt,
+                    chain=vertex.create_chain(checkpointing is not None),
+                    ctx=ctx,
+                    gate_factory=gate_factory,
+                    output=output,
+                    storage=storage,
+                    executor=executor,
+                    coordinator=self.coordinator,
+                    restored=restored,
+                    buffer_size=env.buffer_size,
+                    buffer_timeout_ms=env.buffer_timeout_ms,
+                    on_failure=self.fail_job,
+                    on_source_exhausted=self._source_exhausted,
+                    channel_state_uid=f"__channel_state__{vertex.name}",
+                    input_key_selector=vertex.key_selector if vertex.exchange == "hash" else None,
+                )
+                if output is not None:
+                    output.cancelled = task.cancelled
+                row.append(task)
+            tasks_by_vertex.insert(0, row)
+        self._tasks = [t for row in tasks_by_vertex for t in row]
+
+    def _check_restore(self, metadata: CheckpointMetadata, path: str) -> None:
+        known = set(self.graph.state_uids())
+        unknown = sorted(set(metadata.operators) - known)
+        if unknown:
+            raise ValueError(
+                f"cannot restore from {path}: it has state for operators {unknown} that this job does not have "
+                f"(operators are matched by uid; this job's: {sorted(known)})"
+            )
+
+    def run(self) -> JobResult:
+        env = self.env
+        started = time.monotonic()
+        storage = checkpoint_storage(self._storage_uri(), self.job_id)
+        storage.probe()
+        timers = ThreadTimerService()
+        self.coordinator = CheckpointCoordinator(
+            self.job_id, env.checkpointing or _NO_CHECKPOINTS, storage, self, timers
+        )
+        restored_meta: Optional[CheckpointMetadata] = None
+        if self.restore_from is not None:
+            restored_meta, path = resolve_restore_path(self.restore_from)
+            self._check_restore(restored_meta, path)
+            self.coordinator.note_restored_from(restored_meta, path)
+        restarts = 0
+        executor = ThreadPoolExecutor(
+            max_workers=2 * env.parallelism * len(self.graph.vertices), thread_name_prefix="pyengine-async"
+        )
+        status, cause = "FINISHED", None
+        try:
+            while True:
+                self._failure = None
+                self._exhausted = set()
+                self._wake.clear()
+                restored = dict(restored_meta.operators) if restored_meta is not None else {}
+                restored_id = restored_meta.checkpoint_id if restored_meta is not None else 0
+                self.graph.sink.recover(restored_id)
+                self._build(restarts, restored, executor, storage)
+                for t in self._tasks:
+                    t.start()
+                outcome = self._supervise()
+                if outcome == "finished":
+                    break
+                for t in self._tasks:
+                    t.cancel()
+                for t in self._tasks:
+                    t.thread.join(timeout=30)
+                # Whatever was triggered meanwhile waits for acks of tasks that are gone.
+                self.coordinator.abort_pending_checkpoints(CheckpointFailureReason.JOB_FAILOVER_REGION)
+                if outcome == "stopped":
+                    status = "FINISHED"
+                    break
+                cause = self._failure
+                if restarts >= env.restart_attempts:
+                    status = "FAILED"
+                    break
+                restarts += 1
+                log.warning("job %s failed (%s); restart %d of %d", self.name, cause, restarts, env.restart_attempts)
+                latest = self.coordinator.restore_latest()
+                if latest is not None:
+                    restored_meta = latest
+                time.sleep(env.restart_delay_ms / 1000)
+        finally:
+            self.coordinator.shutdown()
+            timers.shutdown()
+            executor.shutdown(wait=True)
+        records = list(getattr(self.graph.sink, "records", []))
+        latest = self.coordinator.store.latest()
+        return JobResult(
+            name=self.name,
+            job_id=self.job_id,
+            status=status,
+            cause=cause if status == "FAILED" else None,
+            restarts=restarts,
+            records=records,
+            checkpoints=self.coordinator.stats,
+            checkpoint_dir=storage.uri_of(storage.root),
+            latest_checkpoint=storage.uri_of(storage.checkpoint_dir(latest.checkpoint_id)) if latest else None,
+            duration_s=time.monotonic() - started,
+            _temp=self._temp,
+        )
+
+    def _supervise(self) -> str:
+        """Waits for the end of this attempt: "finished", "failed" or "stopped"."""
+        coordinator = self.coordinator
+        assert coordinator is not None
+        while not all(t.running.is_set() or t.finished.is_set() for t in self._tasks):
+            if self._failure is not None:
+                return "failed"
+            time.sleep(0.001)
+        checkpointing = self.env.checkpointing is not None
+        if checkpointing:
+            coordinator.start_checkpoint_scheduler()
+        sources = [t for t in self._tasks if t.gate is None]
+        ending = False
+        while True:
+            self._wake.wait(timeout=0.05)
+            self._wake.clear()
+            if self._failure is not None:
+                coordinator.stop_checkpoint_scheduler()
+                return "failed"
+            if self._stop_with_savepoint.is_set():
+                coordinator.stop_checkpoint_scheduler(abort_pending=False)
+                return "stopped"
+            if not ending and len(self._exhausted) == len(sources):
+                ending = True
+                if checkpointing and not self._final_checkpoint():
+                    coordinator.stop_checkpoint_scheduler()
+                    return "failed"
+                coordinator.stop_checkpoint_scheduler(abort_pending=False)
+                for t in sources:
+                    t.end_requested.set()
+            if all(t.finished.is_set() for t in self._tasks):
+                return "failed" if self._failure is not None else "finished"
+
+    def _final_checkpoint(self) -> bool:
+        """At the end of bounded input: one more checkpoint, so sinks commit what
+        the last records produced before the job ends."""
+        coordinator = self.coordinator
+        assert coordinator is not None
+        while self._failure is None:
+            future = coordinator.trigger_checkpoint()
+            try:
+                future.result(timeout=coordinator.config.timeout_ms / 1000 + 5)
+                return True
+            except CheckpointException as exc:
+                log.info("final checkpoint did not complete (%s); retrying", exc)
+                time.sleep(0.01)
+            except TimeoutError:
+                return False
+        return False
+
+    # -- savepoints (from a JobClient) -------------------------------------------------------
+
+    def trigger_savepoint(self, directory: str, timeout_s: float = 600) -> str:
+        coordinator = self.coordinator
+        if coordinator is None:
+            raise RuntimeError("the job is not running")
+        metadata = coordinator.trigger_savepoint(directory).result(timeout=timeout_s)
+        stats = coordinator.stats.latest_savepoint
+        if stats is not None and stats.id == metadata.checkpoint_id and stats.external_path:
+            return stats.external_path
+        return directory
+
+    def stop_with_savepoint(self, directory: str, timeout_s: float = 600) -> str:
+        path = self.trigger_savepoint(directory, timeout_s)
+        self._stop_with_savepoint.set()
+        self._wake.set()
+        return path
+
+
+def describe_failure(exc: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
+
+
+class _NoCheckpoints:
+    """Coordinator settings for a job without checkpointing (it never triggers)."""
+
+    interval_ms = 10**9
+    mode = "exactly_once"
+    unaligned = False
+    aligned_timeout_ms = 0
+    timeout_ms = 600_000
+    min_pause_ms = 0
+    max_concurrent = 1
+    tolerable_failures = 0
+    retained = 1
+
+
+_NO_CHECKPOINTS: Any = _NoCheckpoints()

@@ -1,0 +1,274 @@
+"""Operators: what a task runs on each buffer, and the state each one owns.
+
+An operator takes a buffer (a list of records) and returns the records it
+produces; it snapshots in two parts (a synchronous freeze returning the
+asynchronous writer), and hears about completed checkpoints. Chained operators
+of a task call each other through plain lists: no queue, no copy."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable, List, Optional
+
+import pyarrow as pa
+
+from ..state import OperatorStateBackend, create_keyed_backend, key_group_range_for_subtask
+from ..storage.filesystem import CheckpointStorageLocation
+from ..storage.metadata import OperatorState, SubtaskState
+
+__all__ = [
+    "FilterOperator",
+    "FlatMapOperator",
+    "KeyedProcessFunction",
+    "KeyedProcessOperator",
+    "MapBatchesOperator",
+    "MapOperator",
+    "Operator",
+    "OperatorContext",
+    "UserFunctionError",
+]
+
+
+class UserFunctionError(RuntimeError):
+    """A user function raised: says which operator and subtask."""
+
+
+class OperatorContext:
+    """What an operator knows about where it runs."""
+
+    def __init__(
+        self,
+        *,
+        job_name: str,
+        subtask: int,
+        parallelism: int,
+        max_parallelism: int,
+        state_backend: str,
+        local_recovery_dir: Optional[str],
+        attempt: int,
+    ) -> None:
+        self.job_name = job_name
+        self.subtask = subtask
+        self.parallelism = parallelism
+        self.max_parallelism = max_parallelism
+        self.state_backend = state_backend
+        self.local_recovery_dir = local_recovery_dir
+        self.attempt = attempt
+
+
+class Operator:
+    """Base: stateless, passes records through."""
+
+    def __init__(self, uid: str, name: str) -> None:
+        self.uid = uid
+        self.name = name
+        self.ctx: Optional[OperatorContext] = None
+        self.operator_state: Optional[OperatorStateBackend] = None
+
+    def where(self) -> str:
+        sub = f" (subtask {self.ctx.subtask})" if self.ctx is not None else ""
+        return f"operator {self.name!r}{sub}"
+
+    def setup(self, ctx: OperatorContext, restored: Optional[OperatorState]) -> None:
+        self.ctx = ctx
+        self.operator_state = OperatorStateBackend(subtask_index=ctx.subtask, parallelism=ctx.parallelism)
+        if restored is not None:
+            self.operator_state.restore(restored.operator_handles())
+
+    def open(self) -> None:
+        pass
+
+    def process(self, records: List[Any]) -> List[Any]:
+        return records
+
+    def end_input(self) -> List[Any]:
+        """Records produced at the end of bounded input."""
+        return []
+
+    def prepare_snapshot_pre_barrier(self, checkpoint_id: int) -> List[Any]:
+        """Records to emit before the barrier goes downstream."""
+        return []
+
+    def snapshot(self, checkpoint_id: int, location: CheckpointStorageLocation) -> Callable[[], SubtaskState]:
+        """The synchronous part; returns the asynchronous part."""
+        op_snapshot = self.operator_state.snapshot(checkpoint_id, location) if self.operator_state else None
+
+        def write() -> SubtaskState:
+            handles = op_snapshot.run().handles if op_snapshot is not None else []
+            return SubtaskState(operator=list(handles))
+
+        return write
+
+    def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
+        pass
+
+    def notify_checkpoint_aborted(self, checkpoint_id: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as exc:
+            raise UserFunctionError(f"{self.where()}: {type(exc).__name__}: {exc}") from exc
+
+
+class MapOperator(Operator):
+    def __init__(self, uid: str, name: str, fn: Callable[[Any], Any]) -> None:
+        super().__init__(uid, name)
+        self.fn = fn
+
+    def process(self, records: List[Any]) -> List[Any]:
+        fn = self.fn
+        try:
+            return [fn(r) for r in records]
+        except Exception as exc:
+            raise UserFunctionError(f"{self.where()}: {type(exc).__name__}: {exc}") from exc
+
+
+class FilterOperator(MapOperator):
+    def process(self, records: List[Any]) -> List[Any]:
+        fn = self.fn
+        try:
+            return [r for r in records if fn(r)]
+        except Exception as exc:
+            raise UserFunctionError(f"{self.where()}: {type(exc).__name__}: {exc}") from exc
+
+
+class FlatMapOperator(MapOperator):
+    def process(self, records: List[Any]) -> List[Any]:
+        fn = self.fn
+        out: List[Any] = []
+        try:
+            for r in records:
+                out.extend(fn(r))
+        except Exception as exc:
+            raise UserFunctionError(f"{self.where()}: {type(exc).__name__}: {exc}") from exc
+        return out
+
+
+class MapBatchesOperator(MapOperator):
+    """``fn(pyarrow.RecordBatch) -> RecordBatch``: records that are dicts become a
+    batch (columns by key); a RecordBatch buffer passes as it is."""
+
+    def process(self, records: List[Any]) -> List[Any]:
+        if not records:
+            return records
+        batch = pa.RecordBatch.from_pylist(records)
+        result = self._call(self.fn, batch)
+        if not isinstance(result, (pa.RecordBatch, pa.Table)):
+            raise UserFunctionError(f"{self.where()}: map_batches must return a RecordBatch, got {type(result)}")
+        return result.to_pylist()
+
+
+class KeyedProcessFunction:
+    """Per-key logic with keyed state: ``open(ctx)`` gets state through
+    ``ctx.get_state(descriptor)``; ``process_element(value, ctx)`` yields outputs,
+    with ``ctx.current_key`` set to the record's key."""
+
+    def open(self, ctx: Any) -> None:
+        pass
+
+    def process_element(self, value: Any, ctx: Any) -> Iterable[Any]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _KeyedContext:
+    def __init__(self, operator: KeyedProcessOperator) -> None:
+        self._op = operator
+        self.current_key: Any = None
+
+    def get_state(self, descriptor: Any) -> Any:
+        assert self._op.backend is not None
+        return self._op.backend.get_state(descriptor)
+
+    @property
+    def subtask(self) -> int:
+        assert self._op.ctx is not None
+        return self._op.ctx.subtask
+
+
+class KeyedProcessOperator(Operator):
+    def __init__(self, uid: str, name: str, key_selector: Callable[[Any], Any], fn: KeyedProcessFunction) -> None:
+        super().__init__(uid, name)
+        self.key_selector = key_selector
+        self.fn = fn
+        self.backend: Any = None
+        self._kctx = _KeyedContext(self)
+
+    def setup(self, ctx: OperatorContext, restored: Optional[OperatorState]) -> None:
+        super().setup(ctx, restored)
+        key_groups = key_group_range_for_subtask(ctx.max_parallelism, ctx.parallelism, ctx.subtask)
+        self.backend = create_keyed_backend(
+            ctx.state_backend,
+            max_parallelism=ctx.max_parallelism,
+            key_group_range=key_groups,
+            local_recovery_dir=ctx.local_recovery_dir,
+        )
+        if restored is not None:
+            self.backend.restore(restored.keyed_handles())
+
+    def open(self) -> None:
+        self._call(self.fn.open, self._kctx)
+
+    def process(self, records: List[Any]) -> List[Any]:
+        out: List[Any] = []
+        backend, kctx, fn, select = self.backend, self._kctx, self.fn, self.key_selector
+        try:
+            for r in records:
+                key = select(r)
+                backend.set_current_key(key)
+                kctx.current_key = key
+                produced = fn.process_element(r, kctx)
+                if produced is not None:
+                    out.extend(produced)
+        except Exception as exc:
+            raise UserFunctionError(f"{self.where()}: {type(exc).__name__}: {exc}") from exc
+        return out
+
+    def snapshot(self, checkpoint_id: int, location: CheckpointStorageLocation) -> Callable[[], SubtaskState]:
+        started = time.perf_counter()
+        keyed = self.backend.snapshot(checkpoint_id, location)
+        operator_part = super().snapshot(checkpoint_id, location)
+        self.sync_seconds = time.perf_counter() - started
+
+        def write() -> SubtaskState:
+            result = keyed.run()
+            state = operator_part()
+            state.keyed = list(result.handles)
+            return state
+
+        return write
+
+    def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
+        self.backend.notify_checkpoint_complete(checkpoint_id)
+
+    def notify_checkpoint_aborted(self, checkpoint_id: int) -> None:
+        aborted = getattr(self.backend, "notify_checkpoint_aborted", None)
+        if aborted is not None:
+            aborted(checkpoint_id)
+
+    def close(self) -> None:
+        self._call(self.fn.close)
+
+
+def key_selector(key: Any) -> Callable[[Any], Any]:
+    """``key_by``'s argument as a function: a callable, or a column/field name."""
+    if callable(key):
+        return key  # type: ignore[no-any-return]
+    if isinstance(key, (str, int)):
+        name = key
+
+        def select(record: Any) -> Any:
+            try:
+                return record[name]
+            except (KeyError, IndexError, TypeError):
+                raise KeyError(f"key_by({name!r}): record {record!r} has no field {name!r}") from None
+
+        return select
+    raise TypeError(f"key_by takes a function or a field name, got {key!r}")

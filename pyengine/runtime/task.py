@@ -1,0 +1,462 @@
+"""``StreamTask``: one subtask, a mailbox loop around an operator chain.
+
+Checkpoint triggers (from the coordinator for sources, from the input gate for
+the rest), completion notifications and record processing all run on the
+task's own thread, one at a time — the mailbox model, so state never changes
+under a snapshot's synchronous part. The asynchronous part runs on a shared
+thread pool and ends in an acknowledgement or a decline."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Executor
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from ..coordinator import ExecutionAttempt, SubtaskMetrics, TaskStateSnapshot
+from ..io import CheckpointBarrier, CheckpointedInputGate, CheckpointOptions, EndOfPartition
+from ..sinks import FINAL, Sink
+from ..state import ListStateDescriptor, subtask_for_key_group
+from ..state.keygroups import assign_to_key_group
+from ..storage.filesystem import CheckpointStorage
+from ..storage.metadata import OperatorState, SubtaskState
+from .operators import Operator, OperatorContext
+from .sources import SourceOperator
+
+__all__ = ["Output", "SinkOperator", "StreamTask", "TaskCancelled"]
+
+_CHANNEL_STATE = ListStateDescriptor("in-flight")
+
+
+class TaskCancelled(Exception):
+    """The runner cancelled the task (failover or shutdown)."""
+
+
+class SinkOperator(Operator):
+    """Stages records per checkpoint; commits on completion (two-phase commit)."""
+
+    def __init__(self, uid: str, name: str, sink: Sink, checkpointing: bool) -> None:
+        super().__init__(uid, name)
+        self.sink = sink
+        self.checkpointing = checkpointing
+        self._buffer: List[Any] = []
+
+    def open(self) -> None:
+        assert self.ctx is not None
+        self._call(self.sink.open, self.ctx.subtask)
+
+    def process(self, records: List[Any]) -> List[Any]:
+        if self.sink.transactional:
+            self._buffer.extend(records)
+        else:
+            assert self.ctx is not None
+            self._call(self.sink.stage, self.ctx.subtask, 0, records)
+        return []
+
+    def prepare_snapshot_pre_barrier(self, checkpoint_id: int) -> List[Any]:
+        assert self.ctx is not None
+        if self._buffer:
+            records, self._buffer = self._buffer, []
+            self._call(self.sink.stage, self.ctx.subtask, checkpoint_id, records)
+        return []
+
+    def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
+        assert self.ctx is not None
+        self._call(self.sink.commit, self.ctx.subtask, checkpoint_id)
+
+    def end_input(self) -> List[Any]:
+        if not self.checkpointing:  # without checkpoints, the end of input is the only commit point
+            self.prepare_snapshot_pre_barrier(FINAL)
+            assert self.ctx is not None
+            self._call(self.sink.commit, self.ctx.subtask, FINAL)
+        return []
+
+
+class Output:
+    """A task's output to the next vertex: a partitioner over the downstream gates,
+    with one buffer per channel, flushed when full, on timeout, or before a barrier."""
+
+    def __init__(
+        self,
+        gates: Sequence[CheckpointedInputGate],
+        channel: int,
+        exchange: str,
+        key_selector: Optional[Callable[[Any], Any]],
+        max_parallelism: int,
+        buffer_size: int,
+        cancelled: threading.Event,
+    ) -> None:
+        self.gates = list(gates)
+        self.channel = channel  # this subtask's channel index at every downstream gate
+        self.exchange = exchange
+        self.key_selector = key_selector
+        self.max_parallelism = max_parallelism
+        self.buffer_size = buffer_size
+        self.cancelled = cancelled
+        self.buffers: List[List[Any]] = [[] for _ in self.gates]
+        self._next = channel % len(self.gates)
+        self.last_flush = time.monotonic()
+
+    def emit(self, records: List[Any]) -> None:
+        n = len(self.gates)
+        if self.exchange == "forward" or n == 1:
+            self.buffers[self.channel % n].extend(records)
+        elif self.exchange == "hash":
+            select, max_p = self.key_selector, self.max_parallelism
+            assert select is not None
+            buffers = self.buffers
+            for r in records:
+                buffers[subtask_for_key_group(max_p, n, assign_to_key_group(select(r), max_p))].append(r)
+        elif self.exchange == "rebalance":
+            for r in records:
+                self.buffers[self._next].append(r)
+                self._next = (self._next + 1) % n
+        elif self.exchange == "broadcast":
+            for b in self.buffers:
+                b.extend(records)
+        else:
+            raise ValueError(f"unknown exchange {self.exchange!r}")
+        for i, b in enumerate(self.buffers):
+            if len(b) >= self.buffer_size:
+                self._send(i)
+
+    def _send(self, i: int) -> None:
+        buffer, self.buffers[i] = self.buffers[i], []
+        if buffer:
+            self._put(i, buffer)
+
+    def _put(self, i: int, item: Any) -> None:
+        gate = self.gates[i]
+        while not gate.put(self.channel, item, timeout=0.05):  # a full channel is backpressure
+            if self.cancelled.is_set():
+                raise TaskCancelled()
+
+    def flush(self) -> None:
+        for i in range(len(self.gates)):
+            self._send(i)
+        self.last_flush = time.monotonic()
+
+    def broadcast_event(self, event: Any) -> None:
+        self.flush()
+        for i in range(len(self.gates)):
+            self._put(i, event)
+
+
+class _ChannelState:
+    """In-flight input buffers of one unaligned checkpoint."""
+
+    def __init__(self) -> None:
+        self.buffers: List[Any] = []
+        self.done = threading.Event()
+        self.aborted = False
+
+    def abort(self) -> None:
+        """Wakes the asynchronous part waiting for the rest of the data: it gives up."""
+        self.aborted = True
+        self.done.set()
+
+
+class StreamTask:
+    """One subtask: its chain, its input gate (None for sources) and its output."""
+
+    def __init__(
+        self,
+        *,
+        attempt: ExecutionAttempt,
+        chain: List[Operator],
+        ctx: OperatorContext,
+        gate_factory: Optional[Callable[[Any], CheckpointedInputGate]],
+        output: Optional[Output],
+        storage: CheckpointStorage,
+        executor: Executor,
+        coordinator: Any,
+        restored: Dict[str, OperatorState],
+        buffer_size: int,
+        buffer_timeout_ms: int,
+        on_failure: Callable[[BaseException], None],
+        on_source_exhausted: Callable[[ExecutionAttempt], None],
+        channel_state_uid: str,
+        input_key_selector: Optional[Callable[[Any], Any]] = None,
+    ) -> None:
+        self.input_key_selector = input_key_selector
+        self.attempt = attempt
+        self.chain = chain
+        self.ctx = ctx
+        self.output = output
+        self.storage = storage
+        self.executor = executor
+        self.coordinator = coordinator
+        self.buffer_size = buffer_size
+        self.buffer_timeout_s = buffer_timeout_ms / 1000
+        self.on_failure = on_failure
+        self.on_source_exhausted = on_source_exhausted
+        self.mailbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.cancelled = threading.Event()
+        self.running = threading.Event()
+        self.end_requested = threading.Event()
+        self.finished = threading.Event()
+        self.gate = gate_factory(self) if gate_factory is not None else None
+        self._channel_states: Dict[int, _ChannelState] = {}
+        self._channel_state_uid = channel_state_uid
+        self._restored = restored
+        self._replay: List[Any] = []
+        self.thread = threading.Thread(target=self._run, name=f"task-{attempt}", daemon=True)
+
+    # -- the gate's listener -----------------------------------------------------------------
+
+    def trigger_checkpoint_on_barrier(self, barrier: CheckpointBarrier, metrics: Any) -> None:
+        self.perform_checkpoint(barrier.checkpoint_id, barrier.timestamp, barrier.options, metrics)
+
+    def abort_checkpoint_on_barrier(self, checkpoint_id: int, reason: Any) -> None:
+        self._drop_channel_state(checkpoint_id)
+        if self.output is not None:
+            from ..io import CancelCheckpointMarker
+
+            self.output.broadcast_event(CancelCheckpointMarker(checkpoint_id))
+        self.coordinator.receive_decline_message(checkpoint_id, self.attempt, RuntimeError(str(reason)))
+
+    def add_input_data(self, checkpoint_id: int, channel: int, buffer: Any) -> None:
+        # The gate may hand over overtaken buffers before it calls the trigger.
+        self._channel_states.setdefault(checkpoint_id, _ChannelState()).buffers.append(buffer)
+
+    def finish_input(self, checkpoint_id: int) -> None:
+        self._channel_states.setdefault(checkpoint_id, _ChannelState()).done.set()
+
+    def _drop_channel_state(self, checkpoint_id: int) -> None:
+        state = self._channel_states.pop(checkpoint_id, None)
+        if state is not None:
+            state.abort()
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def trigger_checkpoint(self, checkpoint_id: int, timestamp: int, options: CheckpointOptions) -> None:
+        """From the coordinator (sources only): runs in the mailbox."""
+        self.mailbox.put(lambda: self.perform_checkpoint(checkpoint_id, timestamp, options, None))
+
+    def perform_checkpoint(self, checkpoint_id: int, timestamp: int, options: CheckpointOptions, metrics: Any) -> None:
+        started = time.perf_counter()
+        location = self.storage.location(checkpoint_id)
+        for i, op in enumerate(self.chain):  # head first: what one emits reaches the next before its turn
+            produced = op.prepare_snapshot_pre_barrier(checkpoint_id)
+            if produced:
+                self._emit(produced, start=i + 1)
+        if self.output is not None:
+            self.output.broadcast_event(CheckpointBarrier(checkpoint_id, timestamp, options))
+        writers = [(op.uid, op.snapshot(checkpoint_id, location)) for op in self.chain]
+        channel_state: Optional[_ChannelState] = None
+        if options.unaligned and self.gate is not None:
+            channel_state = self._channel_states.setdefault(checkpoint_id, _ChannelState())
+        sync_ms = (time.perf_counter() - started) * 1000
+        alignment_ms = metrics.alignment_duration_ns / 1e6 if metrics is not None else 0.0
+        start_delay_ms = metrics.checkpoint_start_delay_ns / 1e6 if metrics is not None else 0.0
+        processed = metrics.bytes_processed_during_alignment if metrics is not None else 0
+
+        def run_async() -> None:
+            async_started = time.perf_counter()
+            try:
+                snapshot = TaskStateSnapshot()
+                for uid, write in writers:
+                    snapshot.operators[uid] = write()
+                persisted = 0
+                if channel_state is not None:
+                    if not channel_state.done.wait(timeout=600) or channel_state.aborted:
+                        raise RuntimeError(f"checkpoint {checkpoint_id} ended before its in-flight data was in")
+                    self._channel_states.pop(checkpoint_id, None)
+                    snapshot.operators[self._channel_state_uid] = self._write_channel_state(
+                        checkpoint_id, channel_state.buffers
+                    )
+                    persisted = sum(len(b) for b in channel_state.buffers if isinstance(b, list))
+                handles = snapshot.handles()
+                size = sum(getattr(h, "state_size", 0) for h in handles)
+                self.coordinator.receive_acknowledge_message(
+                    checkpoint_id,
+                    self.attempt,
+                    snapshot,
+                    SubtaskMetrics(
+                        sync_duration_ms=sync_ms,
+                        async_duration_ms=(time.perf_counter() - async_started) * 1000,
+                        alignment_duration_ms=alignment_ms,
+                        start_delay_ms=start_delay_ms,
+                        unaligned=options.unaligned,
+                        processed_data=processed,
+                        persisted_data=persisted,
+                        checkpointed_size=size,
+                        full_size=size,
+                    ),
+                )
+            except Exception as exc:
+                self.coordinator.receive_decline_message(checkpoint_id, self.attempt, exc)
+
+        self.executor.submit(run_async)
+
+    def _write_channel_state(self, checkpoint_id: int, buffers: List[Any]) -> SubtaskState:
+        from ..state import OperatorStateBackend
+
+        backend = OperatorStateBackend(subtask_index=self.ctx.subtask, parallelism=self.ctx.parallelism)
+        backend.get_union_list_state(_CHANNEL_STATE).update(
+            [[self.ctx.subtask, r] for b in buffers if isinstance(b, list) for r in b]
+        )
+        result = backend.snapshot(checkpoint_id, self.storage.location(checkpoint_id)).run()
+        return SubtaskState(operator=list(result.handles))
+
+    def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
+        def complete() -> None:
+            for op in self.chain:
+                op.notify_checkpoint_complete(checkpoint_id)
+
+        self.mailbox.put(complete)
+
+    def notify_checkpoint_aborted(self, checkpoint_id: int) -> None:
+        self._drop_channel_state(checkpoint_id)  # now: the async part may be waiting for it
+
+        def aborted() -> None:
+            for op in self.chain:
+                op.notify_checkpoint_aborted(checkpoint_id)
+
+        self.mailbox.put(aborted)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        for checkpoint_id in list(self._channel_states):
+            self._drop_channel_state(checkpoint_id)
+
+    def _drain_mailbox(self) -> None:
+        while True:
+            try:
+                action = self.mailbox.get_nowait()
+            except queue.Empty:
+                return
+            action()
+
+    def _emit(self, records: List[Any], start: int = 0) -> None:
+        for op in self.chain[start:]:
+            if not records:
+                return
+            records = op.process(records)
+        if records and self.output is not None:
+            self.output.emit(records)
+
+    def _restore(self) -> None:
+        for op in self.chain:
+            op.setup(self.ctx, self._restored.get(op.uid))
+        channel = self._restored.get(self._channel_state_uid)
+        if channel is not None:
+            from ..state import OperatorStateBackend
+
+            backend = OperatorStateBackend(subtask_index=self.ctx.subtask, parallelism=self.ctx.parallelism)
+            backend.restore(channel.operator_handles())
+            entries = backend.get_union_list_state(_CHANNEL_STATE).get()
+            self._replay = self._my_share(entries, channel.parallelism)
+        for op in self.chain:
+            op.open()
+
+    def _my_share(self, entries: List[Any], old_parallelism: int) -> List[Any]:
+        """This subtask's part of the restored in-flight records of every old subtask:
+        by key for a keyed input (a record must meet its key's state), else its own
+        records at the same parallelism, else a round-robin share."""
+        me, p = self.ctx.subtask, self.ctx.parallelism
+        if self.input_key_selector is not None:
+            select, max_p = self.input_key_selector, self.ctx.max_parallelism
+            return [
+                r for _, r in entries if subtask_for_key_group(max_p, p, assign_to_key_group(select(r), max_p)) == me
+            ]
+        if old_parallelism == p:
+            return [r for sub, r in entries if sub == me]
+        return [r for _, r in entries][me::p]
+
+    def _run(self) -> None:
+        try:
+            self._restore()
+            self.running.set()
+            if self._replay:  # in-flight data of an unaligned checkpoint comes before new input
+                replay, self._replay = self._replay, []
+                self._emit(replay)
+            if isinstance(self.chain[0], SourceOperator):
+                self._run_source(self.chain[0])
+            else:
+                self._run_gate()
+            self._finish()
+        except TaskCancelled:
+            pass
+        except BaseException as exc:
+            if not self.cancelled.is_set():
+                self.on_failure(exc)
+        finally:
+            self.running.clear()
+            self.finished.set()
+            for op in self.chain:
+                try:
+                    op.close()
+                except Exception:
+                    pass
+
+    def _check_cancelled(self) -> None:
+        if self.cancelled.is_set():
+            raise TaskCancelled()
+
+    def _maybe_flush(self) -> None:
+        if self.output is not None and time.monotonic() - self.output.last_flush >= self.buffer_timeout_s:
+            self.output.flush()
+
+    def _run_source(self, source: SourceOperator) -> None:
+        exhausted_reported = False
+        while True:
+            self._check_cancelled()
+            self._drain_mailbox()
+            if not source.exhausted:
+                records = source.read(self.buffer_size)
+                self._emit(records, start=1)
+                self._maybe_flush()
+                continue
+            if not exhausted_reported:
+                self._emit_end_of_input()
+                if self.output is not None:
+                    self.output.flush()
+                exhausted_reported = True
+                self.on_source_exhausted(self.attempt)
+            if self.end_requested.is_set():
+                self._drain_mailbox()
+                return
+            try:
+                action = self.mailbox.get(timeout=0.02)
+            except queue.Empty:
+                continue
+            action()
+
+    def _emit_end_of_input(self) -> None:
+        for i, op in enumerate(self.chain):
+            produced = op.end_input()
+            if produced:
+                self._emit(produced, start=i + 1)
+
+    def _run_gate(self) -> None:
+        gate = self.gate
+        assert gate is not None
+        while True:
+            self._check_cancelled()
+            self._drain_mailbox()
+            batch = gate.poll_batch(64)
+            if not batch:
+                if gate.is_finished:
+                    break
+                self._maybe_flush()
+                got = gate.next(timeout=0.02)
+                if got is None:
+                    continue
+                batch = [got]
+            for _, item in batch:
+                if type(item) is list:
+                    self._emit(item)
+            self._maybe_flush()
+        self._drain_mailbox()
+        self._emit_end_of_input()
+
+    def _finish(self) -> None:
+        if self.output is not None:
+            self.output.broadcast_event(EndOfPartition())
