@@ -10,7 +10,6 @@ import logging
 import tempfile
 import threading
 import time
-import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -162,12 +161,9 @@ class LocalRunner:
                     local_recovery_dir=env._local_dir(vertex.name, s),
                     attempt=attempt_number,
                 )
-                cancelled_holder: List[threading.Event] = []
                 output = None
                 if downstream is not None:
                     nxt = graph.vertices[v_index + 1]
-                    cancelled = threading.Event()
-                    cancelled_holder.append(cancelled)
                     output = Output(
                         [t.gate for t in downstream],  # type: ignore[misc]
                         s,
@@ -175,7 +171,7 @@ class LocalRunner:
                         nxt.key_selector,
                         env.max_parallelism,
                         env.buffer_size,
-                        cancelled,
+                        threading.Event(),  # replaced by the task's own below
                     )
                 gate_factory: Optional[Callable[[Any], Any]] = None
                 if v_index > 0:
@@ -361,10 +357,6 @@ class LocalRunner:
         self._stop_with_savepoint.set()
         self._wake.set()
         return path
-
-
-def describe_failure(exc: BaseException) -> str:
-    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
 
 class _NoCheckpoints:
