@@ -52,6 +52,15 @@ _NOT_COUNTED = {
     CheckpointFailureReason.TOO_MANY_CHECKPOINT_REQUESTS,
     CheckpointFailureReason.MINIMUM_TIME_BETWEEN_CHECKPOINTS,
     CheckpointFailureReason.JOB_FAILOVER_REGION,
+    # A task's decline for these reasons follows from something else (a task not yet
+    # running or finishing, an alignment limit, a cancellation barrier that another
+    # task's counted failure sent), so it is not a failure of its own.
+    CheckpointFailureReason.CHECKPOINT_DECLINED_TASK_NOT_READY,
+    CheckpointFailureReason.CHECKPOINT_DECLINED_TASK_CLOSING,
+    CheckpointFailureReason.CHECKPOINT_DECLINED_ALIGNMENT_LIMIT_EXCEEDED,
+    CheckpointFailureReason.CHECKPOINT_DECLINED_ON_CANCELLATION_BARRIER,
+    CheckpointFailureReason.CHECKPOINT_DECLINED_SUBSUMED,
+    CheckpointFailureReason.CHECKPOINT_DECLINED_INPUT_END_OF_STREAM,
 }
 MAX_QUEUED_REQUESTS = 1000
 RECENT_EXPIRED = 16  # as Flink's NUM_GHOST_CHECKPOINT_IDS

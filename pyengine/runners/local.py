@@ -330,14 +330,19 @@ class LocalRunner:
         assert coordinator is not None
         while self._failure is None:
             future = coordinator.trigger_checkpoint()
+            # The coordinator expires the checkpoint at its timeout; a task failing meanwhile
+            # (say, a sink's commit of the previous checkpoint) must end the wait at once.
+            while not future.done() and self._failure is None:
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+            if self._failure is not None:
+                return False
             try:
-                future.result(timeout=coordinator.config.timeout_ms / 1000 + 5)
+                future.result()
                 return True
             except CheckpointException as exc:
                 log.info("final checkpoint did not complete (%s); retrying", exc)
                 time.sleep(0.01)
-            except TimeoutError:
-                return False
         return False
 
     # -- savepoints (from a JobClient) -------------------------------------------------------

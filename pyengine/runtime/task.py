@@ -214,7 +214,15 @@ class StreamTask:
             from ..io import CancelCheckpointMarker
 
             self.output.broadcast_event(CancelCheckpointMarker(checkpoint_id))
-        self.coordinator.receive_decline_message(checkpoint_id, self.attempt, RuntimeError(str(reason)))
+        from ..coordinator.coordinator import CheckpointException
+        from ..io import CheckpointFailureReason
+
+        cause = (
+            CheckpointException(reason)
+            if isinstance(reason, CheckpointFailureReason)
+            else CheckpointException(CheckpointFailureReason.CHECKPOINT_DECLINED, str(reason))
+        )
+        self.coordinator.receive_decline_message(checkpoint_id, self.attempt, cause)
 
     def add_input_data(self, checkpoint_id: int, channel: int, buffer: Any) -> None:
         # The gate may hand over overtaken buffers before it calls the trigger.
@@ -260,7 +268,12 @@ class StreamTask:
                     snapshot.operators[uid] = write()
                 persisted = 0
                 if channel_state is not None:
-                    if not channel_state.done.wait(timeout=600) or channel_state.aborted:
+                    # A task that ends or is cancelled first never completes this channel state
+                    # (and the gate may have created it after cancel() swept them): give up then.
+                    while not channel_state.done.wait(timeout=0.05):
+                        if self.finished.is_set() or self.cancelled.is_set():
+                            break
+                    if not channel_state.done.is_set() or channel_state.aborted:
                         raise RuntimeError(f"checkpoint {checkpoint_id} ended before its in-flight data was in")
                     self._channel_states.pop(checkpoint_id, None)
                     snapshot.operators[self._channel_state_uid] = self._write_channel_state(
