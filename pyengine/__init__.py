@@ -14,6 +14,7 @@ __all__ = [
     "KeyedProcessFunction",
     "StreamEnvironment",
     "__version__",
+    "agg",
     "sinks",
 ]
 
@@ -22,6 +23,7 @@ _LAZY = {
     "CheckpointConfig": ("pyengine.coordinator.config", "CheckpointConfig"),
     "KeyedProcessFunction": ("pyengine.runtime.operators", "KeyedProcessFunction"),
     "sinks": ("pyengine.sinks", None),
+    "agg": ("pyengine.agg", None),
 }
 
 

@@ -12,7 +12,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, List, Optional
 
+from .agg import Aggregation
 from .coordinator import CheckpointConfig
+from .runtime.aggregate import AggregateOperator
 from .runtime.operators import (
     FilterOperator,
     FlatMapOperator,
@@ -23,7 +25,7 @@ from .runtime.operators import (
     Operator,
     key_selector,
 )
-from .runtime.sources import CollectionSource, GeneratorSource, Source, SourceOperator
+from .runtime.sources import CollectionSource, FileSource, GeneratorSource, Source, SourceOperator
 from .runtime.task import SinkOperator
 from .sinks import Sink
 from .state.keygroups import check_parallelism
@@ -159,7 +161,15 @@ class StreamEnvironment:
         return stream
 
     def from_collection(self, records: Iterable[Any], name: str = "collection") -> DataStream:
-        return self.from_source(CollectionSource(list(records)), name)
+        """A list of records, or a ``pyarrow.Table`` (then the stream carries Arrow batches)."""
+        return self.from_source(CollectionSource(records), name)
+
+    def read_files(
+        self, path: str, format: str = "parquet", columns: Optional[List[str]] = None, name: str = "files"
+    ) -> DataStream:
+        """Files (a directory, a file, or a list of files) as Arrow batches, through
+        ``pyarrow.dataset``; replayable by file and row."""
+        return self.from_source(FileSource(path, format, columns), name)
 
     def from_generator(self, fn: Callable[[int], Any], count: int, name: str = "generator") -> DataStream:
         return self.from_source(GeneratorSource(fn, count), name)
@@ -292,6 +302,24 @@ class KeyedStream:
     def __init__(self, stream: DataStream, select: Callable[[Any], Any]) -> None:
         self._stream = stream
         self._select = select
+
+    def aggregate(self, *aggregations: Aggregation) -> DataStream:
+        """Keyed count / sum / min / max / mean on whole Arrow batches (``pe.agg``):
+        emits, per input batch, one row per key it touched with that key's totals so far."""
+        column = getattr(self._select, "column", None)
+        if not isinstance(column, str):
+            raise TypeError("aggregate needs the stream keyed by a column name: key_by('column'), not a function")
+        if not aggregations:
+            raise ValueError("aggregate needs at least one aggregation, e.g. pe.agg.count()")
+        for a in aggregations:
+            if not isinstance(a, Aggregation):
+                raise TypeError(f"aggregate takes pe.agg aggregations, got {a!r}")
+        outputs = [a.output for a in aggregations]
+        clashes = sorted({o for o in outputs if outputs.count(o) > 1 or o == column})
+        if clashes:
+            raise ValueError(f"aggregate output columns must be unique and differ from the key; repeated: {clashes}")
+        aggs = list(aggregations)
+        return self._stream._op("aggregate", lambda uid, n, _c: AggregateOperator(uid, n, column, aggs))
 
     def process(self, fn: KeyedProcessFunction) -> DataStream:
         if not isinstance(fn, KeyedProcessFunction):

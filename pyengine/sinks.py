@@ -23,7 +23,7 @@ from pyarrow.fs import FileSelector
 
 from .storage.filesystem import resolve
 
-__all__ = ["CollectSink", "FileSink", "PrintSink", "Sink"]
+__all__ = ["CollectSink", "DiscardSink", "FileSink", "PrintSink", "Sink"]
 
 FINAL = 2**62  # the checkpoint id of what is staged at the end of input without checkpoints
 
@@ -36,8 +36,11 @@ class Sink:
     def open(self, subtask: int) -> None:
         pass
 
-    def stage(self, subtask: int, checkpoint_id: int, records: List[Any]) -> None:
-        """Keeps ``records`` invisibly until ``commit`` of a checkpoint >= ``checkpoint_id``."""
+    def stage(self, subtask: int, checkpoint_id: int, records: Any) -> None:
+        """Keeps ``records`` invisibly until ``commit`` of a checkpoint >= ``checkpoint_id``.
+
+        ``records`` is a list of records, or a ``pyarrow.Table`` when the stream
+        carried Arrow batches (``map_batches``, ``aggregate``, ``read_files``)."""
         raise NotImplementedError
 
     def commit(self, subtask: int, checkpoint_id: int) -> None:
@@ -58,9 +61,10 @@ class CollectSink(Sink):
         self._staged: Dict[Tuple[int, int], List[Any]] = {}
         self.records: List[Any] = []
 
-    def stage(self, subtask: int, checkpoint_id: int, records: List[Any]) -> None:
+    def stage(self, subtask: int, checkpoint_id: int, records: Any) -> None:
+        rows = _rows(records)
         with self._lock:
-            self._staged.setdefault((subtask, checkpoint_id), []).extend(records)
+            self._staged.setdefault((subtask, checkpoint_id), []).extend(rows)
 
     def commit(self, subtask: int, checkpoint_id: int) -> None:
         with self._lock:
@@ -85,11 +89,31 @@ class PrintSink(Sink):
         self.prefix = prefix
         self._lock = threading.Lock()
 
-    def stage(self, subtask: int, checkpoint_id: int, records: List[Any]) -> None:
+    def stage(self, subtask: int, checkpoint_id: int, records: Any) -> None:
         out = self._stream or sys.stdout
         with self._lock:
-            for r in records:
+            for r in _rows(records):
                 print(f"{self.prefix}{r}", file=out)
+
+    def commit(self, subtask: int, checkpoint_id: int) -> None:
+        pass
+
+    def recover(self, restored_checkpoint: int) -> None:
+        pass
+
+
+class DiscardSink(Sink):
+    """Drops everything, counting records: for benchmarks, as Flink's DiscardingSink."""
+
+    transactional = False
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def stage(self, subtask: int, checkpoint_id: int, records: Any) -> None:
+        with self._lock:
+            self.count += len(records)
 
     def commit(self, subtask: int, checkpoint_id: int) -> None:
         pass
@@ -126,10 +150,10 @@ class FileSink(Sink):
         fs, root = self._fs()
         fs.create_dir(f"{root}/_staging", recursive=True)
 
-    def _encode(self, records: List[Any]) -> bytes:
+    def _encode(self, records: Any) -> bytes:
         if self.format == "jsonl":
-            return "".join(json.dumps(r, separators=(",", ":"), default=str) + "\n" for r in records).encode()
-        table = _table_of(records)
+            return "".join(json.dumps(r, separators=(",", ":"), default=str) + "\n" for r in _rows(records)).encode()
+        table = records if isinstance(records, pa.Table) else _table_of(records)
         if self.format == "csv":
             text = io.StringIO()
             writer = csv.writer(text)
@@ -141,8 +165,8 @@ class FileSink(Sink):
         pq.write_table(table, sink)
         return bytes(sink.getvalue().to_pybytes())
 
-    def stage(self, subtask: int, checkpoint_id: int, records: List[Any]) -> None:
-        if not records:
+    def stage(self, subtask: int, checkpoint_id: int, records: Any) -> None:
+        if not len(records):
             return
         with self._lock:
             seq = self._seq.get((subtask, checkpoint_id), 0)
@@ -193,10 +217,19 @@ class FileSink(Sink):
                 fs.delete_file(info.path)
 
     def committed_files(self) -> List[str]:
-        """Paths of the committed part files, sorted."""
+        """Paths of the committed part files, in the order they were written per
+        subtask (by subtask, checkpoint, sequence number; other files by name last)."""
         fs, root = self._fs()
         infos = fs.get_file_info(FileSelector(root, allow_not_found=True))
-        return sorted(i.path for i in infos if i.is_file and not i.base_name.startswith(("_", ".")))
+
+        def order(info: Any) -> Tuple[int, int, int, int, str]:
+            match = _STAGED.match(info.base_name)
+            if match is None:
+                return (1, 0, 0, 0, info.base_name)
+            return (0, int(match.group(1)), int(match.group(2)), int(match.group(3)), info.base_name)
+
+        files = [i for i in infos if i.is_file and not i.base_name.startswith(("_", "."))]
+        return [i.path for i in sorted(files, key=order)]
 
     def read_committed(self) -> List[Any]:
         """Every committed record (jsonl: as parsed JSON; csv/parquet: dicts)."""
@@ -212,6 +245,12 @@ class FileSink(Sink):
             else:
                 out.extend(pq.read_table(pa.py_buffer(data)).to_pylist())
         return out
+
+
+def _rows(records: Any) -> List[Any]:
+    if isinstance(records, (pa.Table, pa.RecordBatch)):
+        return records.to_pylist()  # type: ignore[no-any-return]
+    return list(records)
 
 
 def _table_of(records: List[Any]) -> pa.Table:

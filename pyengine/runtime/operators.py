@@ -7,7 +7,6 @@ of a task call each other through plain lists: no queue, no copy."""
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Iterable, List, Optional
 
 import pyarrow as pa
@@ -20,12 +19,16 @@ __all__ = [
     "FilterOperator",
     "FlatMapOperator",
     "KeyedProcessFunction",
+    "KeyedOperator",
     "KeyedProcessOperator",
     "MapBatchesOperator",
     "MapOperator",
     "Operator",
     "OperatorContext",
     "UserFunctionError",
+    "batch_of",
+    "key_selector",
+    "rows_of",
 ]
 
 
@@ -121,7 +124,7 @@ class MapOperator(Operator):
         self.fn = fn
 
     def process(self, records: List[Any]) -> List[Any]:
-        fn = self.fn
+        fn, records = self.fn, rows_of(records)
         try:
             return [fn(r) for r in records]
         except Exception as exc:
@@ -130,7 +133,7 @@ class MapOperator(Operator):
 
 class FilterOperator(MapOperator):
     def process(self, records: List[Any]) -> List[Any]:
-        fn = self.fn
+        fn, records = self.fn, rows_of(records)
         try:
             return [r for r in records if fn(r)]
         except Exception as exc:
@@ -139,7 +142,7 @@ class FilterOperator(MapOperator):
 
 class FlatMapOperator(MapOperator):
     def process(self, records: List[Any]) -> List[Any]:
-        fn = self.fn
+        fn, records = self.fn, rows_of(records)
         out: List[Any] = []
         try:
             for r in records:
@@ -151,16 +154,39 @@ class FlatMapOperator(MapOperator):
 
 class MapBatchesOperator(MapOperator):
     """``fn(pyarrow.RecordBatch) -> RecordBatch``: records that are dicts become a
-    batch (columns by key); a RecordBatch buffer passes as it is."""
+    batch (columns by key); a RecordBatch buffer passes as it is, and the result
+    goes on as a batch (operators that need rows convert it when they get it)."""
 
-    def process(self, records: List[Any]) -> List[Any]:
-        if not records:
-            return records
-        batch = pa.RecordBatch.from_pylist(records)
+    def process(self, records: Any) -> Any:
+        if not len(records):
+            return []
+        batch = self._call(batch_of, records)
         result = self._call(self.fn, batch)
-        if not isinstance(result, (pa.RecordBatch, pa.Table)):
+        if isinstance(result, pa.Table):
+            batches = result.combine_chunks().to_batches()
+            return batches[0] if batches else []
+        if not isinstance(result, pa.RecordBatch):
             raise UserFunctionError(f"{self.where()}: map_batches must return a RecordBatch, got {type(result)}")
-        return result.to_pylist()
+        return result
+
+
+def rows_of(records: Any) -> List[Any]:
+    """A buffer as a list of records: an Arrow batch becomes dicts (one per row)."""
+    if isinstance(records, (pa.RecordBatch, pa.Table)):
+        return records.to_pylist()  # type: ignore[no-any-return]
+    return records  # type: ignore[no-any-return]
+
+
+def batch_of(records: Any) -> pa.RecordBatch:
+    """A buffer as an Arrow batch: records must be dicts (columns by key)."""
+    if isinstance(records, pa.RecordBatch):
+        return records
+    if isinstance(records, pa.Table):
+        batches = records.combine_chunks().to_batches()
+        return batches[0] if batches else pa.RecordBatch.from_pylist([])
+    if records and not isinstance(records[0], dict):
+        raise TypeError(f"an Arrow batch needs records that are dicts, got {type(records[0]).__name__}")
+    return pa.RecordBatch.from_pylist(records)
 
 
 class KeyedProcessFunction:
@@ -193,13 +219,12 @@ class _KeyedContext:
         return self._op.ctx.subtask
 
 
-class KeyedProcessOperator(Operator):
-    def __init__(self, uid: str, name: str, key_selector: Callable[[Any], Any], fn: KeyedProcessFunction) -> None:
+class KeyedOperator(Operator):
+    """An operator with keyed state: a backend over its subtask's key groups."""
+
+    def __init__(self, uid: str, name: str) -> None:
         super().__init__(uid, name)
-        self.key_selector = key_selector
-        self.fn = fn
         self.backend: Any = None
-        self._kctx = _KeyedContext(self)
 
     def setup(self, ctx: OperatorContext, restored: Optional[OperatorState]) -> None:
         super().setup(ctx, restored)
@@ -213,29 +238,9 @@ class KeyedProcessOperator(Operator):
         if restored is not None:
             self.backend.restore(restored.keyed_handles())
 
-    def open(self) -> None:
-        self._call(self.fn.open, self._kctx)
-
-    def process(self, records: List[Any]) -> List[Any]:
-        out: List[Any] = []
-        backend, kctx, fn, select = self.backend, self._kctx, self.fn, self.key_selector
-        try:
-            for r in records:
-                key = select(r)
-                backend.set_current_key(key)
-                kctx.current_key = key
-                produced = fn.process_element(r, kctx)
-                if produced is not None:
-                    out.extend(produced)
-        except Exception as exc:
-            raise UserFunctionError(f"{self.where()}: {type(exc).__name__}: {exc}") from exc
-        return out
-
     def snapshot(self, checkpoint_id: int, location: CheckpointStorageLocation) -> Callable[[], SubtaskState]:
-        started = time.perf_counter()
         keyed = self.backend.snapshot(checkpoint_id, location)
         operator_part = super().snapshot(checkpoint_id, location)
-        self.sync_seconds = time.perf_counter() - started
 
         def write() -> SubtaskState:
             result = keyed.run()
@@ -252,6 +257,33 @@ class KeyedProcessOperator(Operator):
         aborted = getattr(self.backend, "notify_checkpoint_aborted", None)
         if aborted is not None:
             aborted(checkpoint_id)
+
+
+class KeyedProcessOperator(KeyedOperator):
+    def __init__(self, uid: str, name: str, key_selector: Callable[[Any], Any], fn: KeyedProcessFunction) -> None:
+        super().__init__(uid, name)
+        self.key_selector = key_selector
+        self.fn = fn
+        self._kctx = _KeyedContext(self)
+
+    def open(self) -> None:
+        self._call(self.fn.open, self._kctx)
+
+    def process(self, records: List[Any]) -> List[Any]:
+        out: List[Any] = []
+        records = rows_of(records)
+        backend, kctx, fn, select = self.backend, self._kctx, self.fn, self.key_selector
+        try:
+            for r in records:
+                key = select(r)
+                backend.set_current_key(key)
+                kctx.current_key = key
+                produced = fn.process_element(r, kctx)
+                if produced is not None:
+                    out.extend(produced)
+        except Exception as exc:
+            raise UserFunctionError(f"{self.where()}: {type(exc).__name__}: {exc}") from exc
+        return out
 
     def close(self) -> None:
         self._call(self.fn.close)
@@ -270,5 +302,6 @@ def key_selector(key: Any) -> Callable[[Any], Any]:
             except (KeyError, IndexError, TypeError):
                 raise KeyError(f"key_by({name!r}): record {record!r} has no field {name!r}") from None
 
+        select.column = name  # type: ignore[attr-defined]  # lets Arrow batches be partitioned by column
         return select
     raise TypeError(f"key_by takes a function or a field name, got {key!r}")

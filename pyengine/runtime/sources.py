@@ -3,13 +3,17 @@ operator state, so a restore rewinds exactly to the checkpoint."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import pyarrow as pa
 
 from ..state import ListStateDescriptor
 from ..storage.metadata import OperatorState
 from .operators import Operator, OperatorContext
 
-__all__ = ["CollectionSource", "GeneratorSource", "Source", "SourceOperator"]
+__all__ = ["CollectionSource", "FileSource", "GeneratorSource", "Source", "SourceOperator"]
 
 _POSITION = ListStateDescriptor("position")
 
@@ -23,14 +27,118 @@ class Source:
 
 
 class CollectionSource(Source):
-    """A list: subtask ``i`` of ``p`` reads elements ``i, i+p, i+2p, ...``."""
+    """A list, or an Arrow table (read as batches): subtask ``i`` of ``p`` reads
+    elements (rows) ``i, i+p, i+2p, ...``."""
 
-    def __init__(self, records: Sequence[Any]) -> None:
-        self.records = list(records)
+    def __init__(self, records: Any) -> None:
+        if isinstance(records, pa.RecordBatch):
+            records = pa.Table.from_batches([records])
+        self.records = records if isinstance(records, pa.Table) else list(records)
 
-    def read(self, subtask: int, parallelism: int, position: int, n: int) -> List[Any]:
+    def read(self, subtask: int, parallelism: int, position: int, n: int) -> Any:
         start = subtask + position * parallelism
+        if isinstance(self.records, pa.Table):
+            stop = min(start + n * parallelism, self.records.num_rows)
+            if start >= stop:
+                return []
+            rows = self.records.take(np.arange(start, stop, parallelism))
+            return rows.combine_chunks().to_batches()[0]
         return self.records[start : start + n * parallelism : parallelism]
+
+
+class FileSource(Source):
+    """Files read with ``pyarrow.dataset`` (parquet, csv, json, feather/ipc), as Arrow batches.
+
+    The input is cut into splits, a parquet row group or a whole file of the other
+    formats, sorted by path; subtask ``i`` of ``p`` reads splits ``i, i+p, ...`` one
+    after the other, and its position is the number of rows it has read — so a
+    restore seeks to the file and row it had reached."""
+
+    FORMATS = ("parquet", "csv", "json", "feather", "ipc", "arrow")
+
+    def __init__(self, path: Any, format: str = "parquet", columns: Optional[List[str]] = None) -> None:
+        import pyarrow.dataset as ds
+
+        if format not in self.FORMATS:
+            raise ValueError(f"read_files format must be one of {', '.join(self.FORMATS)}, got {format!r}")
+        try:
+            dataset = ds.dataset(path, format=format)
+        except (FileNotFoundError, OSError, pa.ArrowInvalid) as exc:
+            raise ValueError(f"read_files({path!r}): {exc}") from None
+        if columns is not None:
+            unknown = [c for c in columns if c not in dataset.schema.names]
+            if unknown:
+                raise ValueError(f"read_files({path!r}): no column {unknown[0]!r} (columns: {dataset.schema.names})")
+        splits = []
+        for fragment in sorted(dataset.get_fragments(), key=lambda f: f.path):
+            if format == "parquet":
+                splits.extend(fragment.split_by_row_group())
+            else:
+                splits.append(fragment)
+        if not splits:
+            raise ValueError(f"read_files({path!r}): no {format} files there")
+        self.path = path
+        self.schema = dataset.schema if columns is None else pa.schema([dataset.schema.field(c) for c in columns])
+        self.columns = columns
+        self._splits = splits
+        self._readers: Dict[Tuple[int, int], _SplitReader] = {}
+        self._lock = threading.Lock()
+
+    def read(self, subtask: int, parallelism: int, position: int, n: int) -> Any:
+        with self._lock:
+            reader = self._readers.get((subtask, parallelism))
+            if reader is None or reader.position != position or reader.batch_size != n:
+                reader = _SplitReader(self._splits[subtask::parallelism], self.schema, self.columns, n, position)
+                self._readers[(subtask, parallelism)] = reader
+        batch = reader.take(n)
+        return batch if batch.num_rows else []
+
+
+class _SplitReader:
+    """Reads a subtask's splits in order, ``n`` rows at a time, from a row position."""
+
+    def __init__(self, splits: List[Any], schema: pa.Schema, columns: Any, n: int, position: int) -> None:
+        self.batch_size = n
+        self.schema = schema
+        self.position = 0
+        self._batches = (
+            b for split in splits for b in split.to_batches(batch_size=n, columns=columns, use_threads=False)
+        )
+        self._pending: List[pa.RecordBatch] = []
+        self._pending_rows = 0
+        while self.position < position:  # seek: whole batches skipped, the last one sliced
+            batch = next(self._batches, None)
+            if batch is None:
+                break
+            skip = min(batch.num_rows, position - self.position)
+            self.position += skip
+            if skip < batch.num_rows:
+                self._pending, self._pending_rows = [batch.slice(skip)], batch.num_rows - skip
+
+    def take(self, n: int) -> pa.RecordBatch:
+        while self._pending_rows < n:
+            batch = next(self._batches, None)
+            if batch is None:
+                break
+            if batch.num_rows:
+                self._pending.append(batch)
+                self._pending_rows += batch.num_rows
+        pieces, taken = [], 0
+        while self._pending and taken < n:
+            head = self._pending[0]
+            want = n - taken
+            if head.num_rows <= want:
+                pieces.append(self._pending.pop(0))
+                taken += head.num_rows
+            else:
+                pieces.append(head.slice(0, want))
+                self._pending[0] = head.slice(want)
+                taken += want
+        self._pending_rows -= taken
+        self.position += taken
+        if not pieces:
+            return pa.RecordBatch.from_pylist([], self.schema)
+        return pieces[0] if len(pieces) == 1 else pa.concat_batches(pieces)
 
 
 class GeneratorSource(Source):

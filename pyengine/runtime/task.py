@@ -14,14 +14,17 @@ import time
 from concurrent.futures import Executor
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import numpy as np
+import pyarrow as pa
+
 from ..coordinator import ExecutionAttempt, SubtaskMetrics, TaskStateSnapshot
 from ..io import CheckpointBarrier, CheckpointedInputGate, CheckpointOptions, EndOfPartition
 from ..sinks import FINAL, Sink
 from ..state import ListStateDescriptor, subtask_for_key_group
-from ..state.keygroups import assign_to_key_group
+from ..state.keygroups import assign_to_key_group, key_groups_of_int64
 from ..storage.filesystem import CheckpointStorage
 from ..storage.metadata import OperatorState, SubtaskState
-from .operators import Operator, OperatorContext
+from .operators import Operator, OperatorContext, rows_of
 from .sources import SourceOperator
 
 __all__ = ["Output", "SinkOperator", "StreamTask", "TaskCancelled"]
@@ -46,19 +49,19 @@ class SinkOperator(Operator):
         assert self.ctx is not None
         self._call(self.sink.open, self.ctx.subtask)
 
-    def process(self, records: List[Any]) -> List[Any]:
+    def process(self, records: Any) -> List[Any]:
         if self.sink.transactional:
-            self._buffer.extend(records)
+            self._buffer.append(records)
         else:
             assert self.ctx is not None
-            self._call(self.sink.stage, self.ctx.subtask, 0, records)
+            self._call(self.sink.stage, self.ctx.subtask, 0, _combined([records]))
         return []
 
     def prepare_snapshot_pre_barrier(self, checkpoint_id: int) -> List[Any]:
         assert self.ctx is not None
         if self._buffer:
-            records, self._buffer = self._buffer, []
-            self._call(self.sink.stage, self.ctx.subtask, checkpoint_id, records)
+            pieces, self._buffer = self._buffer, []
+            self._call(self.sink.stage, self.ctx.subtask, checkpoint_id, _combined(pieces))
         return []
 
     def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
@@ -71,6 +74,19 @@ class SinkOperator(Operator):
             assert self.ctx is not None
             self._call(self.sink.commit, self.ctx.subtask, FINAL)
         return []
+
+
+def _combined(pieces: List[Any]) -> Any:
+    """What a sink stages: one ``pyarrow.Table`` when every buffer was an Arrow batch
+    of one schema, else a list of records."""
+    if all(type(p) is pa.RecordBatch for p in pieces):
+        schema = pieces[0].schema
+        if all(p.schema.equals(schema) for p in pieces):
+            return pa.Table.from_batches(pieces)
+    out: List[Any] = []
+    for p in pieces:
+        out.extend(rows_of(p))
+    return out
 
 
 class Output:
@@ -98,7 +114,10 @@ class Output:
         self._next = channel % len(self.gates)
         self.last_flush = time.monotonic()
 
-    def emit(self, records: List[Any]) -> None:
+    def emit(self, records: Any) -> None:
+        if type(records) is pa.RecordBatch:
+            self._emit_batch(records)
+            return
         n = len(self.gates)
         if self.exchange == "forward" or n == 1:
             self.buffers[self.channel % n].extend(records)
@@ -121,6 +140,30 @@ class Output:
             if len(b) >= self.buffer_size:
                 self._send(i)
 
+    def _emit_batch(self, batch: pa.RecordBatch) -> None:
+        """An Arrow batch goes on as one buffer (split by key for a hash exchange),
+        after whatever rows were buffered for its channel before it."""
+        n = len(self.gates)
+        if self.exchange == "forward" or n == 1:
+            pieces = [(self.channel % n, batch)]
+        elif self.exchange == "hash":
+            column = getattr(self.key_selector, "column", None)
+            if column is None:  # a key function needs the rows
+                self.emit(batch.to_pylist())
+                return
+            pieces = list(enumerate(_split_by_key(batch, column, n, self.max_parallelism)))
+        elif self.exchange == "rebalance":
+            pieces = [(self._next, batch)]
+            self._next = (self._next + 1) % n
+        elif self.exchange == "broadcast":
+            pieces = [(i, batch) for i in range(n)]
+        else:
+            raise ValueError(f"unknown exchange {self.exchange!r}")
+        for i, piece in pieces:
+            if piece.num_rows:
+                self._send(i)
+                self._put(i, piece)
+
     def _send(self, i: int) -> None:
         buffer, self.buffers[i] = self.buffers[i], []
         if buffer:
@@ -141,6 +184,20 @@ class Output:
         self.flush()
         for i in range(len(self.gates)):
             self._put(i, event)
+
+
+def _split_by_key(batch: pa.RecordBatch, column: str, n: int, max_parallelism: int) -> List[pa.RecordBatch]:
+    """The rows of ``batch`` for each of ``n`` subtasks, by the key group of ``column``
+    (the same assignment as for single records, vectorised for integer keys)."""
+    if column not in batch.schema.names:
+        raise KeyError(f"key_by({column!r}): the batch has no column {column!r} (columns: {batch.schema.names})")
+    keys = batch.column(column)
+    if keys.null_count == 0 and pa.types.is_integer(keys.type):
+        groups = key_groups_of_int64(keys.to_numpy().astype(np.int64, copy=False), max_parallelism)
+    else:
+        groups = np.array([assign_to_key_group(k, max_parallelism) for k in keys.to_pylist()], np.int64)
+    targets = groups * n // max_parallelism  # subtask_for_key_group, for all rows at once
+    return [batch.filter(pa.array(targets == i)) for i in range(n)]
 
 
 class _ChannelState:
@@ -279,7 +336,7 @@ class StreamTask:
                     snapshot.operators[self._channel_state_uid] = self._write_channel_state(
                         checkpoint_id, channel_state.buffers
                     )
-                    persisted = sum(len(b) for b in channel_state.buffers if isinstance(b, list))
+                    persisted = sum(len(b) for b in channel_state.buffers if isinstance(b, (list, pa.RecordBatch)))
                 handles = snapshot.handles()
                 size = sum(getattr(h, "state_size", 0) for h in handles)
                 self.coordinator.receive_acknowledge_message(
@@ -308,7 +365,7 @@ class StreamTask:
 
         backend = OperatorStateBackend(subtask_index=self.ctx.subtask, parallelism=self.ctx.parallelism)
         backend.get_union_list_state(_CHANNEL_STATE).update(
-            [[self.ctx.subtask, r] for b in buffers if isinstance(b, list) for r in b]
+            [[self.ctx.subtask, r] for b in buffers if isinstance(b, (list, pa.RecordBatch)) for r in rows_of(b)]
         )
         result = backend.snapshot(checkpoint_id, self.storage.location(checkpoint_id)).run()
         return SubtaskState(operator=list(result.handles))
@@ -464,7 +521,7 @@ class StreamTask:
                     continue
                 batch = [got]
             for _, item in batch:
-                if type(item) is list:
+                if type(item) is list or type(item) is pa.RecordBatch:
                     self._emit(item)
             self._maybe_flush()
         self._drain_mailbox()

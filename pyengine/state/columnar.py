@@ -10,7 +10,7 @@ other key turns the state into ordinary (dict) storage, transparently.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Set
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Set
 
 import numpy as np
 import pyarrow as pa
@@ -19,7 +19,7 @@ from .. import _native
 from .descriptors import StateDescriptor, ValueStateDescriptor
 from .keygroups import key_groups_of_int64
 
-__all__ = ["ColumnarValueState", "ColumnarValueTable", "columnar_dtype"]
+__all__ = ["ColumnarValueState", "ColumnarValueTable", "KeySplit", "columnar_dtype"]
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _MISSING = object()
@@ -169,7 +169,8 @@ class ColumnarValueState:
         if self._table.changes is not None:
             self._table.changes[self._backend._key_index].add(self._backend._key)
 
-    def _split(self, keys: Any) -> Any:
+    def split_keys(self, keys: Any) -> KeySplit:
+        """Sorts int64 keys by key group once, for several ``*_many`` calls on the same keys."""
         keys = np.ascontiguousarray(keys, dtype=np.int64)
         start = self._backend.key_group_range.start
         groups = key_groups_of_int64(keys, self._backend.max_parallelism) - start
@@ -177,29 +178,58 @@ class ColumnarValueState:
             raise ValueError(f"state {self.name!r}: some keys are outside this backend's key groups")
         order = np.argsort(groups, kind="stable")
         bounds = np.searchsorted(groups[order], np.arange(len(self._table.groups) + 1))
-        return keys, order, bounds
+        active = np.nonzero(np.diff(bounds))[0].tolist()
+        return KeySplit(keys, order, bounds, keys[order], active)
 
-    def update_many(self, keys: Any, values: Any) -> None:
+    def _columnar(self, what: str) -> None:
+        if self._fallback is not None:
+            raise TypeError(f"state {self.name!r} holds non-int keys; {what} needs columnar state")
+
+    def update_many(self, keys: Any, values: Any, split: Optional[KeySplit] = None) -> None:
         """Sets the values of many int64 keys at once (no Python call per key)."""
-        if self._fallback is not None:
-            raise TypeError(f"state {self.name!r} holds non-int keys; update_many needs columnar state")
-        keys, order, bounds = self._split(keys)
-        values = np.asarray(values, dtype=self._table.dtype)
-        for index in np.nonzero(np.diff(bounds))[0].tolist():
-            sel = order[bounds[index] : bounds[index + 1]]
-            self._table.groups[index].put_many(keys[sel], values[sel])
+        self._columnar("update_many")
+        sp = split if split is not None else self.split_keys(keys)
+        values = np.asarray(values, dtype=self._table.dtype)[sp.order]
+        for index in sp.active:
+            a, b = sp.bounds[index], sp.bounds[index + 1]
+            self._table.groups[index].put_many(sp.sorted_keys[a:b], values[a:b])
             if self._table.changes is not None:
-                self._table.changes[index].update(keys[sel].tolist())
+                self._table.changes[index].update(sp.sorted_keys[a:b].tolist())
 
-    def get_many(self, keys: Any) -> Any:
+    def merge_many(self, keys: Any, values: Any, how: str, split: Optional[KeySplit] = None) -> Any:
+        """Folds values into many distinct int64 keys ("add", "min" or "max"; a missing
+        key takes its value) and returns the new values, in the order of ``keys``."""
+        self._columnar("merge_many")
+        sp = split if split is not None else self.split_keys(keys)
+        values = np.asarray(values, dtype=self._table.dtype)[sp.order]
+        merged = np.empty(len(sp.keys), self._table.dtype)
+        for index in sp.active:
+            a, b = sp.bounds[index], sp.bounds[index + 1]
+            merged[a:b] = self._table.groups[index].merge_many(sp.sorted_keys[a:b], values[a:b], how)
+            if self._table.changes is not None:
+                self._table.changes[index].update(sp.sorted_keys[a:b].tolist())
+        out = np.empty_like(merged)
+        out[sp.order] = merged
+        return out
+
+    def get_many(self, keys: Any, split: Optional[KeySplit] = None) -> Any:
         """(found, values) arrays for many int64 keys; values are 0 where not found."""
-        if self._fallback is not None:
-            raise TypeError(f"state {self.name!r} holds non-int keys; get_many needs columnar state")
-        keys, order, bounds = self._split(keys)
-        found = np.zeros(len(keys), bool)
-        values = np.zeros(len(keys), self._table.dtype)
-        for index in np.nonzero(np.diff(bounds))[0].tolist():
-            sel = order[bounds[index] : bounds[index + 1]]
-            f, v = self._table.groups[index].get_many(keys[sel])
-            found[sel], values[sel] = f, v
+        self._columnar("get_many")
+        sp = split if split is not None else self.split_keys(keys)
+        found = np.zeros(len(sp.keys), bool)
+        values = np.zeros(len(sp.keys), self._table.dtype)
+        for index in sp.active:
+            a, b = sp.bounds[index], sp.bounds[index + 1]
+            f, v = self._table.groups[index].get_many(sp.sorted_keys[a:b])
+            found[sp.order[a:b]], values[sp.order[a:b]] = f, v
         return found, values
+
+
+class KeySplit(NamedTuple):
+    """Keys sorted by key group: ``sorted_keys[bounds[g]:bounds[g + 1]]`` are group g's."""
+
+    keys: np.ndarray
+    order: np.ndarray
+    bounds: np.ndarray
+    sorted_keys: np.ndarray
+    active: List[int]

@@ -1,0 +1,195 @@
+"""``key_by(col).aggregate(pe.agg...)``, Arrow batches through the pipeline, and ``read_files``."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Any, Dict, List
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pyengine as pe
+
+AGGS = (pe.agg.count(), pe.agg.sum("v"), pe.agg.min("v"), pe.agg.max("v"), pe.agg.mean("v"), pe.agg.count("v"))
+
+
+def reference(rows: List[Dict[str, Any]]) -> Dict[Any, Dict[str, Any]]:
+    """The aggregates per key, computed the plain way."""
+    values: Dict[Any, List[Any]] = defaultdict(list)
+    counts: Dict[Any, int] = defaultdict(int)
+    for r in rows:
+        counts[r["k"]] += 1
+        if r["v"] is not None:
+            values[r["k"]].append(r["v"])
+    out = {}
+    for k, n in counts.items():
+        vs = values[k]
+        out[k] = {
+            "count": n,
+            "sum_v": sum(vs) if vs else 0,
+            "min_v": min(vs) if vs else None,
+            "max_v": max(vs) if vs else None,
+            "mean_v": sum(vs) / len(vs) if vs else None,
+            "count_v": len(vs),
+        }
+    return out
+
+
+def final_rows(records: List[Dict[str, Any]]) -> Dict[Any, Dict[str, Any]]:
+    """The last update per key is its final value (the output is an updating stream)."""
+    last: Dict[Any, Dict[str, Any]] = {}
+    for r in records:
+        last[r["k"]] = {c: r[c] for c in r if c != "k"}
+    return last
+
+
+def assert_close(got: Dict[Any, Dict[str, Any]], want: Dict[Any, Dict[str, Any]]) -> None:
+    assert got.keys() == want.keys()
+    for k, w in want.items():
+        for col, value in w.items():
+            g = got[k][col]
+            if isinstance(value, float) and g is not None:
+                assert g == pytest.approx(value, rel=1e-9, abs=1e-9), (k, col)
+            else:
+                assert g == value, (k, col, g, value)
+
+
+def run(rows_or_table: Any, *, parallelism: int = 2, buffer_size: int = 64, **kw: Any) -> Any:
+    env = pe.StreamEnvironment(parallelism=parallelism, buffer_size=buffer_size, buffer_timeout_ms=1, **kw)
+    sink = pe.sinks.CollectSink()
+    env.from_collection(rows_or_table).key_by("k").aggregate(*AGGS).uid("agg").sink_to(sink)
+    return env.execute("aggregate")
+
+
+rows_strategy = st.lists(
+    st.fixed_dictionaries(
+        {
+            "k": st.integers(-(2**62), 2**62) | st.sampled_from([0, 1, 2, 3]),
+            "v": st.none() | st.integers(-1000, 1000),
+        }
+    ),
+    min_size=1,
+    max_size=300,
+)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=rows_strategy, parallelism=st.integers(1, 3))
+def test_aggregate_of_int_keys_equals_the_plain_computation(rows, parallelism) -> None:
+    result = run(
+        pa.Table.from_pylist(rows, schema=pa.schema([("k", pa.int64()), ("v", pa.int64())])), parallelism=parallelism
+    )
+    assert result.status == "FINISHED", result.cause
+    assert_close(final_rows(result.records), reference(rows))
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    rows=st.lists(
+        st.fixed_dictionaries({"k": st.sampled_from(["a", "b", "ç", ""]), "v": st.none() | st.floats(-1e6, 1e6)}),
+        min_size=1,
+        max_size=200,
+    )
+)
+def test_aggregate_of_string_keys_takes_the_per_key_path_with_the_same_results(rows) -> None:
+    result = run(pa.Table.from_pylist(rows, schema=pa.schema([("k", pa.string()), ("v", pa.float64())])))
+    assert result.status == "FINISHED", result.cause
+    assert_close(final_rows(result.records), reference(rows))
+
+
+def test_aggregate_takes_records_that_are_dicts_too() -> None:
+    rows = [{"k": i % 7, "v": i} for i in range(500)]
+    result = run(rows)
+    assert result.status == "FINISHED"
+    assert_close(final_rows(result.records), reference(rows))
+
+
+def test_aggregate_is_exactly_once_across_a_failure(tmp_path) -> None:
+    """A failure after some checkpoints: the restored state plus the replayed input give
+    the same totals as a run without it."""
+    rng = np.random.default_rng(3)
+    table = pa.table({"k": rng.integers(0, 50, 20_000), "v": rng.integers(0, 100, 20_000)})
+    calls, lock = [0], threading.Lock()
+
+    def flaky(batch: pa.RecordBatch) -> pa.RecordBatch:
+        with lock:
+            calls[0] += 1
+            if calls[0] == 120:
+                raise RuntimeError("injected")
+        return batch
+
+    env = pe.StreamEnvironment(
+        parallelism=2,
+        buffer_size=64,
+        buffer_timeout_ms=1,
+        checkpointing=pe.CheckpointConfig(interval_ms=5),
+        checkpoint_storage=str(tmp_path / "ckpt"),
+    )
+    sink = pe.sinks.FileSink(str(tmp_path / "out"), format="parquet")
+    env.from_collection(table).map_batches(flaky).key_by("k").aggregate(*AGGS).uid("agg").sink_to(sink)
+    result = env.execute("agg-failover")
+    assert result.status == "FINISHED" and result.restarts == 1
+    assert result.checkpoints.counts["completed"] >= 2
+    assert_close(final_rows(sink.read_committed()), reference(table.to_pylist()))
+
+
+def test_read_files_reads_every_row_once_and_resumes_by_file_and_row(tmp_path) -> None:
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data"
+    data.mkdir()
+    tables = []
+    for i in range(3):
+        t = pa.table({"k": rng.integers(0, 20, 3000), "v": rng.integers(0, 9, 3000)})
+        pq.write_table(t, data / f"part-{i}.parquet", row_group_size=700)
+        tables.append(t)
+    fails = [True]
+
+    def once(batch: pa.RecordBatch) -> pa.RecordBatch:
+        if fails[0] and batch.num_rows and int(batch.column("v")[0].as_py()) == 7:
+            fails[0] = False
+            raise RuntimeError("injected")
+        return batch
+
+    env = pe.StreamEnvironment(
+        parallelism=2,
+        buffer_size=256,
+        buffer_timeout_ms=1,
+        checkpointing=pe.CheckpointConfig(interval_ms=5),
+        checkpoint_storage=str(tmp_path / "ckpt"),
+    )
+    sink = pe.sinks.FileSink(str(tmp_path / "out"), format="parquet")
+    env.read_files(str(data)).map_batches(once).sink_to(sink)
+    result = env.execute("read")
+    assert result.status == "FINISHED", result.cause
+    got = sorted((r["k"], r["v"]) for r in sink.read_committed())
+    want = sorted((r["k"], r["v"]) for t in tables for r in t.to_pylist())
+    assert got == want
+
+
+def test_bad_aggregate_calls_say_what_is_wrong(tmp_path) -> None:
+    env = pe.StreamEnvironment()
+    keyed_by_function = env.from_collection([{"k": 1, "v": 2}]).key_by(lambda r: r["k"])
+    with pytest.raises(TypeError, match="key_by\\('column'\\)"):
+        keyed_by_function.aggregate(pe.agg.count())
+    with pytest.raises(ValueError, match="at least one"):
+        env.from_collection([{"k": 1}]).key_by("k").aggregate()
+    with pytest.raises(ValueError, match="repeated"):
+        env.from_collection([{"k": 1}]).key_by("k").aggregate(pe.agg.count(), pe.agg.count())
+    with pytest.raises(ValueError, match="column name"):
+        pe.agg.sum("")
+    env = pe.StreamEnvironment()
+    env.from_collection([{"k": 1, "v": "text"}]).key_by("k").aggregate(pe.agg.sum("v")).sink_to(pe.sinks.CollectSink())
+    result = env.execute("bad-column", restore_from=None)
+    assert result.status == "FAILED" and "numeric column" in str(result.cause)
+    env = pe.StreamEnvironment(restart_attempts=0)
+    env.from_collection([{"k": 1}]).key_by("k").aggregate(pe.agg.max("nope")).sink_to(pe.sinks.CollectSink())
+    result = env.execute("missing-column")
+    assert result.status == "FAILED" and "'nope'" in str(result.cause)
+    with pytest.raises(ValueError, match="no parquet files"):
+        (tmp_path / "empty").mkdir()
+        env.read_files(str(tmp_path / "empty"))
