@@ -232,6 +232,20 @@ class JobClient:
         self._wait_running(timeout_s)
         return str(self._runner.stop_with_savepoint(directory, timeout_s))
 
+    @property
+    def checkpoints(self) -> Any:
+        """The live ``CheckpointStatsTracker`` (None until the job has started)."""
+        coordinator = self._runner.coordinator
+        return None if coordinator is None else coordinator.stats
+
+    @property
+    def restarts(self) -> int:
+        """Restarts so far."""
+        return int(self._runner.restarts)
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
     def wait(self, timeout_s: Optional[float] = None) -> Any:
         self._thread.join(timeout_s)
         if self._thread.is_alive():

@@ -1,10 +1,14 @@
-"""The ``pyengine`` command."""
+"""The ``pyengine`` command: the demo job, the gate demo, and checkpoint inspection."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from typing import List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+if TYPE_CHECKING:
+    from .storage.metadata import CheckpointMetadata
 
 from . import __version__
 
@@ -13,22 +17,129 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="pyengine", description=__doc__)
     parser.add_argument("--version", action="version", version=f"pyengine {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the checkpointed input gate in every mode and check its snapshots")
-    demo.add_argument("--channels", type=int, default=4, help="upstream channels (default 4)")
-    demo.add_argument("--buffers", type=int, default=4000, help="buffers per channel (default 4000)")
-    demo.add_argument("--checkpoints", type=int, default=5, help="checkpoints per run (default 5)")
-    args = parser.parse_args(argv)
 
+    demo = sub.add_parser("demo", help="run a stateful job, crash it mid-run, recover, and check the output")
+    demo.add_argument("--events", type=int, default=2_000_000, help="clicks in the stream (default 2,000,000)")
+    demo.add_argument("--users", type=int, default=50_000, help="distinct users (default 50,000)")
+    demo.add_argument("--parallelism", type=int, default=2, help="subtasks per operator (default 2)")
+    demo.add_argument("--interval-ms", type=int, default=200, help="checkpoint interval (default 200 ms)")
+    demo.add_argument("--seed", type=int, default=7, help="clickstream seed (default 7)")
+    demo.add_argument("--no-failure", action="store_true", help="do not inject the failure")
+    demo.add_argument("--workdir", help="keep checkpoints and output here (default: a temporary directory)")
+
+    gate = sub.add_parser("gate-demo", help="run the checkpointed input gate in every mode and check its snapshots")
+    gate.add_argument("--channels", type=int, default=4, help="upstream channels (default 4)")
+    gate.add_argument("--buffers", type=int, default=4000, help="buffers per channel (default 4000)")
+    gate.add_argument("--checkpoints", type=int, default=5, help="checkpoints per run (default 5)")
+
+    checkpoints = sub.add_parser("checkpoints", help="list or inspect checkpoints and savepoints")
+    what = checkpoints.add_subparsers(dest="action", required=True)
+    listing = what.add_parser("list", help="the completed checkpoints under a job's checkpoint directory")
+    listing.add_argument("dir", help="a job's checkpoint directory (path or URI)")
+    inspect = what.add_parser("inspect", help="what one checkpoint or savepoint holds")
+    inspect.add_argument("path", help="a chk-<n> or savepoint directory, or its _metadata file")
+    inspect.add_argument("--json", action="store_true", help="print the metadata as JSON")
+
+    args = parser.parse_args(argv)
     if args.command == "demo":
         from . import demo as demo_module
+
+        for name in ("events", "users", "parallelism", "interval_ms"):
+            if getattr(args, name) < 1:
+                parser.error(f"--{name.replace('_', '-')} must be >= 1")
+        ok = demo_module.run(
+            sys.stdout,
+            events=args.events,
+            users=args.users,
+            parallelism=args.parallelism,
+            interval_ms=args.interval_ms,
+            seed=args.seed,
+            workdir=args.workdir,
+            fail=not args.no_failure,
+        )
+        return 0 if ok else 1
+    if args.command == "gate-demo":
+        from . import gate_demo
 
         if args.channels < 1 or args.buffers < 1 or args.checkpoints < 1:
             parser.error("--channels, --buffers and --checkpoints must be >= 1")
         if args.buffers < 2 * args.checkpoints:
             parser.error(f"--buffers must be at least twice --checkpoints ({2 * args.checkpoints})")
-        ok = demo_module.run(sys.stdout, args.channels, args.buffers, args.checkpoints)
-        return 0 if ok else 1
+        return 0 if gate_demo.run(sys.stdout, args.channels, args.buffers, args.checkpoints) else 1
+    if args.command == "checkpoints":
+        try:
+            if args.action == "list":
+                return _list(args.dir)
+            return _inspect(args.path, args.json)
+        except (OSError, ValueError) as exc:
+            print(f"pyengine checkpoints {args.action}: {exc}", file=sys.stderr)
+            return 1
     return 2  # pragma: no cover - argparse enforces a command
+
+
+def _list(directory: str) -> int:
+    from pyarrow.fs import FileSelector
+
+    from .storage.filesystem import resolve
+    from .storage.metadata import load_metadata
+
+    fs, root, prefix = resolve(directory)
+    info = fs.get_file_info(root)
+    if info.type.name != "Directory":
+        raise ValueError(f"{directory} is not a directory")
+    found: List[Tuple[int, str, Optional[CheckpointMetadata], str]] = []
+    for entry in fs.get_file_info(FileSelector(root, recursive=True)):
+        if entry.base_name != "_metadata":
+            continue
+        path = prefix + entry.path.rsplit("/", 1)[0]
+        try:
+            loaded = load_metadata(path)
+        except (OSError, ValueError) as exc:
+            found.append((0, path, None, str(exc)))
+            continue
+        found.append((loaded.checkpoint_id, path, loaded, ""))
+    if not found:
+        print(f"no completed checkpoints under {directory}")
+        return 1
+    print(f"{'id':>5}  {'type':<10} {'taken (UTC)':<20} {'operators':>9} {'size':>12}  path")
+    for cid, path, meta, error in sorted(found, key=lambda f: (f[0], f[1])):
+        if meta is None:
+            print(f"{'?':>5}  {'unreadable':<10} {'':<20} {'':>9} {'':>12}  {path}: {error}")
+            continue
+        size = sum(getattr(h, "state_size", 0) for h in meta.handles())
+        print(
+            f"{cid:>5}  {meta.type:<10} {_utc(meta.timestamp):<20} {len(meta.operators):>9} "
+            f"{size / 1024:>9,.1f} KiB  {path}"
+        )
+    return 0
+
+
+def _inspect(path: str, as_json: bool) -> int:
+    from .storage.metadata import load_metadata
+
+    meta = load_metadata(path)
+    if as_json:
+        print(json.dumps(meta.to_json(), indent=2, sort_keys=True))
+        return 0
+    print(f"{meta.type} {meta.checkpoint_id} of job {meta.job_id}, taken {_utc(meta.timestamp)} UTC")
+    if meta.shared:
+        print(f"  shares {len(meta.shared)} incremental file(s) with earlier checkpoints")
+    for uid, op in sorted(meta.operators.items()):
+        keyed = [h for s in op.subtasks.values() for h in s.keyed]
+        operator = [h for s in op.subtasks.values() for h in s.operator]
+        size = sum(getattr(h, "state_size", 0) for h in keyed + operator)
+        detail: Dict[str, Any] = {"keyed handles": len(keyed), "operator handles": len(operator)}
+        print(
+            f"  {uid}: parallelism {op.parallelism}/{op.max_parallelism}, {size / 1024:,.1f} KiB, "
+            + ", ".join(f"{v} {k}" for k, v in detail.items())
+        )
+    return 0
+
+
+def _utc(timestamp_ms: int) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(timestamp_ms / 1000, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
 if __name__ == "__main__":

@@ -1,143 +1,207 @@
-"""``pyengine demo``: the checkpointed input gate at work, checking itself.
+"""``pyengine demo``: a stateful job that fails mid-run, recovers, and proves its output exact.
 
-Producer threads (the upstream subtasks) push buffers of records into one gate
-and, at the same points of their streams, a barrier for each checkpoint. Like
-sources under a coordinator with one checkpoint at a time, they send barrier k
-only once checkpoint k - 1 is done, and end only once the last one is. The
-consumer keeps a running total and snapshots it whenever the gate triggers a
-checkpoint. The demo then checks the promise of each mode: an exactly-once
-snapshot (plus, when unaligned, its in-flight buffers) holds exactly the records
-sent before the barriers; an at-least-once snapshot holds at least those.
+A seeded clickstream (user, page, dwell time) is counted per user with the
+vectorised keyed aggregate — clicks, total and longest dwell — and written by an
+exactly-once parquet ``FileSink``, with checkpoints every ``interval_ms``. Once
+about half the stream has gone through, one batch raises: the job restarts from
+its latest completed checkpoint, replays the rest, and the demo then compares
+the committed output with the answer computed directly from the clickstream.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, TextIO, Tuple
+from typing import Any, Dict, List, Optional, TextIO
 
-from .io import CheckpointBarrier, CheckpointedInputGate, CheckpointOptions, EndOfPartition
+import numpy as np
+import pyarrow as pa
 
-RECORDS_PER_BUFFER = 16
+import pyengine as pe
 
-
-@dataclass
-class _Task:
-    """The consumer side: state, and the listener the gate calls."""
-
-    total: int = 0
-    unaligned_mode: bool = False
-    done: Dict[int, threading.Event] = field(default_factory=dict)
-    snapshots: Dict[int, int] = field(default_factory=dict)
-    in_flight_records: Dict[int, int] = field(default_factory=dict)
-    alignment_ns: Dict[int, int] = field(default_factory=dict)
-    unaligned: Dict[int, bool] = field(default_factory=dict)
-    aborted: List[int] = field(default_factory=list)
-
-    def trigger_checkpoint_on_barrier(self, barrier: CheckpointBarrier, metrics: Any) -> None:
-        self.snapshots[barrier.checkpoint_id] = self.total
-        self.alignment_ns[barrier.checkpoint_id] = metrics.alignment_duration_ns
-        self.unaligned[barrier.checkpoint_id] = metrics.unaligned
-        if not metrics.unaligned:
-            self.done[barrier.checkpoint_id].set()
-
-    def abort_checkpoint_on_barrier(self, checkpoint_id: int, reason: Any) -> None:
-        self.aborted.append(checkpoint_id)
-        self.done[checkpoint_id].set()
-
-    def add_input_data(self, checkpoint_id: int, channel: int, buffer: List[int]) -> None:
-        self.in_flight_records[checkpoint_id] = self.in_flight_records.get(checkpoint_id, 0) + len(buffer)
-
-    def finish_input(self, checkpoint_id: int) -> None:
-        self.done[checkpoint_id].set()
+PAGES = 40
 
 
-def _run_mode(name: str, gate_options: Dict[str, Any], channels: int, buffers: int, checkpoints: int) -> Dict[str, Any]:
-    task = _Task(done={cid: threading.Event() for cid in range(1, checkpoints + 1)})
-    gate = CheckpointedInputGate(channels, task, capacity=32, **gate_options)
-    interval = buffers // (checkpoints + 1)
-    sent_before: Dict[int, List[int]] = {cid: [0] * channels for cid in range(1, checkpoints + 1)}
-
-    def produce(ch: int) -> None:
-        sent = 0
-        for i in range(1, buffers + 1):
-            gate.put(ch, [1] * RECORDS_PER_BUFFER)
-            sent += RECORDS_PER_BUFFER
-            if i % interval == 0 and i // interval <= checkpoints:
-                cid = i // interval
-                if cid > 1:
-                    task.done[cid - 1].wait(30)
-                sent_before[cid][ch] = sent
-                gate.put(ch, CheckpointBarrier(cid, int(time.time() * 1000), CheckpointOptions()))
-            if ch == 0 and i % 64 == 0:
-                time.sleep(0.0005)  # one slow upstream, so alignment has something to wait for
-        task.done[checkpoints].wait(30)
-        gate.put(ch, EndOfPartition())
-
-    threads = [threading.Thread(target=produce, args=(ch,), daemon=True) for ch in range(channels)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    while (r := gate.next(timeout=30)) is not None:
-        item = r[1]
-        if type(item) is list:
-            task.total += len(item)
-    elapsed = time.perf_counter() - start
-    for t in threads:
-        t.join()
-
-    exactly_once = gate_options.get("mode", "exactly_once") == "exactly_once"
-    ok = True
-    for cid in task.snapshots:
-        if cid in task.aborted:
-            continue
-        expected = sum(sent_before[cid])
-        restored = task.snapshots.get(cid, -1) + task.in_flight_records.get(cid, 0)
-        ok &= restored == expected if exactly_once else restored >= expected
-    return {
-        "mode": name,
-        "completed": len(task.snapshots),
-        "aborted": len(task.aborted),
-        "records": task.total,
-        "seconds": elapsed,
-        "max_alignment_ms": max(task.alignment_ns.values(), default=0) / 1e6,
-        "in_flight": sum(task.in_flight_records.values()),
-        "ok": ok and len(task.snapshots) - len(task.aborted) > 0,
-        "finished": gate.is_finished,
-    }
+def clickstream(events: int, users: int, seed: int) -> pa.Table:
+    """The input: deterministic for a seed."""
+    rng = np.random.default_rng(seed)
+    # a few heavy users and a long tail, as click logs have
+    user = (rng.zipf(1.3, events) % users).astype(np.int64)
+    return pa.table(
+        {
+            "user": user,
+            "page": rng.integers(0, PAGES, events),
+            "dwell_ms": rng.integers(100, 60_000, events),
+        }
+    )
 
 
-def run(out: TextIO, channels: int = 4, buffers: int = 4000, checkpoints: int = 5) -> bool:
-    """Runs the demo in each mode and prints what happened; True if every check held."""
-    modes: List[Tuple[str, Dict[str, Any]]] = [
-        ("exactly-once, aligned", {"mode": "exactly_once"}),
-        ("exactly-once, unaligned", {"mode": "exactly_once", "unaligned": True}),
-        ("at-least-once", {"mode": "at_least_once"}),
-    ]
+def expected_totals(table: pa.Table, users: int) -> Dict[int, tuple]:
+    """clicks, total and longest dwell per user, straight from the input."""
+    user = table.column("user").to_numpy()
+    dwell = table.column("dwell_ms").to_numpy()
+    clicks = np.bincount(user, minlength=users)
+    total = np.bincount(user, weights=dwell, minlength=users).astype(np.int64)
+    longest = np.zeros(users, np.int64)
+    np.maximum.at(longest, user, dwell)
+    return {u: (int(clicks[u]), int(total[u]), int(longest[u])) for u in np.nonzero(clicks)[0].tolist()}
+
+
+class _FailOnce:
+    """A map_batches step that counts records, and raises once past ``at`` records."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.seen = 0
+        self.failed = False
+        self._lock = threading.Lock()
+
+    def __call__(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        with self._lock:
+            self.seen += batch.num_rows
+            fire = not self.failed and self.seen >= self.at
+            if fire:
+                self.failed = True
+        if fire:
+            raise RuntimeError(f"injected failure after {self.at:,} records (the demo's planned crash)")
+        return batch
+
+
+def _bar(done: float, width: int = 28) -> str:
+    filled = int(width * min(1.0, done))
+    return "#" * filled + "-" * (width - filled)
+
+
+def run(
+    out: TextIO = sys.stdout,
+    *,
+    events: int = 2_000_000,
+    users: int = 50_000,
+    parallelism: int = 2,
+    interval_ms: int = 200,
+    seed: int = 7,
+    workdir: Optional[str] = None,
+    fail: bool = True,
+) -> bool:
+    """Runs the demo; True when the recovered output equals the failure-free answer."""
+    own_dir = workdir is None
+    root = workdir or tempfile.mkdtemp(prefix="pyengine-demo-")
+    try:
+        return _run(out, events, users, parallelism, interval_ms, seed, root, fail)
+    finally:
+        if own_dir:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _run(
+    out: TextIO, events: int, users: int, parallelism: int, interval_ms: int, seed: int, root: str, fail: bool
+) -> bool:
     print(
-        f"pyengine gate demo: {channels} upstream channels x {buffers} buffers of {RECORDS_PER_BUFFER} records, "
-        f"{checkpoints} checkpoints per run",
+        f"pyengine demo: {events:,} clicks of {users:,} users -> clicks and dwell per user -> exactly-once parquet",
         file=out,
     )
-    header = (
-        f"{'mode':26s} {'completed':>9s} {'aborted':>7s} {'records':>9s} {'rec/s':>10s} "
-        f"{'max align':>10s} {'in-flight':>10s}  check"
+    print(
+        f"  parallelism {parallelism}, checkpoints every {interval_ms} ms, "
+        f"{'one injected failure at ~50%' if fail else 'no failure'}; files under {root}",
+        file=out,
     )
-    print(header, file=out)
-    print("-" * len(header), file=out)
-    all_ok = True
-    for name, options in modes:
-        r = _run_mode(name, options, channels, buffers, checkpoints)
-        relation = "==" if "exactly" in name else ">="
-        verdict = f"snapshot {relation} records before barriers"
-        status = "OK  " if r["ok"] and r["finished"] else "FAIL"
+    table = clickstream(events, users, seed)
+    chaos = _FailOnce(events // 2 if fail else events + 1)
+    env = pe.StreamEnvironment(
+        parallelism=parallelism,
+        checkpointing=pe.CheckpointConfig(interval_ms=interval_ms),
+        checkpoint_storage=os.path.join(root, "checkpoints"),
+        buffer_size=8192,
+        buffer_timeout_ms=50,
+        restart_attempts=2,
+    )
+    sink = pe.sinks.FileSink(os.path.join(root, "out"), format="parquet")
+    (
+        env.from_collection(table, name="clickstream")
+        .map_batches(chaos)
+        .name("parse")
+        .key_by("user")
+        .aggregate(pe.agg.count(alias="clicks"), pe.agg.sum("dwell_ms"), pe.agg.max("dwell_ms"))
+        .uid("per-user")
+        .sink_to(sink)
+    )
+    started = time.monotonic()
+    client = env.execute_async("clickstream-demo")
+    interactive = out.isatty() if hasattr(out, "isatty") else False
+    last_line = 0.0
+    while not client.done():
+        time.sleep(0.1)
+        now = time.monotonic()
+        if not interactive and now - last_line < 1.0:
+            continue
+        last_line = now
+        stats = client.checkpoints
+        completed = stats.counts["completed"] if stats is not None else 0
+        # records seen include those replayed after the restart, hence the cap
+        line = (
+            f"  [{_bar(chaos.seen / (events * (1.5 if chaos.failed else 1)))}] {min(chaos.seen, events):>11,} "
+            f"records read  {completed:>3} checkpoints  {client.restarts} restart(s)  {now - started:5.1f} s"
+        )
+        print(("\r" + line) if interactive else line, end="" if interactive else "\n", file=out, flush=True)
+    result = client.wait()
+    if interactive:
+        print(file=out)
+    elapsed = time.monotonic() - started
+    print(
+        f"  job {result.status} in {elapsed:.1f} s ({events / elapsed / 1e6:.2f} M records/s incl. the replay), "
+        f"{result.restarts} restart(s)",
+        file=out,
+    )
+    if result.status != "FINISHED":
+        print(f"  FAILED: {result.cause}", file=out)
+        return False
+    _checkpoint_table(out, result.checkpoints)
+    return _check(out, sink, table, users, fail, result.restarts)
+
+
+def _checkpoint_table(out: TextIO, stats: Any) -> None:
+    counts = stats.counts
+    print(
+        f"\n  checkpoints: {counts['completed']} completed, {counts['failed']} failed, "
+        f"{counts['restored']} restored; latest {len(stats.history)}:",
+        file=out,
+    )
+    print(f"  {'id':>4}  {'status':<10} {'duration':>9} {'size':>10} {'alignment':>10}  subtasks", file=out)
+    for c in stats.history[-10:]:
+        size = f"{c.full_size / 1024:,.0f} KiB" if c.full_size else "-"
         print(
-            f"{name:26s} {r['completed'] - r['aborted']:>9d} {r['aborted']:>7d} {r['records']:>9d} "
-            f"{r['records'] / r['seconds']:>10,.0f} {r['max_alignment_ms']:>8.2f}ms {r['in_flight']:>10d}  "
-            f"{status} {verdict}",
+            f"  {c.id:>4}  {c.status:<10} {c.end_to_end_duration_ms:>6} ms {size:>10} "
+            f"{c.alignment_duration_ms:>7.1f} ms  {c.num_acknowledged}/{c.num_subtasks}",
             file=out,
         )
-        all_ok &= r["ok"] and r["finished"]
-    print("all checks passed" if all_ok else "SOME CHECKS FAILED", file=out)
-    return all_ok
+    summary = stats.summary()["end_to_end_duration_ms"]
+    print(f"  end-to-end duration: p50 {summary['p50']:.0f} ms, p99 {summary['p99']:.0f} ms", file=out)
+
+
+def _check(out: TextIO, sink: Any, table: pa.Table, users: int, fail: bool, restarts: int) -> bool:
+    final: Dict[int, tuple] = {}
+    rows: List[Dict[str, Any]] = sink.read_committed()
+    for r in rows:  # an updating stream: a user's last row holds the final totals
+        final[r["user"]] = (r["clicks"], r["sum_dwell_ms"], r["max_dwell_ms"])
+    want = expected_totals(table, users)
+    wrong = [u for u in want if final.get(u) != want[u]]
+    extra = [u for u in final if u not in want]
+    print(f"\n  committed output: {len(rows):,} update rows in {len(sink.committed_files())} part files", file=out)
+    if wrong or extra:
+        print(f"  MISMATCH: {len(wrong)} users with wrong totals, {len(extra)} unexpected users", file=out)
+        for u in wrong[:5]:
+            print(f"    user {u}: got {final.get(u)}, want {want[u]} (clicks, total, longest dwell)", file=out)
+        return False
+    if fail and restarts < 1:
+        print("  MISMATCH: the injected failure did not restart the job", file=out)
+        return False
+    print(
+        f"  OK: all {len(want):,} users' clicks and dwell equal the failure-free answer"
+        + (" after the failure and recovery" if fail else ""),
+        file=out,
+    )
+    return True

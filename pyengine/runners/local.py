@@ -44,7 +44,7 @@ def resolve_restore_path(path: str) -> Tuple[CheckpointMetadata, str]:
         try:
             from pyarrow.fs import FileSelector
 
-            infos = fs.get_file_info(FileSelector(root, recursive=True, max_recursion=2, allow_not_found=True))
+            infos = fs.get_file_info(FileSelector(root, recursive=True, allow_not_found=True))
         except OSError:
             infos = []
         candidates = []
@@ -79,6 +79,7 @@ class LocalRunner:
         self._wake = threading.Event()
         self._exhausted: set = set()
         self.coordinator: Optional[CheckpointCoordinator] = None
+        self.restarts = 0  # so far, for progress reports while the job runs
         self._temp: Optional[tempfile.TemporaryDirectory] = None
         self._stop_with_savepoint = threading.Event()
 
@@ -265,6 +266,7 @@ class LocalRunner:
                     status = "FAILED"
                     break
                 restarts += 1
+                self.restarts = restarts
                 log.warning("job %s failed (%s); restart %d of %d", self.name, cause, restarts, env.restart_attempts)
                 latest = self.coordinator.restore_latest()
                 if latest is not None:

@@ -154,38 +154,55 @@ class GeneratorSource(Source):
 
 
 class SourceOperator(Operator):
-    """The head of a source task: reads its split from its position."""
+    """The head of a source task: reads its splits, one after the other, from their positions.
+
+    A split is what subtask ``i`` of ``p`` read when the job first ran (``Source.read``
+    with that ``i`` and ``p``); every split's position is in union list state, so a
+    restore at another parallelism hands the splits round-robin to the new subtasks
+    and each resumes exactly where its split stopped (as Flink's split enumerator
+    reassigns splits)."""
 
     def __init__(self, uid: str, name: str, source: Source) -> None:
         super().__init__(uid, name)
         self.source = source
-        self.position = 0
+        self.splits: List[List[int]] = []  # [index, count, position, done]
         self.exhausted = False
 
     def setup(self, ctx: OperatorContext, restored: Optional[OperatorState]) -> None:
         super().setup(ctx, restored)
         assert self.operator_state is not None
         state = self.operator_state.get_union_list_state(_POSITION)
-        if restored is not None:
-            positions = {sub: (par, pos) for sub, par, pos in state.get()}
-            if positions and any(par != ctx.parallelism for par, _ in positions.values()):
-                old = next(iter(positions.values()))[0]
-                raise ValueError(
-                    f"source {self.name!r} was checkpointed at parallelism {old} and cannot resume at "
-                    f"{ctx.parallelism}: its splits are by subtask"
-                )
-            self.position = positions.get(ctx.subtask, (ctx.parallelism, 0))[1]
+        if restored is None:
+            self.splits = [[ctx.subtask, ctx.parallelism, 0, 0]]
+        else:
+            entries = sorted(state.get())  # [index, count, position, done, owner, owner_parallelism]
+            same = all(e[5] == ctx.parallelism for e in entries)
+            mine = [e for e in entries if e[4] == ctx.subtask] if same else entries[ctx.subtask :: ctx.parallelism]
+            self.splits = [list(e[:4]) for e in mine]
+        self.exhausted = all(split[3] for split in self.splits)
         self._state = state
 
-    def read(self, n: int) -> List[Any]:
+    @property
+    def position(self) -> int:
+        """Records read so far, over this subtask's splits."""
+        return sum(split[2] for split in self.splits)
+
+    def read(self, n: int) -> Any:
         assert self.ctx is not None
-        records = self._call(self.source.read, self.ctx.subtask, self.ctx.parallelism, self.position, n)
-        self.position += len(records)
-        if len(records) < n:
-            self.exhausted = True
-        return records  # type: ignore[no-any-return]
+        for split in self.splits:
+            if split[3]:
+                continue
+            records = self._call(self.source.read, split[0], split[1], split[2], n)
+            split[2] += len(records)
+            if len(records) < n:
+                split[3] = 1
+            self.exhausted = all(s[3] for s in self.splits)
+            return records
+        self.exhausted = True
+        return []
 
     def snapshot(self, checkpoint_id: int, location: Any) -> Any:
         assert self.ctx is not None
-        self._state.update([[self.ctx.subtask, self.ctx.parallelism, self.position]])
+        me, p = self.ctx.subtask, self.ctx.parallelism
+        self._state.update([[*split, me, p] for split in self.splits])
         return super().snapshot(checkpoint_id, location)
