@@ -170,7 +170,7 @@ def test_aligned_against_unaligned_under_a_slow_sink(benchmark) -> None:
     """As Flink's CheckpointingTimeBenchmark: as the sink slows, aligned checkpoints wait
     for the in-flight buffers to drain; unaligned ones overtake them."""
     figures = {}
-    for delay_ms in (0.5, 2.0):
+    for delay_ms in (1.0, 4.0):
         for unaligned in (False, True):
             figures[(delay_ms, unaligned)] = _under_backpressure(unaligned, delay_ms / 1000)
     benchmark.group = "job"
@@ -179,13 +179,16 @@ def test_aligned_against_unaligned_under_a_slow_sink(benchmark) -> None:
     SUMMARY.append(
         "checkpoint p50 under a slow sink (aligned / unaligned): "
         + "; ".join(
-            f"{d} ms per buffer: {figures[(d, False)] or 0:.0f} / {figures[(d, True)] or 0:.0f} ms" for d in (0.5, 2.0)
+            f"{d} ms per buffer: {figures[(d, False)] or 0:.0f} / {figures[(d, True)] or 0:.0f} ms" for d in (1.0, 4.0)
         )
     )
-    fast, slow = figures[(0.5, True)], figures[(2.0, True)]
-    assert fast is not None and slow is not None, "no checkpoint completed under backpressure"
-    flat = slow <= 1.5 * fast
+    fast, slow = figures[(1.0, True)], figures[(4.0, True)]
+    aligned_fast, aligned_slow = figures[(1.0, False)], figures[(4.0, False)]
+    assert None not in (fast, slow, aligned_fast, aligned_slow), "no checkpoint completed under backpressure"
     SUMMARY.append(
-        f"  unaligned stays flat as the sink slows: {'met' if flat else 'NOT MET, reported only'} "
-        "(a backpressured source handles its mailbox only between records, so the trigger waits)"
+        f"  as the sink slows 4x: unaligned {slow / fast:.1f}x, aligned {aligned_slow / aligned_fast:.1f}x "
+        "(target: unaligned flat)"
     )
+    # flat: a few ms of scheduling noise allowed (threads share the GIL), nothing like the sink's 4x
+    assert slow <= 1.5 * fast + 5, "unaligned checkpoints slowed down with the sink"
+    assert slow < 0.5 * aligned_slow, "unaligned should not wait for the backpressured buffers"

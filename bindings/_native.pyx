@@ -353,6 +353,23 @@ cdef class InputGate:
         finally:
             self.in_poll = False
 
+    def poll_priority(self):
+        """Only what must not wait behind data: a barrier overtaking in-flight buffers
+        (unaligned), or the switch to unaligned when the aligned timeout has passed."""
+        self.enter()
+        try:
+            while True:
+                if self.prio_len:
+                    taken = self.take_priority()
+                    if taken is not None:
+                        return taken
+                if self.timeout_eligible and self.timeout_due():
+                    self.switch_to_unaligned()
+                    continue
+                return None
+        finally:
+            self.in_poll = False
+
     cdef object take_plain_data(self, uint32_t ch, void *ptr):
         """Pops the data item at ptr, the head of ch, when no checkpoint is in
         progress: then polling data has no effect beyond the channel queue."""

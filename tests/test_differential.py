@@ -98,8 +98,10 @@ def run_random(seed: int, num_channels: int, capacity: int, config: dict, steps:
             pair.both("push_many", ch, items)
         elif r < 0.85:
             pair.both("poll_next")
-        elif r < 0.95:
+        elif r < 0.92:
             pair.both("poll_batch", rng.randrange(1, 8))
+        elif r < 0.95:
+            pair.both("poll_priority")
         else:
             pair.clock.advance(rng.randrange(0, 3_000_000))
         if serial % 50 == 0:
@@ -125,6 +127,7 @@ op = st.one_of(
     st.tuples(st.just("cancel"), st.integers(0, 63), st.integers(0, 6)),
     st.tuples(st.just("eop"), st.integers(0, 63)),
     st.tuples(st.just("poll")),
+    st.tuples(st.just("priority")),
     st.tuples(st.just("batch"), st.integers(1, 5)),
     st.tuples(st.just("tick"), st.integers(0, 6_000_000)),
 )
@@ -151,6 +154,8 @@ def test_hypothesis_sequences(config: dict, num_channels: int, capacity: int, op
             pair.both("push", o[1] % num_channels, EndOfPartition())
         elif o[0] == "poll":
             pair.both("poll_next")
+        elif o[0] == "priority":
+            pair.both("poll_priority")
         elif o[0] == "batch":
             pair.both("poll_batch", o[1])
         else:

@@ -51,6 +51,37 @@ def test_barrier_overtakes_a_full_channel(make_gate, listener) -> None:
     assert listener.in_flight[1] == [(0, 0), (0, 1), (0, 2), (0, 3)]
 
 
+def test_poll_priority_takes_an_overtaking_barrier_and_never_data(make_gate, listener) -> None:
+    """What a task whose own output is full calls: it must still join the checkpoint."""
+    gate = make_gate(2, unaligned=True, capacity=4)
+    gate.push_many(0, ["a0", "a1"])
+    assert gate.poll_priority() is None  # only data: nothing taken
+    assert gate.queued(0) == 2
+    gate.push(0, B(1))
+    assert gate.poll_priority() == (0, B(1))
+    assert listener.log == [("trigger", 1), ("input", 1, 0, "a0"), ("input", 1, 0, "a1")]
+    assert gate.poll_priority() is None
+    assert drain(gate) == [(0, "a0"), (0, "a1")]
+
+
+def test_poll_priority_leaves_an_aligned_barrier_in_order(make_gate, listener) -> None:
+    gate = make_gate(2, unaligned=False)
+    gate.push_many(0, ["a0", B(1)])
+    assert gate.poll_priority() is None
+    assert listener.log == []
+    assert gate.poll_next() == (0, "a0")
+
+
+def test_poll_priority_switches_to_unaligned_at_the_aligned_timeout(make_gate, listener, clock) -> None:
+    gate = make_gate(2, unaligned=True, aligned_timeout_ms=10)
+    gate.push_many(0, [B(1)])
+    gate.push_many(1, ["b0", B(1)])
+    assert gate.poll_next() == (0, B(1))  # aligning: channel 0 blocked
+    clock.advance(10_000_000)
+    assert gate.poll_priority() == (1, B(1))
+    assert listener.finished == [1] and listener.in_flight[1] == [(1, "b0")]
+
+
 def test_end_of_partition_and_cancellation_abort(make_gate, listener) -> None:
     gate = make_gate(3, unaligned=True)
     feed(gate, [(0, B(1)), (1, eop())])

@@ -104,6 +104,13 @@ class CheckpointedInputGate(abc.ABC):
         the data that follows it."""
         raise NotImplementedError
 
+    def poll_priority(self) -> Optional[Tuple[int, Any]]:
+        """Only what must not wait behind data, without blocking: a barrier that
+        overtakes in-flight buffers (unaligned; its listener calls happen here), or
+        the switch to unaligned once ``aligned_timeout`` has passed. Never data, so a
+        task whose output is full can still take part in a checkpoint."""
+        raise NotImplementedError
+
     def next(self, timeout: Optional[float] = None) -> Optional[Tuple[int, Any]]:
         """Like ``poll_next`` but waits (GIL released) up to ``timeout`` seconds;
         None on timeout or once the gate is finished."""

@@ -203,6 +203,22 @@ class ReferenceCheckpointedInputGate:
             finally:
                 self._in_poll = False
 
+    def poll_priority(self) -> Optional[Tuple[int, Any]]:
+        with self._lock:
+            self._enter()
+            try:
+                self._raise_pending_error()
+                while True:
+                    taken = self._take_priority()
+                    if taken is not None:
+                        return taken
+                    if self._timeout_due():
+                        self._switch_to_unaligned()
+                        continue
+                    return None
+            finally:
+                self._in_poll = False
+
     def poll_batch(self, max_items: int) -> List[Tuple[int, Any]]:
         if type(max_items) is bool or not isinstance(max_items, int) or max_items < 1:
             raise ValueError(f"max_items must be a positive int, got {max_items!r}")

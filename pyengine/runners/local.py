@@ -7,6 +7,7 @@ checkpoint, as Flink's full-restart strategy, up to ``restart_attempts``."""
 from __future__ import annotations
 
 import logging
+import sys
 import tempfile
 import threading
 import time
@@ -62,6 +63,9 @@ def resolve_restore_path(path: str) -> Tuple[CheckpointMetadata, str]:
         raise ValueError(
             f"restore_from={path!r} is not a checkpoint, a savepoint or a job's checkpoints: {first}"
         ) from None
+
+
+GIL_SWITCH_INTERVAL_S = 0.001
 
 
 class LocalRunner:
@@ -220,6 +224,19 @@ class LocalRunner:
             )
 
     def run(self) -> JobResult:
+        # All subtasks are threads of this process and take turns on the GIL. A thread
+        # waking from a wait (for data, for room) waits for the GIL up to the switch
+        # interval, 5 ms by default, and a barrier crossing a few tasks pays it at each:
+        # measured, 20-30 ms of a 30 ms unaligned checkpoint under backpressure, against
+        # ~1 ms at 1 ms. Throughput did not change measurably, so jobs run at 1 ms.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, GIL_SWITCH_INTERVAL_S))
+        try:
+            return self._run()
+        finally:
+            sys.setswitchinterval(interval)
+
+    def _run(self) -> JobResult:
         env = self.env
         started = time.monotonic()
         storage = checkpoint_storage(self._storage_uri(), self.job_id)

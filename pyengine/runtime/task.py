@@ -11,8 +11,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Executor
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -30,6 +31,7 @@ from .sources import SourceOperator
 __all__ = ["Output", "SinkOperator", "StreamTask", "TaskCancelled"]
 
 _CHANNEL_STATE = ListStateDescriptor("in-flight")
+_INPUT, _OUTPUT = 0, 1  # the two kinds of in-flight records of an unaligned checkpoint
 
 
 class TaskCancelled(Exception):
@@ -111,6 +113,7 @@ class Output:
         self.buffer_size = buffer_size
         self.cancelled = cancelled
         self.buffers: List[List[Any]] = [[] for _ in self.gates]
+        self.pending: List[Deque[Any]] = [deque() for _ in self.gates]
         self._next = channel % len(self.gates)
         self.last_flush = time.monotonic()
 
@@ -170,10 +173,33 @@ class Output:
             self._put(i, buffer)
 
     def _put(self, i: int, item: Any) -> None:
-        gate = self.gates[i]
-        while not gate.put(self.channel, item, timeout=0.05):  # a full channel is backpressure
-            if self.cancelled.is_set():
-                raise TaskCancelled()
+        # A full channel never blocks the task mid-record: what does not fit waits here,
+        # the task stops taking input until it has drained (see ``available``), and
+        # meanwhile it still handles its mailbox and overtaking barriers.
+        waiting = self.pending[i]
+        if waiting or not self.gates[i].push(self.channel, item):
+            waiting.append(item)
+
+    @property
+    def available(self) -> bool:
+        """Whether nothing is waiting for room downstream (Flink's output availability)."""
+        return not any(self.pending)
+
+    def drain(self) -> bool:
+        """Pushes what waits, as far as there is room; True when nothing is left."""
+        for i, waiting in enumerate(self.pending):
+            gate, channel = self.gates[i], self.channel
+            while waiting and gate.push(channel, waiting[0]):
+                waiting.popleft()
+        return self.available
+
+    def wait_for_room(self, timeout_s: float) -> None:
+        """Waits (GIL released) up to ``timeout_s`` for room on a backpressured channel."""
+        for i, waiting in enumerate(self.pending):
+            if waiting:
+                if self.gates[i].put(self.channel, waiting[0], timeout=timeout_s):
+                    waiting.popleft()
+                return
 
     def flush(self) -> None:
         for i in range(len(self.gates)):
@@ -181,9 +207,21 @@ class Output:
         self.last_flush = time.monotonic()
 
     def broadcast_event(self, event: Any) -> None:
+        """An event in order: after every record emitted before it."""
         self.flush()
         for i in range(len(self.gates)):
             self._put(i, event)
+
+    def broadcast_overtaking(self, barrier: Any) -> List[Any]:
+        """An unaligned barrier goes ahead of the output still waiting for room, and
+        returns those buffers: they are in flight, so the checkpoint persists them
+        (they are still delivered after the barrier, now)."""
+        self.flush()
+        overtaken = [item for waiting in self.pending for item in waiting if isinstance(item, (list, pa.RecordBatch))]
+        for i, gate in enumerate(self.gates):
+            if not gate.push(self.channel, barrier):  # events have their own, larger limit
+                self.pending[i].appendleft(barrier)
+        return overtaken
 
 
 def _split_by_key(batch: pa.RecordBatch, column: str, n: int, max_parallelism: int) -> List[pa.RecordBatch]:
@@ -258,6 +296,7 @@ class StreamTask:
         self._channel_state_uid = channel_state_uid
         self._restored = restored
         self._replay: List[Any] = []
+        self._replay_output: List[Any] = []
         self.thread = threading.Thread(target=self._run, name=f"task-{attempt}", daemon=True)
 
     # -- the gate's listener -----------------------------------------------------------------
@@ -306,8 +345,13 @@ class StreamTask:
             produced = op.prepare_snapshot_pre_barrier(checkpoint_id)
             if produced:
                 self._emit(produced, start=i + 1)
+        output_in_flight: List[Any] = []
         if self.output is not None:
-            self.output.broadcast_event(CheckpointBarrier(checkpoint_id, timestamp, options))
+            barrier = CheckpointBarrier(checkpoint_id, timestamp, options)
+            if options.unaligned:
+                output_in_flight = self.output.broadcast_overtaking(barrier)
+            else:
+                self.output.broadcast_event(barrier)
         writers = [(op.uid, op.snapshot(checkpoint_id, location)) for op in self.chain]
         channel_state: Optional[_ChannelState] = None
         if options.unaligned and self.gate is not None:
@@ -324,6 +368,7 @@ class StreamTask:
                 for uid, write in writers:
                     snapshot.operators[uid] = write()
                 persisted = 0
+                input_in_flight: List[Any] = []
                 if channel_state is not None:
                     # A task that ends or is cancelled first never completes this channel state
                     # (and the gate may have created it after cancel() swept them): give up then.
@@ -333,10 +378,14 @@ class StreamTask:
                     if not channel_state.done.is_set() or channel_state.aborted:
                         raise RuntimeError(f"checkpoint {checkpoint_id} ended before its in-flight data was in")
                     self._channel_states.pop(checkpoint_id, None)
+                    input_in_flight = channel_state.buffers
+                if channel_state is not None or output_in_flight:
                     snapshot.operators[self._channel_state_uid] = self._write_channel_state(
-                        checkpoint_id, channel_state.buffers
+                        checkpoint_id, input_in_flight, output_in_flight
                     )
-                    persisted = sum(len(b) for b in channel_state.buffers if isinstance(b, (list, pa.RecordBatch)))
+                    persisted = sum(
+                        len(b) for b in input_in_flight + output_in_flight if isinstance(b, (list, pa.RecordBatch))
+                    )
                 handles = snapshot.handles()
                 size = sum(getattr(h, "state_size", 0) for h in handles)
                 self.coordinator.receive_acknowledge_message(
@@ -360,13 +409,22 @@ class StreamTask:
 
         self.executor.submit(run_async)
 
-    def _write_channel_state(self, checkpoint_id: int, buffers: List[Any]) -> SubtaskState:
+    def _write_channel_state(self, checkpoint_id: int, inputs: List[Any], outputs: List[Any]) -> SubtaskState:
+        """In-flight records as union list state: ``[subtask, _INPUT, record]`` for input
+        this task had not processed, ``[subtask, _OUTPUT, record]`` for output that
+        had not reached the next task."""
         from ..state import OperatorStateBackend
 
         backend = OperatorStateBackend(subtask_index=self.ctx.subtask, parallelism=self.ctx.parallelism)
-        backend.get_union_list_state(_CHANNEL_STATE).update(
-            [[self.ctx.subtask, r] for b in buffers if isinstance(b, (list, pa.RecordBatch)) for r in rows_of(b)]
-        )
+        me = self.ctx.subtask
+        entries = [
+            [me, kind, r]
+            for kind, buffers in ((_INPUT, inputs), (_OUTPUT, outputs))
+            for b in buffers
+            if isinstance(b, (list, pa.RecordBatch))
+            for r in rows_of(b)
+        ]
+        backend.get_union_list_state(_CHANNEL_STATE).update(entries)
         result = backend.snapshot(checkpoint_id, self.storage.location(checkpoint_id)).run()
         return SubtaskState(operator=list(result.handles))
 
@@ -422,7 +480,13 @@ class StreamTask:
             backend = OperatorStateBackend(subtask_index=self.ctx.subtask, parallelism=self.ctx.parallelism)
             backend.restore(channel.operator_handles())
             entries = backend.get_union_list_state(_CHANNEL_STATE).get()
-            self._replay = self._my_share(entries, channel.parallelism)
+            inputs = [[sub, r] for sub, kind, r in entries if kind == _INPUT]
+            outputs = [[sub, r] for sub, kind, r in entries if kind == _OUTPUT]
+            self._replay = self._my_share(inputs, channel.parallelism)
+            # output goes through the partitioner again, so any one subtask may re-send it
+            same = channel.parallelism == self.ctx.parallelism
+            mine = [r for sub, r in outputs if sub == self.ctx.subtask] if same else [r for _, r in outputs]
+            self._replay_output = mine if same else mine[self.ctx.subtask :: self.ctx.parallelism]
         for op in self.chain:
             op.open()
 
@@ -444,7 +508,12 @@ class StreamTask:
         try:
             self._restore()
             self.running.set()
-            if self._replay:  # in-flight data of an unaligned checkpoint comes before new input
+            # in-flight data of an unaligned checkpoint comes before new input: first what
+            # this task had emitted, then what it had not yet processed
+            if self._replay_output and self.output is not None:
+                replay, self._replay_output = self._replay_output, []
+                self.output.emit(replay)
+            if self._replay:
                 replay, self._replay = self._replay, []
                 self._emit(replay)
             if isinstance(self.chain[0], SourceOperator):
@@ -474,11 +543,23 @@ class StreamTask:
         if self.output is not None and time.monotonic() - self.output.last_flush >= self.buffer_timeout_s:
             self.output.flush()
 
+    def _backpressured(self) -> bool:
+        """True (after a short wait) while output waits for room: no new input then."""
+        output = self.output
+        if output is None or output.drain():
+            return False
+        if self.gate is not None:
+            self.gate.poll_priority()  # an unaligned barrier does not wait for the room
+        output.wait_for_room(0.005)
+        return True
+
     def _run_source(self, source: SourceOperator) -> None:
         exhausted_reported = False
         while True:
             self._check_cancelled()
             self._drain_mailbox()
+            if self._backpressured():
+                continue
             if not source.exhausted:
                 records = source.read(self.buffer_size)
                 self._emit(records, start=1)
@@ -508,10 +589,13 @@ class StreamTask:
     def _run_gate(self) -> None:
         gate = self.gate
         assert gate is not None
+        limit = 64  # buffers per poll, adapted to how long they take
         while True:
             self._check_cancelled()
             self._drain_mailbox()
-            batch = gate.poll_batch(64)
+            if self._backpressured():
+                continue
+            batch = gate.poll_batch(limit)
             if not batch:
                 if gate.is_finished:
                     break
@@ -520,9 +604,18 @@ class StreamTask:
                 if got is None:
                     continue
                 batch = [got]
+            started = time.perf_counter()
+            buffers = 0
             for _, item in batch:
                 if type(item) is list or type(item) is pa.RecordBatch:
                     self._emit(item)
+                    buffers += 1
+            if buffers:
+                # Buffers taken from the gate are past any barrier that could still
+                # overtake them, so a batch that takes long delays checkpoints: size
+                # batches to about 2 ms of work, by what the last one cost per buffer.
+                per_buffer = (time.perf_counter() - started) / buffers
+                limit = max(1, min(64, int(0.002 / per_buffer) if per_buffer > 0 else 64))
             self._maybe_flush()
         self._drain_mailbox()
         self._emit_end_of_input()
@@ -530,3 +623,7 @@ class StreamTask:
     def _finish(self) -> None:
         if self.output is not None:
             self.output.broadcast_event(EndOfPartition())
+            while not self.output.drain():
+                self._check_cancelled()
+                self._drain_mailbox()
+                self.output.wait_for_room(0.02)
