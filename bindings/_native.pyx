@@ -837,3 +837,4 @@ cdef int dispatch(list notes) except -1:
         fn(*args)
     return 0
 include "_columnar.pxi"
+include "_keygroups.pxi"

@@ -67,3 +67,5 @@ class ColumnarGroup:
 
 def gather_changes(groups: List[ColumnarGroup], touched: List[Set[int]]) -> Tuple[Any, Any, Any, Any, Any]:
     """(keys, values, deleted, upserts, deletes) of many groups' changed keys, in one call."""
+
+def int_key_group(key: Any, max_parallelism: int) -> int: ...

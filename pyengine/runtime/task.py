@@ -18,6 +18,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
 import numpy as np
 import pyarrow as pa
 
+from .._native import int_key_group
 from ..coordinator import ExecutionAttempt, SubtaskMetrics, TaskStateSnapshot
 from ..io import CheckpointBarrier, CheckpointedInputGate, CheckpointOptions, EndOfPartition
 from ..sinks import FINAL, Sink
@@ -128,8 +129,12 @@ class Output:
             select, max_p = self.key_selector, self.max_parallelism
             assert select is not None
             buffers = self.buffers
-            for r in records:
-                buffers[subtask_for_key_group(max_p, n, assign_to_key_group(select(r), max_p))].append(r)
+            for r in records:  # subtask_for_key_group(assign_to_key_group(key)), inlined: per record
+                key = select(r)
+                group = int_key_group(key, max_p)
+                if group < 0:
+                    group = assign_to_key_group(key, max_p)
+                buffers[group * n // max_p].append(r)
         elif self.exchange == "rebalance":
             for r in records:
                 self.buffers[self._next].append(r)

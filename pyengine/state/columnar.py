@@ -134,11 +134,19 @@ class ColumnarValueState:
             return None
         return self._table.groups[b._key_index]
 
+    # value() and update() run once per record: the common case (an int key within
+    # int64, columnar storage) is inlined; everything else goes through _group().
+
     def value(self) -> Any:
         if self._fallback is None:
+            b = self._backend
+            key = b._key
+            if type(key) is int and b._key_index >= 0 and _INT64_MIN <= key <= _INT64_MAX:
+                v = self._table.groups[b._key_index].get(key, _MISSING)
+                return self._default if v is _MISSING else v
             group = self._group()
             if group is not None:
-                v = group.get(self._backend._key, _MISSING)
+                v = group.get(b._key, _MISSING)
                 return self._default if v is _MISSING else v
         return self._fallback.value()
 
@@ -147,12 +155,19 @@ class ColumnarValueState:
             self.clear()
             return
         if self._fallback is None:
-            group = self._group()
+            b = self._backend
+            key = b._key
+            if type(key) is int and b._key_index >= 0 and _INT64_MIN <= key <= _INT64_MAX:
+                group = self._table.groups[b._key_index]
+            else:
+                group = self._group()
             if group is not None:
                 if self._check is not None:
                     self._check(value)
-                group.put(self._backend._key, value)
-                self._changed()
+                group.put(key, value)
+                changes = self._table.changes
+                if changes is not None:
+                    changes[b._key_index].add(key)
                 return
         self._fallback.update(value)
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 import numpy as np
 import pyarrow as pa
 
+from .._native import int_key_group as _int_key_group
 from .descriptors import (
     AggregatingStateDescriptor,
     ListStateDescriptor,
@@ -566,6 +567,7 @@ class HeapKeyedStateBackend:
             raise ValueError(f"key_group_range {key_group_range} must be a non-empty part of 0-{max_parallelism - 1}")
         self.max_parallelism = max_parallelism
         self.key_group_range = key_group_range
+        self._kg_start, self._kg_count = key_group_range.start, len(key_group_range)  # per-record use
         self._ttl_clock = ttl_clock_ms or (lambda: time.time_ns() // 1_000_000)
         # Tables are StateTable (dicts) or columnar.ColumnarValueTable; states likewise.
         self._tables: Dict[str, Any] = {}
@@ -587,9 +589,11 @@ class HeapKeyedStateBackend:
 
     def set_current_key(self, key: Any) -> None:
         """Makes ``key`` the one every state object of this backend reads and writes."""
-        key_group = assign_to_key_group(key, self.max_parallelism)
-        index = key_group - self.key_group_range.start
-        if not 0 <= index < len(self.key_group_range):
+        key_group = _int_key_group(key, self.max_parallelism)
+        if key_group < 0:
+            key_group = assign_to_key_group(key, self.max_parallelism)
+        index = key_group - self._kg_start
+        if not 0 <= index < self._kg_count:
             raise ValueError(
                 f"key {key!r} belongs to key group {key_group}, outside this backend's key groups "
                 f"{self.key_group_range}"

@@ -30,6 +30,8 @@ from typing import Any, Iterator
 import numpy as np
 import xxhash
 
+from .._native import int_key_group as _int_key_group
+
 __all__ = [
     "DEFAULT_MAX_PARALLELISM",
     "UPPER_BOUND_MAX_PARALLELISM",
@@ -95,6 +97,9 @@ def stable_hash(key: Any) -> int:
 
 def assign_to_key_group(key: Any, max_parallelism: int) -> int:
     """The key group of ``key``: ``stable_hash(key) % max_parallelism``."""
+    group = _int_key_group(key, max_parallelism)  # ints in C: the per-record hot case
+    if group >= 0:
+        return group  # type: ignore[no-any-return]
     return stable_hash(key) % max_parallelism
 
 
