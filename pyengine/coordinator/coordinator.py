@@ -185,6 +185,7 @@ class _Request:
     periodic: bool
     target: Optional[str]
     future: concurrent.futures.Future[CheckpointMetadata]
+    aligned: bool = False  # an aligned checkpoint even when the job's are unaligned
 
 
 class CheckpointCoordinator:
@@ -267,10 +268,16 @@ class CheckpointCoordinator:
 
     # -- triggering ----------------------------------------------------------------------------
 
-    def trigger_checkpoint(self, periodic: bool = False) -> concurrent.futures.Future[CheckpointMetadata]:
-        """Requests a checkpoint; the future gives its metadata or a CheckpointException."""
+    def trigger_checkpoint(
+        self, periodic: bool = False, *, aligned: bool = False
+    ) -> concurrent.futures.Future[CheckpointMetadata]:
+        """Requests a checkpoint; the future gives its metadata or a CheckpointException.
+
+        ``aligned=True`` takes it aligned even in an unaligned job: the runner's final
+        checkpoint at the end of bounded input, whose barrier must come after every
+        record (a record it overtook would reach the sink after the last commit)."""
         with self._lock:
-            return self._request(CheckpointType.CHECKPOINT, periodic=periodic, target=None)
+            return self._request(CheckpointType.CHECKPOINT, periodic=periodic, target=None, aligned=aligned)
 
     def trigger_savepoint(self, target_dir: str) -> concurrent.futures.Future[CheckpointMetadata]:
         """A savepoint into ``target_dir``: never subsumed, never counted against
@@ -281,7 +288,7 @@ class CheckpointCoordinator:
             return self._request(CheckpointType.SAVEPOINT, periodic=False, target=target_dir)
 
     def _request(
-        self, checkpoint_type: CheckpointType, *, periodic: bool, target: Optional[str]
+        self, checkpoint_type: CheckpointType, *, periodic: bool, target: Optional[str], aligned: bool = False
     ) -> concurrent.futures.Future[CheckpointMetadata]:
         future: concurrent.futures.Future[CheckpointMetadata] = concurrent.futures.Future()
         if self._shutdown:
@@ -294,7 +301,7 @@ class CheckpointCoordinator:
         if len(self._queue) >= MAX_QUEUED_REQUESTS:
             future.set_exception(CheckpointException(CheckpointFailureReason.TOO_MANY_CHECKPOINT_REQUESTS))
             return future
-        request = _Request(checkpoint_type, periodic, target, future)
+        request = _Request(checkpoint_type, periodic, target, future, aligned)
         if checkpoint_type.is_savepoint:
             self._queue.appendleft(request)
         else:
@@ -359,7 +366,8 @@ class CheckpointCoordinator:
             checkpoint_id, now, "savepoint" if pending.is_savepoint else "checkpoint", len(pending.not_yet_acknowledged)
         )
         pending.timeout = self.timers.schedule(self.config.timeout_ms, lambda: self._expire(checkpoint_id))
-        unaligned = self.config.unaligned and not pending.is_savepoint  # savepoints are always aligned
+        # savepoints are always aligned, and so is a checkpoint requested aligned
+        unaligned = self.config.unaligned and not pending.is_savepoint and not request.aligned
         options = CheckpointOptions(request.checkpoint_type, unaligned=unaligned)
         for task in self.gateway.tasks_to_trigger():
             self.gateway.trigger(task, checkpoint_id, now, options)

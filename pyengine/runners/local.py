@@ -81,7 +81,7 @@ class LocalRunner:
         self._failure: Optional[BaseException] = None
         self._failure_lock = threading.Lock()
         self._wake = threading.Event()
-        self._exhausted: set = set()
+        self._drained: set = set()  # tasks done with all their input (bounded input)
         self.coordinator: Optional[CheckpointCoordinator] = None
         self.restarts = 0  # so far, for progress reports while the job runs
         self._temp: Optional[tempfile.TemporaryDirectory] = None
@@ -131,8 +131,8 @@ class LocalRunner:
                 self._failure = cause
         self._wake.set()
 
-    def _source_exhausted(self, attempt: ExecutionAttempt) -> None:
-        self._exhausted.add(attempt)
+    def _task_drained(self, attempt: ExecutionAttempt) -> None:
+        self._drained.add(attempt)
         self._wake.set()
 
     # -- running -----------------------------------------------------------------------------
@@ -204,7 +204,7 @@ class LocalRunner:
                     buffer_size=env.buffer_size,
                     buffer_timeout_ms=env.buffer_timeout_ms,
                     on_failure=self.fail_job,
-                    on_source_exhausted=self._source_exhausted,
+                    on_drained=self._task_drained,
                     channel_state_uid=f"__channel_state__{vertex.name}",
                     input_key_selector=vertex.key_selector if vertex.exchange == "hash" else None,
                 )
@@ -258,7 +258,7 @@ class LocalRunner:
         try:
             while True:
                 self._failure = None
-                self._exhausted = set()
+                self._drained = set()
                 self._wake.clear()
                 restored = dict(restored_meta.operators) if restored_meta is not None else {}
                 restored_id = restored_meta.checkpoint_id if restored_meta is not None else 0
@@ -331,7 +331,9 @@ class LocalRunner:
             if self._stop_with_savepoint.is_set():
                 coordinator.stop_checkpoint_scheduler(abort_pending=False)
                 return "stopped"
-            if not ending and len(self._exhausted) == len(sources):
+            # The final checkpoint waits until every task has processed all its input, so
+            # no record is left in flight behind its barrier, aligned or not (FLIP-147).
+            if not ending and len(self._drained) == len(self._tasks):
                 ending = True
                 if checkpointing and not self._final_checkpoint():
                     coordinator.stop_checkpoint_scheduler()
@@ -348,7 +350,7 @@ class LocalRunner:
         coordinator = self.coordinator
         assert coordinator is not None
         while self._failure is None:
-            future = coordinator.trigger_checkpoint()
+            future = coordinator.trigger_checkpoint(aligned=True)  # see trigger_checkpoint
             # The coordinator expires the checkpoint at its timeout; a task failing meanwhile
             # (say, a sink's commit of the previous checkpoint) must end the wait at once.
             while not future.done() and self._failure is None:

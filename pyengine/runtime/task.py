@@ -35,6 +35,21 @@ _CHANNEL_STATE = ListStateDescriptor("in-flight")
 _INPUT, _OUTPUT = 0, 1  # the two kinds of in-flight records of an unaligned checkpoint
 
 
+class _EndOfData:
+    """Sent down every channel, in order, once a task has emitted everything it will:
+    the end of bounded input. Tasks still run after it (they take the final checkpoint);
+    ``EndOfPartition`` ends them. It travels as a data item, so barriers keep their order
+    with it, and unaligned channel state leaves it out (a restore sends it again)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "END_OF_DATA"
+
+
+END_OF_DATA = _EndOfData()
+
+
 class TaskCancelled(Exception):
     """The runner cancelled the task (failover or shutdown)."""
 
@@ -211,6 +226,11 @@ class Output:
             self._send(i)
         self.last_flush = time.monotonic()
 
+    def send_end_of_data(self) -> None:
+        self.flush()
+        for i in range(len(self.gates)):
+            self._put(i, END_OF_DATA)
+
     def broadcast_event(self, event: Any) -> None:
         """An event in order: after every record emitted before it."""
         self.flush()
@@ -275,7 +295,7 @@ class StreamTask:
         buffer_size: int,
         buffer_timeout_ms: int,
         on_failure: Callable[[BaseException], None],
-        on_source_exhausted: Callable[[ExecutionAttempt], None],
+        on_drained: Callable[[ExecutionAttempt], None],
         channel_state_uid: str,
         input_key_selector: Optional[Callable[[Any], Any]] = None,
     ) -> None:
@@ -290,7 +310,7 @@ class StreamTask:
         self.buffer_size = buffer_size
         self.buffer_timeout_s = buffer_timeout_ms / 1000
         self.on_failure = on_failure
-        self.on_source_exhausted = on_source_exhausted
+        self.on_drained = on_drained  # all input processed and all output delivered
         self.mailbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.cancelled = threading.Event()
         self.running = threading.Event()
@@ -302,6 +322,8 @@ class StreamTask:
         self._restored = restored
         self._replay: List[Any] = []
         self._replay_output: List[Any] = []
+        self._input_ended = False
+        self._drained_reported = False
         self.thread = threading.Thread(target=self._run, name=f"task-{attempt}", daemon=True)
 
     # -- the gate's listener -----------------------------------------------------------------
@@ -558,8 +580,20 @@ class StreamTask:
         output.wait_for_room(0.005)
         return True
 
+    def _end_of_data(self) -> None:
+        """Bounded input is over here: operators' end_input, then END_OF_DATA downstream."""
+        self._emit_end_of_input()
+        if self.output is not None:
+            self.output.send_end_of_data()
+        self._input_ended = True
+
+    def _report_drained(self) -> None:
+        """Once: every record this task will see is processed and delivered downstream."""
+        if self._input_ended and not self._drained_reported and (self.output is None or self.output.available):
+            self._drained_reported = True
+            self.on_drained(self.attempt)
+
     def _run_source(self, source: SourceOperator) -> None:
-        exhausted_reported = False
         while True:
             self._check_cancelled()
             self._drain_mailbox()
@@ -570,12 +604,10 @@ class StreamTask:
                 self._emit(records, start=1)
                 self._maybe_flush()
                 continue
-            if not exhausted_reported:
-                self._emit_end_of_input()
-                if self.output is not None:
-                    self.output.flush()
-                exhausted_reported = True
-                self.on_source_exhausted(self.attempt)
+            if not self._input_ended:
+                self._end_of_data()
+                continue  # END_OF_DATA may wait for room like any output
+            self._report_drained()
             if self.end_requested.is_set():
                 self._drain_mailbox()
                 return
@@ -595,6 +627,7 @@ class StreamTask:
         gate = self.gate
         assert gate is not None
         limit = 64  # buffers per poll, adapted to how long they take
+        ended: set = set()  # channels that delivered END_OF_DATA
         while True:
             self._check_cancelled()
             self._drain_mailbox()
@@ -611,10 +644,14 @@ class StreamTask:
                 batch = [got]
             started = time.perf_counter()
             buffers = 0
-            for _, item in batch:
+            for channel, item in batch:
                 if type(item) is list or type(item) is pa.RecordBatch:
                     self._emit(item)
                     buffers += 1
+                elif item is END_OF_DATA:
+                    ended.add(channel)
+                    if len(ended) == gate.num_channels and not self._input_ended:
+                        self._end_of_data()
             if buffers:
                 # Buffers taken from the gate are past any barrier that could still
                 # overtake them, so a batch that takes long delays checkpoints: size
@@ -622,8 +659,10 @@ class StreamTask:
                 per_buffer = (time.perf_counter() - started) / buffers
                 limit = max(1, min(64, int(0.002 / per_buffer) if per_buffer > 0 else 64))
             self._maybe_flush()
+            self._report_drained()
         self._drain_mailbox()
-        self._emit_end_of_input()
+        if not self._input_ended:
+            self._emit_end_of_input()
 
     def _finish(self) -> None:
         if self.output is not None:
