@@ -1,0 +1,166 @@
+"""Channels over Arrow Flight (the Spark runner's data plane), in one process."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, List
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+
+from pyengine.io import (
+    CancelCheckpointMarker,
+    CheckpointBarrier,
+    CheckpointedInputGate,
+    CheckpointOptions,
+    CheckpointType,
+    EndOfPartition,
+)
+from pyengine.runners.flight import RemoteChannel, decode_event, encode_event, serve
+from pyengine.runtime.task import END_OF_DATA
+from pyengine.testing import RecordingListener
+
+TOKEN = "s3cr3t-job-token"
+
+
+@pytest.fixture
+def endpoint():
+    listener = RecordingListener()
+    gate = CheckpointedInputGate(2, listener, capacity=4)
+    server, _ = serve(gate, TOKEN)
+    yield gate, server, listener
+    server.shutdown()
+
+
+def drain(gate: Any, until_eop_on: int = 1, timeout: float = 10) -> List[Any]:
+    out, ended = [], 0
+    deadline = time.monotonic() + timeout
+    while ended < until_eop_on:
+        assert time.monotonic() < deadline, f"only {len(out)} items arrived"
+        got = gate.next(timeout=0.1)
+        if got is None:
+            continue
+        out.append(got)
+        if isinstance(got[1], EndOfPartition):
+            ended += 1
+    return out
+
+
+def test_events_round_trip_through_their_metadata_encoding() -> None:
+    events = [
+        CheckpointBarrier(7, 123, CheckpointOptions(unaligned=True)),
+        CheckpointBarrier(8, 456, CheckpointOptions(CheckpointType.SAVEPOINT)),
+        CancelCheckpointMarker(9),
+        EndOfPartition(),
+        END_OF_DATA,
+    ]
+    for e in events:
+        assert decode_event(encode_event(e)) == e
+    with pytest.raises(ValueError, match="corrupt"):
+        decode_event(b"{not json")
+    with pytest.raises(TypeError):
+        encode_event("data")
+
+
+def test_a_channel_delivers_rows_batches_and_events_in_order(endpoint) -> None:
+    gate, server, listener = endpoint
+    out = RemoteChannel(server.location, 0, TOKEN)
+    batch_a = pa.record_batch({"k": [1, 2, 3]})
+    batch_b = pa.record_batch({"name": ["x", "y"], "v": [1.5, 2.5]})  # another schema: a new stream
+    items = [
+        [{"user": 1, "n": 1}, {"user": 2, "n": 1}],
+        batch_a,
+        CheckpointBarrier(1, 5, CheckpointOptions()),
+        batch_b,
+        [("tuple", 1), None],
+        END_OF_DATA,
+        EndOfPartition(),
+    ]
+    for item in items:
+        assert out.put(0, item, timeout=5)
+    other = RemoteChannel(server.location, 1, TOKEN)
+    other.put(1, CheckpointBarrier(1, 5, CheckpointOptions()), timeout=5)
+    other.put(1, EndOfPartition(), timeout=5)
+    got = [item for ch, item in drain(gate, until_eop_on=2) if ch == 0]
+    assert got[0] == [{"user": 1, "n": 1}, {"user": 2, "n": 1}]
+    assert got[1].equals(batch_a)
+    assert got[2] == CheckpointBarrier(1, 5, CheckpointOptions())
+    assert got[3].equals(batch_b)
+    assert got[4] == [("tuple", 1), None]  # the safe serializer keeps tuples, and never runs code
+    assert got[5] is END_OF_DATA
+    assert isinstance(got[6], EndOfPartition)
+    assert listener.triggered_ids == [1]
+    out.close()
+    other.close()
+
+
+def test_a_stream_with_a_wrong_or_missing_token_is_refused(endpoint) -> None:
+    gate, server, _ = endpoint
+    client = flight.FlightClient(server.location)
+    schema = pa.schema([("k", pa.int64())])
+    for command in (b'{"token": "guess", "channel": 0}', b'{"channel": 0}', b"garbage"):
+        with pytest.raises(flight.FlightUnauthenticatedError, match="token"):
+            writer, _ = client.do_put(flight.FlightDescriptor.for_command(command), schema)
+            writer.write_batch(pa.record_batch({"k": [1]}))
+            writer.close()
+    assert gate.queued(0) == 0
+    with pytest.raises(PermissionError, match="token"):
+        RemoteChannel(server.location, 0, "wrong")
+    client.close()
+
+
+def test_a_full_gate_holds_the_sender_back_and_loses_nothing(endpoint) -> None:
+    gate, server, _ = endpoint
+    out = RemoteChannel(server.location, 0, TOKEN, capacity=2)
+    n = 300
+    refused = 0
+
+    def produce() -> None:
+        nonlocal refused
+        for i in range(n):
+            while not out.push(0, [i]):
+                refused += 1
+                time.sleep(0.0005)
+        out.put(0, EndOfPartition(), timeout=10)
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    time.sleep(0.3)  # the consumer is slow to start: the ring fills, then the stream, then the queue
+    assert gate.queued(0) == 4
+    got = []
+    for _, item in drain(gate):
+        if isinstance(item, list):
+            got.extend(item)
+        time.sleep(0.0005)
+    producer.join(10)
+    assert got == list(range(n))
+    assert refused > 0, "the sender was never held back"
+    out.close()
+
+
+def test_an_overtaking_barrier_jumps_the_send_queue_and_returns_what_it_passed(endpoint) -> None:
+    gate, server, _ = endpoint
+    out = RemoteChannel(server.location, 0, TOKEN, capacity=1000)
+    # Nobody reads the gate: its ring (4) and the stream's buffers fill, then the queue.
+    pad = "x" * 20_000
+    sent = 0
+    while out.queued(0) < 5:
+        assert sent < 500, "the send queue never filled"
+        out.put(0, [sent, pad], timeout=5)
+        sent += 1
+        time.sleep(0.001)
+    overtaken = out.push_overtaking(CheckpointBarrier(3, 1, CheckpointOptions(unaligned=True)))
+    assert [r[0] for r in overtaken] == list(range(sent - len(overtaken), sent)) and len(overtaken) >= 5
+    out.put(0, EndOfPartition(), timeout=5)
+    other = RemoteChannel(server.location, 1, TOKEN)  # the aligned gate waits for channel 1's barrier
+    other.put(1, CheckpointBarrier(3, 1, CheckpointOptions(unaligned=True)), timeout=5)
+    other.put(1, EndOfPartition(), timeout=5)
+    items = [item for ch, item in drain(gate, until_eop_on=2, timeout=30) if ch == 0]
+    barrier_at = next(i for i, x in enumerate(items) if isinstance(x, CheckpointBarrier))
+    before = {x[0] for x in items[:barrier_at] if isinstance(x, list)}
+    assert not before & {r[0] for r in overtaken}  # what it overtook came after it
+    assert [x[0] for x in items if isinstance(x, list)] == list(range(sent))
+    out.close()
+    other.close()
