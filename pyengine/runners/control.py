@@ -1,0 +1,191 @@
+"""The control plane of the Spark runner: the driver's coordinator, reached over Arrow Flight.
+
+The driver runs a ``ControlServer`` beside its ``CheckpointCoordinator``. Each task
+registers (its attempt and the address of its own ``ChannelServer``), then
+long-polls for its commands — trigger a checkpoint, a checkpoint completed or
+was aborted, end, cancel — and reports acknowledgements (its state handles and
+metrics), declines, its end of input and its failure. Every call is a Flight
+action whose JSON body carries the job's secret token; a call without the right
+one is refused before it reaches the coordinator. Nothing is ever unpickled:
+state handles travel as the same JSON as in ``_metadata``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import threading
+from collections import defaultdict, deque
+from typing import Any, Callable, Deque, Dict, List, Optional
+
+import pyarrow.flight as flight
+
+from ..coordinator import ExecutionAttempt, SubtaskMetrics, TaskStateSnapshot
+from ..storage.handles import handle_from_json
+from ..storage.metadata import SubtaskState
+
+__all__ = ["ControlClient", "ControlServer", "attempt_from_json", "attempt_to_json"]
+
+
+def attempt_to_json(attempt: ExecutionAttempt) -> Dict[str, Any]:
+    return {"vertex": attempt.vertex, "subtask": attempt.subtask, "attempt": attempt.attempt}
+
+
+def attempt_from_json(data: Dict[str, Any]) -> ExecutionAttempt:
+    return ExecutionAttempt(str(data["vertex"]), int(data["subtask"]), int(data["attempt"]))
+
+
+def _snapshot_to_json(snapshot: TaskStateSnapshot) -> Dict[str, Any]:
+    return {
+        uid: {"keyed": [h.to_json() for h in s.keyed], "operator": [h.to_json() for h in s.operator]}
+        for uid, s in snapshot.operators.items()
+    }
+
+
+def _snapshot_from_json(data: Dict[str, Any], where: str) -> TaskStateSnapshot:
+    return TaskStateSnapshot(
+        operators={
+            uid: SubtaskState(
+                keyed=[handle_from_json(h, where=where) for h in s.get("keyed", [])],
+                operator=[handle_from_json(h, where=where) for h in s.get("operator", [])],
+            )
+            for uid, s in data.items()
+        }
+    )
+
+
+class ControlServer(flight.FlightServerBase):
+    """The driver's end. ``coordinator`` receives acks and declines; the runner's
+    callbacks hear of registrations, drained tasks and failures; ``send`` queues a
+    command for a task."""
+
+    def __init__(
+        self,
+        coordinator: Any,
+        token: str,
+        *,
+        on_register: Callable[[ExecutionAttempt, str], None],
+        on_drained: Callable[[ExecutionAttempt], None],
+        on_failed: Callable[[ExecutionAttempt, str], None],
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        super().__init__(f"grpc://{host}:{port}")
+        self.host = host
+        self.coordinator = coordinator
+        self._token = token.encode()
+        self._on_register = on_register
+        self._on_drained = on_drained
+        self._on_failed = on_failed
+        self._commands: Dict[ExecutionAttempt, Deque[Dict[str, Any]]] = defaultdict(deque)
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self.serve, name="pyengine-control", daemon=True)
+        self._thread.start()
+
+    @property
+    def location(self) -> str:
+        return f"grpc://{self.host}:{self.port}"
+
+    def send(self, attempt: ExecutionAttempt, command: Dict[str, Any]) -> None:
+        """Queues ``command`` for ``attempt``'s next poll (never blocks)."""
+        with self._cond:
+            self._commands[attempt].append(command)
+            self._cond.notify_all()
+
+    def forget(self, attempt: ExecutionAttempt) -> None:
+        with self._cond:
+            self._commands.pop(attempt, None)
+
+    def do_action(self, context: Any, action: flight.Action) -> Any:
+        try:
+            body = json.loads(action.body.to_pybytes())
+            token = str(body.pop("token")).encode()
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise flight.FlightUnauthenticatedError("pyengine: a control call needs a token") from None
+        if not hmac.compare_digest(token, self._token):
+            raise flight.FlightUnauthenticatedError("pyengine: wrong job token for the control endpoint")
+        try:
+            attempt = attempt_from_json(body["attempt"])
+            result = self._dispatch(action.type, attempt, body)
+        except flight.FlightError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise flight.FlightServerError(f"pyengine: bad {action.type!r} call: {exc!r}") from None
+        return [json.dumps(result).encode()] if result is not None else []
+
+    def _dispatch(self, kind: str, attempt: ExecutionAttempt, body: Dict[str, Any]) -> Any:
+        if kind == "register":
+            self._on_register(attempt, str(body["location"]))
+            return None
+        if kind == "poll":
+            wait_s = min(max(float(body.get("wait_ms", 100)), 0.0), 5000.0) / 1000
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._commands.get(attempt)), wait_s)
+                queued = self._commands.get(attempt)
+                commands = list(queued) if queued else []
+                if queued:
+                    queued.clear()
+            return commands
+        if kind == "ack":
+            snapshot = _snapshot_from_json(body["state"], where=f"the acknowledgement of {attempt}")
+            metrics = SubtaskMetrics(**body.get("metrics", {}))
+            self.coordinator.receive_acknowledge_message(int(body["checkpoint_id"]), attempt, snapshot, metrics)
+            return None
+        if kind == "decline":
+            self.coordinator.receive_decline_message(
+                int(body["checkpoint_id"]), attempt, RuntimeError(str(body.get("message", "declined")))
+            )
+            return None
+        if kind == "drained":
+            self._on_drained(attempt)
+            return None
+        if kind == "failed":
+            self._on_failed(attempt, str(body.get("message", "task failed")))
+            return None
+        raise flight.FlightServerError(f"pyengine: unknown control call {kind!r}")
+
+
+class ControlClient:
+    """A task's end: the same calls, with the job token on each."""
+
+    def __init__(self, location: str, token: str, attempt: ExecutionAttempt) -> None:
+        self.location = location
+        self.attempt = attempt
+        self._token = token
+        self._client = flight.FlightClient(location)
+
+    def _call(self, kind: str, **body: Any) -> Any:
+        body.update(token=self._token, attempt=attempt_to_json(self.attempt))
+        try:
+            results = list(self._client.do_action(flight.Action(kind, json.dumps(body).encode())))
+        except flight.FlightUnauthenticatedError as exc:
+            raise PermissionError(f"the control endpoint {self.location} refused {kind!r}: {exc}") from None
+        return json.loads(results[0].body.to_pybytes()) if results else None
+
+    def register(self, channel_location: str) -> None:
+        self._call("register", location=channel_location)
+
+    def poll(self, wait_ms: int = 100) -> List[Dict[str, Any]]:
+        """Commands queued for this task, waiting up to ``wait_ms`` for the first."""
+        return list(self._call("poll", wait_ms=wait_ms) or [])
+
+    def acknowledge(self, checkpoint_id: int, snapshot: TaskStateSnapshot, metrics: SubtaskMetrics) -> None:
+        self._call(
+            "ack",
+            checkpoint_id=checkpoint_id,
+            state=_snapshot_to_json(snapshot),
+            metrics=dataclasses.asdict(metrics),
+        )
+
+    def decline(self, checkpoint_id: int, cause: Optional[BaseException]) -> None:
+        self._call("decline", checkpoint_id=checkpoint_id, message=str(cause) if cause is not None else "declined")
+
+    def drained(self) -> None:
+        self._call("drained")
+
+    def failed(self, message: str) -> None:
+        self._call("failed", message=message)
+
+    def close(self) -> None:
+        self._client.close()
