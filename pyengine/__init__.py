@@ -15,6 +15,7 @@ __all__ = [
     "StreamEnvironment",
     "__version__",
     "agg",
+    "runners",
     "sinks",
 ]
 
@@ -24,6 +25,7 @@ _LAZY = {
     "KeyedProcessFunction": ("pyengine.runtime.operators", "KeyedProcessFunction"),
     "sinks": ("pyengine.sinks", None),
     "agg": ("pyengine.agg", None),
+    "runners": ("pyengine.runners", None),
 }
 
 

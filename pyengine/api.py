@@ -186,11 +186,24 @@ class StreamEnvironment:
         assert stream._sink is not None
         return JobGraph(stream._steps, stream._sink)
 
-    def execute(self, name: str = "pyengine-job", *, restore_from: Optional[str] = None) -> Any:
-        """Runs the job to its end; returns a ``JobResult`` (FINISHED, or FAILED with its cause)."""
+    def execute(
+        self, name: str = "pyengine-job", *, restore_from: Optional[str] = None, runner: Any = "embedded"
+    ) -> Any:
+        """Runs the job to its end; returns a ``JobResult`` (FINISHED, or FAILED with its cause).
+
+        ``runner``: "embedded" (threads in this process), "spark" (a barrier stage on
+        the active Spark session, or a local one), or a ``pe.runners.SparkRunner(spark)``."""
         from .runners.local import LocalRunner
 
-        return LocalRunner(self._graph(), self, name, restore_from).run()
+        if runner == "embedded":
+            return LocalRunner(self._graph(), self, name, restore_from).run()
+        if runner == "spark":
+            from .runners.spark import SparkRunner
+
+            runner = SparkRunner()
+        if not hasattr(runner, "run") or isinstance(runner, str):
+            raise ValueError(f"runner must be 'embedded', 'spark' or a SparkRunner, got {runner!r}")
+        return runner.run(self._graph(), self, name, restore_from)
 
     def execute_async(self, name: str = "pyengine-job", *, restore_from: Optional[str] = None) -> JobClient:
         """Starts the job on a background thread; the client triggers savepoints and waits."""

@@ -36,6 +36,16 @@ class Sink:
     def open(self, subtask: int) -> None:
         pass
 
+    # Sinks travel to Spark executors inside the job: their locks are made anew there.
+    def __getstate__(self) -> Dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_lock", None)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def stage(self, subtask: int, checkpoint_id: int, records: Any) -> None:
         """Keeps ``records`` invisibly until ``commit`` of a checkpoint >= ``checkpoint_id``.
 

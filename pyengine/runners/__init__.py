@@ -1,8 +1,19 @@
-"""Runners: ``local`` (embedded, every subtask a thread) and, later, ``spark``."""
+"""Runners: ``local`` (embedded, every subtask a thread) and ``spark`` (every subtask a
+task of one barrier-mode Spark stage; imports pyspark only when used)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from .local import LocalRunner
 from .result import JobResult
 
-__all__ = ["JobResult", "LocalRunner"]
+__all__ = ["JobResult", "LocalRunner", "SparkRunner"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SparkRunner":
+        from .spark import SparkRunner
+
+        return SparkRunner
+    raise AttributeError(f"module 'pyengine.runners' has no attribute {name!r}")

@@ -84,6 +84,16 @@ class FileSource(Source):
         self._readers: Dict[Tuple[int, int], _SplitReader] = {}
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> Dict[str, Any]:  # to Spark executors: no open readers, a new lock
+        state = self.__dict__.copy()
+        state.pop("_lock", None)
+        state["_readers"] = {}
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def read(self, subtask: int, parallelism: int, position: int, n: int) -> Any:
         with self._lock:
             reader = self._readers.get((subtask, parallelism))

@@ -1,0 +1,522 @@
+"""The Spark runner: a job's subtasks as the tasks of one barrier-mode Spark stage.
+
+``sc.parallelize(range(T), T).barrier().mapPartitions(run)`` starts all T subtasks
+at once (one Spark task per subtask; chained operators share it). Each task builds
+its own ``StreamTask``, serves its input gate on a Flight ``ChannelServer``,
+registers with the driver's ``ControlServer`` and, once every task has, gets the
+addresses of its downstream subtasks and opens a ``RemoteChannel`` to each. The
+driver runs the ``CheckpointCoordinator`` as the embedded runner does; commands
+(trigger, complete, abort, end, cancel) reach tasks through the control plane.
+
+Spark does not retry a failed barrier result stage, so this runner owns failover:
+when any task fails it cancels the stage, restores the latest completed checkpoint
+and submits a new stage, up to ``restart_attempts`` — Flink's full restart, with
+Spark as the cluster manager.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import secrets
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+from ..coordinator import CheckpointCoordinator, ExecutionAttempt, ThreadTimerService
+from ..io import CheckpointedInputGate, CheckpointOptions, CheckpointType
+from ..runtime.operators import OperatorContext
+from ..runtime.task import Output, StreamTask
+from ..sinks import CollectSink
+from ..storage import checkpoint_storage
+from ..storage.metadata import CheckpointMetadata, OperatorState
+from .control import ControlClient, ControlServer
+from .local import GIL_SWITCH_INTERVAL_S, LocalRunner
+from .result import JobResult
+
+__all__ = ["SparkRunner"]
+
+log = logging.getLogger(__name__)
+
+REGISTRATION_TIMEOUT_S = 120.0
+
+
+@dataclass
+class _TaskSpec:
+    """What every Spark task gets in its closure."""
+
+    graph: Any
+    env: Any
+    name: str
+    job_id: str
+    storage_uri: str
+    probe_path: str
+    restored: Dict[str, OperatorState]
+    attempt: int
+    control: str
+    token: str
+
+
+class _CoordinatorProxy:
+    """What a StreamTask calls on its coordinator, forwarded to the driver."""
+
+    def __init__(self, client: ControlClient) -> None:
+        self._client = client
+        self._lock = threading.Lock()  # the Flight client is used from task and async threads
+
+    def receive_acknowledge_message(self, checkpoint_id: int, attempt: Any, snapshot: Any, metrics: Any) -> None:
+        with self._lock:
+            self._client.acknowledge(checkpoint_id, snapshot, metrics)
+
+    def receive_decline_message(self, checkpoint_id: int, attempt: Any, cause: Any) -> None:
+        with self._lock:
+            self._client.decline(checkpoint_id, cause)
+
+
+def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
+    """The body of one Spark task: subtask ``index`` of the flattened job graph."""
+    from .flight import RemoteChannel, serve
+
+    env, graph = spec.env, spec.graph
+    p = env.parallelism
+    v_index, s = divmod(index, p)
+    vertex = graph.vertices[v_index]
+    attempt = ExecutionAttempt(vertex.name, s, spec.attempt)
+    client = ControlClient(spec.control, spec.token, attempt)
+    proxy = _CoordinatorProxy(client)
+    storage = checkpoint_storage(spec.storage_uri, spec.job_id)
+    try:
+        if not storage.fs.get_file_info(spec.probe_path).is_file:
+            raise OSError(f"the driver's probe file {spec.probe_path} is not visible here")
+    except OSError as exc:
+        with proxy._lock:
+            client.failed(
+                f"checkpoint storage {spec.storage_uri!r} is not reachable from this executor ({exc}); "
+                "on a cluster use storage every executor reaches (s3://, gs://, hdfs://)"
+            )
+        raise
+    checkpointing = env.checkpointing
+    sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
+    executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pyengine-async")
+    failure: List[BaseException] = []
+
+    def on_failure(exc: BaseException) -> None:
+        failure.append(exc)
+        try:
+            with proxy._lock:
+                client.failed(f"{type(exc).__name__}: {exc}")
+        except Exception:  # the driver is gone: nothing left to tell
+            pass
+
+    def on_drained(_: ExecutionAttempt) -> None:
+        with proxy._lock:
+            client.drained()
+
+    gate_factory = None
+    if v_index > 0:
+
+        def gate_factory(listener: Any) -> Any:
+            return CheckpointedInputGate(
+                p,
+                listener,
+                mode=checkpointing.mode if checkpointing else "exactly_once",
+                unaligned=bool(checkpointing and checkpointing.unaligned),
+                aligned_timeout_ms=checkpointing.aligned_timeout_ms if checkpointing else 0,
+                capacity=max(1, env.channel_capacity),
+            )
+
+    ctx = OperatorContext(
+        job_name=spec.name,
+        subtask=s,
+        parallelism=p,
+        max_parallelism=env.max_parallelism,
+        state_backend=env.state_backend,
+        local_recovery_dir=None,
+        attempt=spec.attempt,
+    )
+    task = StreamTask(
+        attempt=attempt,
+        chain=vertex.create_chain(checkpointing is not None),
+        ctx=ctx,
+        gate_factory=gate_factory,
+        output=None,
+        storage=storage,
+        executor=executor,
+        coordinator=proxy,
+        restored=spec.restored,
+        buffer_size=env.buffer_size,
+        buffer_timeout_ms=env.buffer_timeout_ms,
+        on_failure=on_failure,
+        on_drained=on_drained,
+        channel_state_uid=f"__channel_state__{vertex.name}",
+        input_key_selector=vertex.key_selector if vertex.exchange == "hash" else None,
+    )
+    server = None
+    if task.gate is not None:
+        host = os.environ.get("SPARK_LOCAL_IP", "127.0.0.1")
+        server, _ = serve(task.gate, spec.token, host)
+    with proxy._lock:
+        client.register(server.location if server is not None else "")
+    channels: List[Any] = []
+    stop = threading.Event()
+
+    def commands() -> None:
+        while not stop.is_set():
+            try:
+                with proxy._lock:
+                    batch = client.poll(wait_ms=50)
+            except Exception:
+                if not stop.is_set():
+                    task.cancel()
+                return
+            for cmd in batch:
+                kind = cmd["cmd"]
+                if kind == "wiring":
+                    wired.put(cmd["downstream"])
+                elif kind == "trigger":
+                    options = CheckpointOptions(CheckpointType(cmd["type"]), unaligned=bool(cmd["unaligned"]))
+                    task.trigger_checkpoint(int(cmd["checkpoint_id"]), int(cmd["timestamp"]), options)
+                elif kind == "complete":
+                    task.notify_checkpoint_complete(int(cmd["checkpoint_id"]))
+                elif kind == "aborted":
+                    task.notify_checkpoint_aborted(int(cmd["checkpoint_id"]))
+                elif kind == "end":
+                    task.end_requested.set()
+                elif kind == "cancel":
+                    task.cancel()
+
+    wired: queue.Queue[List[str]] = queue.Queue()
+    poller = threading.Thread(target=commands, name="pyengine-control-poll", daemon=True)
+    poller.start()
+    try:
+        downstream = wired.get(timeout=REGISTRATION_TIMEOUT_S)
+        if v_index + 1 < len(graph.vertices):
+            nxt = graph.vertices[v_index + 1]
+            channels = [RemoteChannel(loc, s, spec.token, capacity=max(1, env.channel_capacity)) for loc in downstream]
+            task.output = Output(
+                channels, s, nxt.exchange, nxt.key_selector, env.max_parallelism, env.buffer_size, task.cancelled
+            )
+        task.start()
+        task.finished.wait()
+        for channel in channels:
+            channel.flush(60)
+    finally:
+        stop.set()
+        poller.join(5)
+        for channel in channels:
+            channel.close()
+        if server is not None:
+            server.shutdown()
+        executor.shutdown(wait=True)
+        client.close()
+    if failure:
+        raise RuntimeError(f"{attempt}: {failure[0]}") from failure[0]
+    yield f"{attempt} finished"
+
+
+class SparkRunner:
+    """Run jobs on Spark: ``env.execute(name, runner=pe.runners.SparkRunner(spark))``, or
+    ``runner="spark"`` for the active session (or a local one sized to the job)."""
+
+    def __init__(self, spark: Any = None) -> None:
+        self.spark = spark
+
+    def run(self, graph: Any, env: Any, name: str, restore_from: Optional[str] = None) -> JobResult:
+        return _SparkJob(graph, env, name, restore_from, self.spark).run()
+
+
+class _SparkJob(LocalRunner):
+    """One job on Spark. The coordination (checkpoints, final checkpoint, failover)
+    is the embedded runner's; tasks are Spark tasks instead of threads."""
+
+    def __init__(self, graph: Any, env: Any, name: str, restore_from: Optional[str] = None, spark: Any = None) -> None:
+        super().__init__(graph, env, name, restore_from)
+        if isinstance(graph.sink, CollectSink):
+            raise ValueError(
+                "CollectSink keeps records in memory, which Spark executors do not share with the driver: "
+                "use FileSink (parquet, which spark.read.parquet reads) on Spark"
+            )
+        self._spark = spark
+        self._token = secrets.token_hex(16)
+        self._registered: Dict[ExecutionAttempt, str] = {}
+        self._running = False
+        self._ending = False
+        self._control: Optional[ControlServer] = None
+        self._attempt_number = 0
+        self._spark_thread: Optional[threading.Thread] = None
+        self._spark_error: Optional[BaseException] = None
+        self._group = f"pyengine-{uuid.uuid4().hex[:8]}"
+
+    # -- the JobGateway, over the control plane -------------------------------------------
+
+    def _attempts(self) -> List[ExecutionAttempt]:
+        p = self.env.parallelism
+        return [ExecutionAttempt(v.name, s, self._attempt_number) for v in self.graph.vertices for s in range(p)]
+
+    def tasks_to_trigger(self) -> Sequence[ExecutionAttempt]:
+        return [a for a in self._attempts() if a.vertex == self.graph.vertices[0].name]
+
+    def tasks_to_ack(self) -> Sequence[ExecutionAttempt]:
+        return self._attempts()
+
+    def all_running(self) -> bool:
+        return self._failure is None and self._running and not self._ending
+
+    def _send(self, task: ExecutionAttempt, command: Dict[str, Any]) -> None:
+        if self._control is not None:
+            self._control.send(task, command)
+
+    def trigger(self, task: ExecutionAttempt, checkpoint_id: int, timestamp: int, options: CheckpointOptions) -> None:
+        self._send(
+            task,
+            {
+                "cmd": "trigger",
+                "checkpoint_id": checkpoint_id,
+                "timestamp": timestamp,
+                "type": options.checkpoint_type.value,
+                "unaligned": options.unaligned,
+            },
+        )
+
+    def notify_complete(self, task: ExecutionAttempt, checkpoint_id: int) -> None:
+        self._send(task, {"cmd": "complete", "checkpoint_id": checkpoint_id})
+
+    def notify_aborted(self, task: ExecutionAttempt, checkpoint_id: int) -> None:
+        self._send(task, {"cmd": "aborted", "checkpoint_id": checkpoint_id})
+
+    def _on_register(self, attempt: ExecutionAttempt, location: str) -> None:
+        if attempt.attempt == self._attempt_number:
+            self._registered[attempt] = location
+            self._wake.set()
+
+    def _on_failed(self, attempt: ExecutionAttempt, message: str) -> None:
+        if attempt.attempt == self._attempt_number:
+            self.fail_job(RuntimeError(message))
+
+    def _on_drained(self, attempt: ExecutionAttempt) -> None:
+        if attempt.attempt == self._attempt_number:
+            self._task_drained(attempt)
+
+    # -- Spark ----------------------------------------------------------------------------
+
+    def _session(self) -> Any:
+        if self._spark is not None:
+            return self._spark
+        from pyspark.sql import SparkSession
+
+        active = SparkSession.getActiveSession()
+        if active is not None:
+            return active
+        slots = len(self._attempts())
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        return (
+            SparkSession.builder.master(f"local[{slots}]")
+            .appName(f"pyengine {self.name}")
+            .config("spark.ui.enabled", "false")
+            .getOrCreate()
+        )
+
+    def _check_slots(self, sc: Any) -> None:
+        needed = len(self._attempts())
+        slots = int(sc.defaultParallelism)
+        if slots < needed:
+            raise RuntimeError(
+                f"the job needs {needed} task slots at once (a barrier stage: {len(self.graph.vertices)} "
+                f"operator chains x parallelism {self.env.parallelism}), but the Spark cluster has {slots}; "
+                f"use local[{needed}] or more executor cores, or lower the parallelism"
+            )
+
+    def _submit(self, sc: Any, spec: _TaskSpec) -> None:
+        count = len(self._attempts())
+
+        def run(index_iter: Iterator[int]) -> Iterator[str]:
+            for index in index_iter:
+                yield from _run_subtask(spec, index)
+
+        def job() -> None:
+            try:
+                sc.setJobGroup(self._group, f"pyengine {self.name} attempt {spec.attempt}", interruptOnCancel=True)
+                sc.parallelize(range(count), count).barrier().mapPartitions(run).collect()
+            except BaseException as exc:  # the stage failed or was cancelled
+                self._spark_error = exc
+                self.fail_job(RuntimeError(f"the Spark stage failed: {_python_cause(str(exc))}"))
+            finally:
+                self._wake.set()
+
+        self._spark_error = None
+        self._spark_thread = threading.Thread(target=job, name="pyengine-spark-job", daemon=True)
+        self._spark_thread.start()
+
+    def _run(self) -> JobResult:
+        env = self.env
+        started = time.monotonic()
+        storage = checkpoint_storage(self._storage_uri(), self.job_id)
+        storage.probe()
+        probe_path = f"{storage.root}/.pyengine-probe"
+        with storage.fs.open_output_stream(probe_path) as out:
+            out.write(b"written by the driver; every executor must read it")
+        timers = ThreadTimerService()
+        self.coordinator = CheckpointCoordinator(
+            self.job_id, env.checkpointing or _no_checkpoints(), storage, self, timers
+        )
+        restored_meta: Optional[CheckpointMetadata] = None
+        if self.restore_from is not None:
+            from .local import resolve_restore_path
+
+            restored_meta, path = resolve_restore_path(self.restore_from)
+            self._check_restore(restored_meta, path)
+            self.coordinator.note_restored_from(restored_meta, path)
+        spark = self._session()
+        sc = spark.sparkContext
+        self._check_slots(sc)
+        self._control = ControlServer(
+            self.coordinator,
+            self._token,
+            on_register=self._on_register,
+            on_drained=self._on_drained,
+            on_failed=self._on_failed,
+            host=os.environ.get("SPARK_LOCAL_IP", "127.0.0.1"),
+        )
+        spec_base = dict(
+            graph=self.graph,
+            env=env,
+            name=self.name,
+            job_id=self.job_id,
+            storage_uri=storage.uri,
+            probe_path=probe_path,
+            control=self._control.location,
+            token=self._token,
+        )
+        self._check_picklable(_TaskSpec(restored={}, attempt=0, **spec_base))
+        restarts, status, cause = 0, "FINISHED", None
+        try:
+            while True:
+                self._failure = None
+                self._drained = set()
+                self._registered = {}
+                self._running = False
+                self._ending = False
+                self._wake.clear()
+                restored = dict(restored_meta.operators) if restored_meta is not None else {}
+                self.graph.sink.recover(restored_meta.checkpoint_id if restored_meta is not None else 0)
+                self._submit(sc, _TaskSpec(restored=restored, attempt=self._attempt_number, **spec_base))
+                outcome = self._supervise_spark()
+                if outcome == "finished":
+                    break
+                for a in self._attempts():
+                    self._send(a, {"cmd": "cancel"})
+                sc.cancelJobGroup(self._group)
+                if self._spark_thread is not None:
+                    self._spark_thread.join(120)
+                from ..io import CheckpointFailureReason
+
+                self.coordinator.abort_pending_checkpoints(CheckpointFailureReason.JOB_FAILOVER_REGION)
+                cause = self._failure
+                if restarts >= env.restart_attempts:
+                    status = "FAILED"
+                    break
+                restarts += 1
+                self.restarts = restarts
+                self._attempt_number += 1
+                log.warning("job %s failed (%s); restart %d of %d", self.name, cause, restarts, env.restart_attempts)
+                latest = self.coordinator.restore_latest()
+                if latest is not None:
+                    restored_meta = latest
+                time.sleep(env.restart_delay_ms / 1000)
+        finally:
+            self.coordinator.shutdown()
+            timers.shutdown()
+            if self._control is not None:
+                self._control.shutdown()
+            if storage.fs.get_file_info(probe_path).is_file:
+                storage.fs.delete_file(probe_path)
+        latest = self.coordinator.store.latest()
+        return JobResult(
+            name=self.name,
+            job_id=self.job_id,
+            status=status,
+            cause=cause if status == "FAILED" else None,
+            restarts=restarts,
+            records=[],
+            checkpoints=self.coordinator.stats,
+            checkpoint_dir=storage.uri_of(storage.root),
+            latest_checkpoint=storage.uri_of(storage.checkpoint_dir(latest.checkpoint_id)) if latest else None,
+            duration_s=time.monotonic() - started,
+            _temp=self._temp,
+        )
+
+    def _check_picklable(self, spec: _TaskSpec) -> None:
+        from pyspark import cloudpickle
+
+        try:
+            cloudpickle.dumps(spec)
+        except Exception as exc:
+            raise TypeError(
+                f"job {self.name!r} cannot be shipped to Spark executors: its functions, sources or sinks "
+                f"cannot be pickled ({type(exc).__name__}: {exc})"
+            ) from None
+
+    def _supervise_spark(self) -> str:
+        coordinator = self.coordinator
+        assert coordinator is not None
+        attempts = self._attempts()
+        deadline = time.monotonic() + REGISTRATION_TIMEOUT_S
+        while len(self._registered) < len(attempts):
+            if self._failure is not None:
+                return "failed"
+            if time.monotonic() > deadline:
+                self.fail_job(RuntimeError(f"only {len(self._registered)} of {len(attempts)} tasks started"))
+                return "failed"
+            self._wake.wait(0.05)
+            self._wake.clear()
+        p = self.env.parallelism
+        for v_index, vertex in enumerate(self.graph.vertices):
+            nxt = self.graph.vertices[v_index + 1] if v_index + 1 < len(self.graph.vertices) else None
+            downstream = (
+                [self._registered[ExecutionAttempt(nxt.name, j, self._attempt_number)] for j in range(p)]
+                if nxt is not None
+                else []
+            )
+            for s in range(p):
+                task = ExecutionAttempt(vertex.name, s, self._attempt_number)
+                self._send(task, {"cmd": "wiring", "downstream": downstream})
+        self._running = True
+        checkpointing = self.env.checkpointing is not None
+        if checkpointing:
+            coordinator.start_checkpoint_scheduler()
+        while True:
+            self._wake.wait(timeout=0.05)
+            self._wake.clear()
+            if self._failure is not None:
+                coordinator.stop_checkpoint_scheduler()
+                return "failed"
+            if not self._ending and len(self._drained) == len(attempts):
+                if checkpointing and not self._final_checkpoint():
+                    coordinator.stop_checkpoint_scheduler()
+                    return "failed"
+                self._ending = True
+                coordinator.stop_checkpoint_scheduler(abort_pending=False)
+                for a in attempts:
+                    self._send(a, {"cmd": "end"})
+            if self._spark_thread is not None and not self._spark_thread.is_alive():
+                return "failed" if self._failure is not None else "finished"
+
+
+def _no_checkpoints() -> Any:
+    from .local import _NO_CHECKPOINTS
+
+    return _NO_CHECKPOINTS
+
+
+def _python_cause(text: str) -> str:
+    """The Python exception inside a Py4J/Spark error, if there is one (its last
+    ``SomethingError: message`` line), else the error's first line."""
+    import re
+
+    found = re.findall(r"^(\w+(?:Error|Exception|Exit): .*)$", text, flags=re.MULTILINE)
+    return (found[-1] if found else text.splitlines()[0] if text else "unknown")[:500]

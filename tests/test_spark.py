@@ -1,0 +1,171 @@
+"""The Spark runner on a local Spark (``local[4]``, started once for the module)."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from collections import Counter
+from typing import Any, List
+
+import pyarrow as pa
+import pytest
+
+import pyengine as pe
+from pyengine.state import ValueStateDescriptor
+
+pyspark = pytest.importorskip("pyspark", reason="the Spark runner needs pyspark (the test extra installs it)")
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
+SLOTS = 4
+COUNT = ValueStateDescriptor("count", 0, pa.int64())
+N = 3000
+RECORDS = [{"user": i % 13, "v": i} for i in range(N)]
+
+
+@pytest.fixture(scope="module")
+def spark():
+    import sys
+
+    from pyspark import cloudpickle
+    from pyspark.sql import SparkSession
+
+    # This module is not installed on the executors: ship its classes by value, as
+    # a job defined in a script (__main__) is.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    session = (
+        SparkSession.builder.master(f"local[{SLOTS}]")
+        .appName("pyengine-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "4")
+        .getOrCreate()
+    )
+    yield session
+    session.stop()
+
+
+class FailOnce:
+    """Fails at one record, once across every process of the job: a marker file
+    says it happened (Spark workers are separate processes)."""
+
+    def __init__(self, marker: str, at: int, how: str = "raise") -> None:
+        self.marker, self.at, self.how = marker, at, how
+
+    def __call__(self, record: Any) -> Any:
+        if record["v"] == self.at:
+            try:
+                fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return record
+            os.close(fd)
+            if self.how == "exit":
+                os._exit(3)  # the Python worker dies
+            raise RuntimeError(f"injected failure at record {self.at}")
+        return record
+
+
+class Count(pe.KeyedProcessFunction):
+    def open(self, ctx: Any) -> None:
+        self.count = ctx.get_state(COUNT)
+
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        n = self.count.value() + 1
+        self.count.update(n)
+        yield {"user": ctx.current_key, "n": n}
+
+
+def expected() -> Counter:
+    per_user = Counter(r["user"] for r in RECORDS)
+    return Counter({(u, n): 1 for u, c in per_user.items() for n in range(1, c + 1)})
+
+
+def job(tmp_path, *, backend: str = "heap", unaligned: bool = False, step: Any = None, parallelism: int = 2):
+    env = pe.StreamEnvironment(
+        parallelism=parallelism,
+        checkpointing=pe.CheckpointConfig(interval_ms=20, unaligned=unaligned),
+        checkpoint_storage=str(tmp_path / "ckpt"),
+        state_backend=backend,
+        buffer_size=32,
+        buffer_timeout_ms=2,
+        restart_attempts=2,
+    )
+    sink = pe.sinks.FileSink(str(tmp_path / "out"), format="parquet")
+    stream = env.from_collection(RECORDS)
+    if step is not None:
+        stream = stream.map(step)
+    stream.key_by("user").process(Count()).uid("counter").sink_to(sink)
+    return env, sink
+
+
+def pairs(records: List[Any]) -> Counter:
+    return Counter((r["user"], r["n"]) for r in records)
+
+
+def test_a_job_runs_on_spark_exactly_once_and_spark_reads_its_output(tmp_path, spark) -> None:
+    env, sink = job(tmp_path)
+    result = env.execute("on-spark", runner=pe.runners.SparkRunner(spark))
+    assert result.status == "FINISHED", result.cause
+    assert result.checkpoints.counts["completed"] >= 1
+    assert pairs(sink.read_committed()) == expected()
+    df = spark.read.parquet(*sink.committed_files())  # committed part files only
+    assert df.count() == N
+
+
+@pytest.mark.parametrize(
+    ("backend", "unaligned", "how"),
+    [
+        ("heap", False, "raise"),
+        ("incremental", True, "raise"),
+        ("heap", True, "exit"),
+        ("incremental", False, "exit"),
+    ],
+)
+def test_a_failed_task_restarts_the_stage_and_the_output_stays_exact(tmp_path, spark, backend, unaligned, how) -> None:
+    at = random.Random(f"{backend}{unaligned}{how}").randint(N // 4, 3 * N // 4)
+    step = FailOnce(str(tmp_path / "failed-once"), at, how)
+    env, sink = job(tmp_path, backend=backend, unaligned=unaligned, step=step)
+    result = env.execute("failing-on-spark", runner=pe.runners.SparkRunner(spark))
+    assert result.status == "FINISHED", result.cause
+    assert os.path.exists(tmp_path / "failed-once"), "the failure was never injected"
+    assert result.restarts == 1
+    assert pairs(sink.read_committed()) == expected()
+
+
+def test_too_few_slots_is_refused_with_what_is_needed(tmp_path, spark) -> None:
+    env, _ = job(tmp_path, parallelism=3)  # 2 operator chains x 3 = 6 tasks at once > 4 slots
+    with pytest.raises(RuntimeError, match=r"needs 6 task slots.*has 4"):
+        env.execute("too-wide", runner=pe.runners.SparkRunner(spark))
+
+
+def test_a_job_that_cannot_be_pickled_is_refused_before_anything_runs(tmp_path, spark) -> None:
+    lock = threading.Lock()
+
+    def uses_a_lock(r: Any) -> Any:
+        with lock:
+            return r
+
+    env, _ = job(tmp_path, step=uses_a_lock)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        env.execute("unpicklable", runner=pe.runners.SparkRunner(spark))
+
+
+def test_collect_sink_is_refused_on_spark(spark) -> None:
+    env = pe.StreamEnvironment(parallelism=1)
+    env.from_collection([1, 2]).sink_to(pe.sinks.CollectSink())
+    with pytest.raises(ValueError, match="FileSink"):
+        env.execute("collect", runner=pe.runners.SparkRunner(spark))
+
+
+def test_storage_the_executors_cannot_reach_fails_clearly(tmp_path, spark) -> None:
+    env = pe.StreamEnvironment(
+        parallelism=1,
+        checkpointing=pe.CheckpointConfig(interval_ms=50),
+        checkpoint_storage="memory://driver-only",  # in the driver's memory: no executor sees it
+        restart_attempts=0,
+    )
+    env.from_collection(RECORDS).map(lambda r: r).sink_to(pe.sinks.FileSink(str(tmp_path / "out")))
+    result = env.execute("unreachable", runner=pe.runners.SparkRunner(spark))
+    assert result.status == "FAILED"
+    assert "not reachable from this executor" in str(result.cause)
