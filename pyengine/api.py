@@ -171,6 +171,21 @@ class StreamEnvironment:
         ``pyarrow.dataset``; replayable by file and row."""
         return self.from_source(FileSource(path, format, columns), name)
 
+    def from_dataframe(self, df: Any, name: str = "dataframe", path: Optional[str] = None) -> DataStream:
+        """A Spark DataFrame as a replayable source: written once, now, as Parquet under
+        ``path`` (by default ``_sources/`` in the checkpoint storage), then read by
+        position as ``read_files`` reads, so a restore replays exactly."""
+        if not hasattr(df, "write") or not hasattr(df, "schema"):
+            raise TypeError(f"from_dataframe takes a Spark DataFrame, got {type(df).__name__}")
+        if path is None:
+            import tempfile
+            import uuid
+
+            root = self.checkpoint_storage or tempfile.mkdtemp(prefix="pyengine-sources-")
+            path = f"{root.rstrip('/')}/_sources/{name}-{uuid.uuid4().hex[:8]}"
+        df.write.mode("errorifexists").parquet(path)
+        return self.read_files(path, format="parquet", name=name)
+
     def from_generator(self, fn: Callable[[int], Any], count: int, name: str = "generator") -> DataStream:
         return self.from_source(GeneratorSource(fn, count), name)
 

@@ -169,3 +169,23 @@ def test_storage_the_executors_cannot_reach_fails_clearly(tmp_path, spark) -> No
     result = env.execute("unreachable", runner=pe.runners.SparkRunner(spark))
     assert result.status == "FAILED"
     assert "not reachable from this executor" in str(result.cause)
+
+
+def test_a_dataframe_is_a_replayable_source(tmp_path, spark) -> None:
+    df = spark.createDataFrame([(i % 13, i) for i in range(N)], "user long, v long")
+    env = pe.StreamEnvironment(
+        parallelism=2,
+        checkpointing=pe.CheckpointConfig(interval_ms=20),
+        checkpoint_storage=str(tmp_path / "ckpt"),
+        buffer_size=64,
+        restart_attempts=2,
+    )
+    sink = pe.sinks.FileSink(str(tmp_path / "out"), format="parquet")
+    step = FailOnce(str(tmp_path / "failed-once"), N // 2)
+    env.from_dataframe(df).map(step).key_by("user").process(Count()).uid("counter").sink_to(sink)
+    result = env.execute("from-dataframe", runner=pe.runners.SparkRunner(spark))
+    assert result.status == "FINISHED", result.cause
+    assert result.restarts == 1
+    assert pairs(sink.read_committed()) == expected()
+    with pytest.raises(TypeError, match="DataFrame"):
+        env.from_dataframe([1, 2, 3])

@@ -136,7 +136,7 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
         parallelism=p,
         max_parallelism=env.max_parallelism,
         state_backend=env.state_backend,
-        local_recovery_dir=None,
+        local_recovery_dir=_local_recovery_dir(spec, vertex.name, s) if env.local_recovery else None,
         attempt=spec.attempt,
     )
     task = StreamTask(
@@ -520,3 +520,11 @@ def _python_cause(text: str) -> str:
 
     found = re.findall(r"^(\w+(?:Error|Exception|Exit): .*)$", text, flags=re.MULTILINE)
     return (found[-1] if found else text.splitlines()[0] if text else "unknown")[:500]
+
+
+def _local_recovery_dir(spec: _TaskSpec, vertex: str, subtask: int) -> str:
+    """Local recovery on an executor: under Spark's local directories (its scratch disks)."""
+    import tempfile
+
+    root = os.environ.get("SPARK_LOCAL_DIRS", "").split(",")[0] or tempfile.gettempdir()
+    return os.path.join(root, f"pyengine-{spec.job_id}", f"{vertex}-{subtask}")
