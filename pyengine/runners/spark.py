@@ -88,6 +88,8 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
     vertex = graph.vertices[v_index]
     attempt = ExecutionAttempt(vertex.name, s, spec.attempt)
     client = ControlClient(spec.control, spec.token, attempt)
+    # Its own client for the long poll, so an acknowledgement never waits behind one.
+    poll_client = ControlClient(spec.control, spec.token, attempt)
     proxy = _CoordinatorProxy(client)
     storage = checkpoint_storage(spec.storage_uri, spec.job_id)
     try:
@@ -168,8 +170,7 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
     def commands() -> None:
         while not stop.is_set():
             try:
-                with proxy._lock:
-                    batch = client.poll(wait_ms=50)
+                batch = poll_client.poll(wait_ms=50)
             except Exception:
                 if not stop.is_set():
                     task.cancel()
@@ -214,6 +215,7 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
             server.shutdown()
         executor.shutdown(wait=True)
         client.close()
+        poll_client.close()
     if failure:
         raise RuntimeError(f"{attempt}: {failure[0]}") from failure[0]
     yield f"{attempt} finished"
