@@ -189,3 +189,18 @@ def test_a_dataframe_is_a_replayable_source(tmp_path, spark) -> None:
     assert pairs(sink.read_committed()) == expected()
     with pytest.raises(TypeError, match="DataFrame"):
         env.from_dataframe([1, 2, 3])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_randomized_failures_on_spark_keep_the_output_exact(tmp_path, spark, seed) -> None:
+    """As the embedded runner's randomized test: a random record, a random way to die
+    (an exception or the Python worker exiting), either backend, aligned or not."""
+    rng = random.Random(1000 + seed)
+    how, backend, unaligned = rng.choice(["raise", "exit"]), rng.choice(["heap", "incremental"]), rng.random() < 0.5
+    step = FailOnce(str(tmp_path / "failed-once"), rng.randrange(N), how)
+    env, sink = job(tmp_path, backend=backend, unaligned=unaligned, step=step)
+    result = env.execute(f"random-{seed}", runner=pe.runners.SparkRunner(spark))
+    where = f"seed {seed}: {how} at {step.at}, {backend}, unaligned={unaligned}"
+    assert result.status == "FINISHED", f"{where}: {result.cause}"
+    assert os.path.exists(tmp_path / "failed-once"), where
+    assert pairs(sink.read_committed()) == expected(), where

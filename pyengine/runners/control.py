@@ -71,7 +71,9 @@ class ControlServer(flight.FlightServerBase):
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
-        super().__init__(f"grpc://{host}:{port}")
+        from .flight import _bind_address
+
+        super().__init__(f"grpc://{_bind_address(host)}:{port}")  # advertised as ``host``
         self.host = host
         self.coordinator = coordinator
         self._token = token.encode()

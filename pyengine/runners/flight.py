@@ -88,7 +88,8 @@ class ChannelServer(flight.FlightServerBase):
     """A task's input gate, served: upstream subtasks ``DoPut`` their channels here."""
 
     def __init__(self, gate: Any, token: str, host: str = "127.0.0.1", port: int = 0) -> None:
-        super().__init__(f"grpc://{host}:{port}")
+        # Listens on every interface unless the address it advertises is the loopback one.
+        super().__init__(f"grpc://{_bind_address(host)}:{port}")
         self.gate = gate
         self._token = token.encode()
         self.host = host
@@ -278,6 +279,10 @@ class RemoteChannel:
         self._thread.join(timeout=10)
         self._close_stream()
         self._client.close()
+
+
+def _bind_address(host: str) -> str:
+    return host if host in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"
 
 
 def serve(gate: Any, token: str, host: str = "127.0.0.1") -> Tuple[ChannelServer, threading.Thread]:

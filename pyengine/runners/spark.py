@@ -60,6 +60,7 @@ class _TaskSpec:
     attempt: int
     control: str
     token: str
+    local: bool = True  # Spark in local mode: every task on this machine
 
 
 class _CoordinatorProxy:
@@ -160,8 +161,7 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
     )
     server = None
     if task.gate is not None:
-        host = os.environ.get("SPARK_LOCAL_IP", "127.0.0.1")
-        server, _ = serve(task.gate, spec.token, host)
+        server, _ = serve(task.gate, spec.token, _executor_host(spec))
     with proxy._lock:
         client.register(server.location if server is not None else "")
     channels: List[Any] = []
@@ -382,7 +382,7 @@ class _SparkJob(LocalRunner):
             on_register=self._on_register,
             on_drained=self._on_drained,
             on_failed=self._on_failed,
-            host=os.environ.get("SPARK_LOCAL_IP", "127.0.0.1"),
+            host=_driver_host(sc),
         )
         spec_base = dict(
             graph=self.graph,
@@ -393,6 +393,7 @@ class _SparkJob(LocalRunner):
             probe_path=probe_path,
             control=self._control.location,
             token=self._token,
+            local=str(sc.master).startswith("local"),
         )
         self._check_picklable(_TaskSpec(restored={}, attempt=0, **spec_base))
         restarts, status, cause = 0, "FINISHED", None
@@ -530,3 +531,25 @@ def _local_recovery_dir(spec: _TaskSpec, vertex: str, subtask: int) -> str:
 
     root = os.environ.get("SPARK_LOCAL_DIRS", "").split(",")[0] or tempfile.gettempdir()
     return os.path.join(root, f"pyengine-{spec.job_id}", f"{vertex}-{subtask}")
+
+
+def _driver_host(sc: Any) -> str:
+    """Where executors reach the driver: loopback in local mode, else ``spark.driver.host``."""
+    if str(sc.master).startswith("local"):
+        return "127.0.0.1"
+    return str(sc.getConf().get("spark.driver.host", "127.0.0.1"))
+
+
+def _executor_host(spec: _TaskSpec) -> str:
+    """Where other tasks reach this one: its executor's address as Spark knows it."""
+    if spec.local:
+        return "127.0.0.1"
+    try:
+        from pyspark import BarrierTaskContext
+
+        context = BarrierTaskContext.get()
+        return str(context.getTaskInfos()[context.partitionId()].address).rsplit(":", 1)[0]
+    except Exception:
+        import socket
+
+        return os.environ.get("SPARK_LOCAL_IP") or socket.gethostbyname(socket.gethostname())
