@@ -190,12 +190,15 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
                     task.end_requested.set()
                 elif kind == "cancel":
                     task.cancel()
+                    wired.put(None)  # cancelled before it was wired: stop waiting for it
 
-    wired: queue.Queue[List[str]] = queue.Queue()
+    wired: queue.Queue[Optional[List[str]]] = queue.Queue()
     poller = threading.Thread(target=commands, name="pyengine-control-poll", daemon=True)
     poller.start()
     try:
         downstream = wired.get(timeout=REGISTRATION_TIMEOUT_S)
+        if downstream is None:
+            return
         if v_index + 1 < len(graph.vertices):
             nxt = graph.vertices[v_index + 1]
             channels = [RemoteChannel(loc, s, spec.token, capacity=max(1, env.channel_capacity)) for loc in downstream]
