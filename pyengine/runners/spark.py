@@ -111,6 +111,7 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
     # Imported now, before the job starts, not on its first records (~0.1 s in a new worker).
     import pyarrow.acero
     import pyarrow.compute  # noqa: F401
+
     executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pyengine-async")
     failure: List[BaseException] = []
 
