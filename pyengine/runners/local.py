@@ -68,6 +68,69 @@ def resolve_restore_path(path: str) -> Tuple[CheckpointMetadata, str]:
 GIL_SWITCH_INTERVAL_S = 0.001
 
 
+def build_task(
+    *,
+    env: Any,
+    vertex: Any,
+    v_index: int,
+    subtask: int,
+    attempt: ExecutionAttempt,
+    job_name: str,
+    local_recovery_dir: Optional[str],
+    output: Optional[Output],
+    storage: Any,
+    executor: Any,
+    coordinator: Any,
+    restored: Dict[str, OperatorState],
+    on_failure: Callable[[BaseException], None],
+    on_drained: Callable[[ExecutionAttempt], None],
+) -> StreamTask:
+    """One subtask of ``vertex``: its chain, context and input gate (every vertex but
+    the first has one, fed by the previous vertex's subtasks); both runners build
+    tasks here, the embedded one with local outputs, the Spark one with remote."""
+    p = env.parallelism
+    checkpointing = env.checkpointing
+    gate_factory: Optional[Callable[[Any], Any]] = None
+    if v_index > 0:
+
+        def gate_factory(listener: Any) -> Any:
+            return CheckpointedInputGate(
+                p,
+                listener,
+                mode=checkpointing.mode if checkpointing else "exactly_once",
+                unaligned=bool(checkpointing and checkpointing.unaligned),
+                aligned_timeout_ms=checkpointing.aligned_timeout_ms if checkpointing else 0,
+                capacity=max(1, env.channel_capacity),
+            )
+
+    ctx = OperatorContext(
+        job_name=job_name,
+        subtask=subtask,
+        parallelism=p,
+        max_parallelism=env.max_parallelism,
+        state_backend=env.state_backend,
+        local_recovery_dir=local_recovery_dir,
+        attempt=attempt.attempt,
+    )
+    return StreamTask(
+        attempt=attempt,
+        chain=vertex.create_chain(checkpointing is not None),
+        ctx=ctx,
+        gate_factory=gate_factory,
+        output=output,
+        storage=storage,
+        executor=executor,
+        coordinator=coordinator,
+        restored=restored,
+        buffer_size=env.buffer_size,
+        buffer_timeout_ms=env.buffer_timeout_ms,
+        on_failure=on_failure,
+        on_drained=on_drained,
+        channel_state_uid=f"__channel_state__{vertex.name}",
+        input_key_selector=vertex.key_selector if vertex.exchange == "hash" else None,
+    )
+
+
 class LocalRunner:
     """Runs a job graph (``pyengine.api.JobGraph``) in this process."""
 
@@ -146,26 +209,12 @@ class LocalRunner:
     def _build(self, attempt_number: int, restored: Dict[str, OperatorState], executor: Any, storage: Any) -> None:
         env, graph = self.env, self.graph
         p = env.parallelism
-        checkpointing = env.checkpointing
-        mode = checkpointing.mode if checkpointing else "exactly_once"
-        unaligned = bool(checkpointing and checkpointing.unaligned)
-        aligned_timeout = checkpointing.aligned_timeout_ms if checkpointing else 0
         tasks_by_vertex: List[List[StreamTask]] = []
-        for v_index in reversed(range(len(graph.vertices))):
+        for v_index in reversed(range(len(graph.vertices))):  # downstream first: its gates are our outputs
             vertex = graph.vertices[v_index]
             downstream = tasks_by_vertex[0] if tasks_by_vertex else None
             row: List[StreamTask] = []
             for s in range(p):
-                attempt = ExecutionAttempt(vertex.name, s, attempt_number)
-                ctx = OperatorContext(
-                    job_name=self.name,
-                    subtask=s,
-                    parallelism=p,
-                    max_parallelism=env.max_parallelism,
-                    state_backend=env.state_backend,
-                    local_recovery_dir=env._local_dir(vertex.name, s),
-                    attempt=attempt_number,
-                )
                 output = None
                 if downstream is not None:
                     nxt = graph.vertices[v_index + 1]
@@ -178,35 +227,21 @@ class LocalRunner:
                         env.buffer_size,
                         threading.Event(),  # replaced by the task's own below
                     )
-                gate_factory: Optional[Callable[[Any], Any]] = None
-                if v_index > 0:
-
-                    def gate_factory(listener: Any) -> Any:
-                        return CheckpointedInputGate(
-                            p,
-                            listener,
-                            mode=mode,
-                            unaligned=unaligned,
-                            aligned_timeout_ms=aligned_timeout,
-                            capacity=max(1, env.channel_capacity),
-                        )
-
-                task = StreamTask(
-                    attempt=attempt,
-                    chain=vertex.create_chain(checkpointing is not None),
-                    ctx=ctx,
-                    gate_factory=gate_factory,
+                task = build_task(
+                    env=env,
+                    vertex=vertex,
+                    v_index=v_index,
+                    subtask=s,
+                    attempt=ExecutionAttempt(vertex.name, s, attempt_number),
+                    job_name=self.name,
+                    local_recovery_dir=env._local_dir(vertex.name, s),
                     output=output,
                     storage=storage,
                     executor=executor,
                     coordinator=self.coordinator,
                     restored=restored,
-                    buffer_size=env.buffer_size,
-                    buffer_timeout_ms=env.buffer_timeout_ms,
                     on_failure=self.fail_job,
                     on_drained=self._task_drained,
-                    channel_state_uid=f"__channel_state__{vertex.name}",
-                    input_key_selector=vertex.key_selector if vertex.exchange == "hash" else None,
                 )
                 if output is not None:
                     output.cancelled = task.cancelled

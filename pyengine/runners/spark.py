@@ -29,14 +29,13 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from ..coordinator import CheckpointCoordinator, ExecutionAttempt, ThreadTimerService
-from ..io import CheckpointedInputGate, CheckpointOptions, CheckpointType
-from ..runtime.operators import OperatorContext
-from ..runtime.task import Output, StreamTask
+from ..io import CheckpointOptions, CheckpointType
+from ..runtime.task import Output
 from ..sinks import CollectSink
 from ..storage import checkpoint_storage
 from ..storage.metadata import CheckpointMetadata, OperatorState
 from .control import ControlClient, ControlServer
-from .local import GIL_SWITCH_INTERVAL_S, LocalRunner
+from .local import GIL_SWITCH_INTERVAL_S, LocalRunner, build_task
 from .result import JobResult
 
 __all__ = ["SparkRunner"]
@@ -103,7 +102,6 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
                 "on a cluster use storage every executor reaches (s3://, gs://, hdfs://)"
             )
         raise
-    checkpointing = env.checkpointing
     sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
     # Batches from Flight are not 64-byte aligned; Arrow's hash aggregation would warn
     # about each one. Realigning is its own recommended fix.
@@ -127,44 +125,21 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
         with proxy._lock:
             client.drained()
 
-    gate_factory = None
-    if v_index > 0:
-
-        def gate_factory(listener: Any) -> Any:
-            return CheckpointedInputGate(
-                p,
-                listener,
-                mode=checkpointing.mode if checkpointing else "exactly_once",
-                unaligned=bool(checkpointing and checkpointing.unaligned),
-                aligned_timeout_ms=checkpointing.aligned_timeout_ms if checkpointing else 0,
-                capacity=max(1, env.channel_capacity),
-            )
-
-    ctx = OperatorContext(
-        job_name=spec.name,
+    task = build_task(
+        env=env,
+        vertex=vertex,
+        v_index=v_index,
         subtask=s,
-        parallelism=p,
-        max_parallelism=env.max_parallelism,
-        state_backend=env.state_backend,
-        local_recovery_dir=_local_recovery_dir(spec, vertex.name, s) if env.local_recovery else None,
-        attempt=spec.attempt,
-    )
-    task = StreamTask(
         attempt=attempt,
-        chain=vertex.create_chain(checkpointing is not None),
-        ctx=ctx,
-        gate_factory=gate_factory,
-        output=None,
+        job_name=spec.name,
+        local_recovery_dir=_local_recovery_dir(spec, vertex.name, s) if env.local_recovery else None,
+        output=None,  # set once the downstream tasks' addresses are known
         storage=storage,
         executor=executor,
         coordinator=proxy,
         restored=spec.restored,
-        buffer_size=env.buffer_size,
-        buffer_timeout_ms=env.buffer_timeout_ms,
         on_failure=on_failure,
         on_drained=on_drained,
-        channel_state_uid=f"__channel_state__{vertex.name}",
-        input_key_selector=vertex.key_selector if vertex.exchange == "hash" else None,
     )
     server = None
     if task.gate is not None:
