@@ -314,21 +314,40 @@ class LocalRunner:
                     status = "FINISHED"
                     break
                 cause = self._failure
-                if restarts >= env.restart_attempts:
+                if not self._restart(restarts):
                     status = "FAILED"
                     break
                 restarts += 1
-                self.restarts = restarts
-                log.warning("job %s failed (%s); restart %d of %d", self.name, cause, restarts, env.restart_attempts)
-                latest = self.coordinator.restore_latest()
-                if latest is not None:
-                    restored_meta = latest
-                time.sleep(env.restart_delay_ms / 1000)
+                restored_meta = self.coordinator.restore_latest() or restored_meta
         finally:
             self.coordinator.shutdown()
             timers.shutdown()
             executor.shutdown(wait=True)
         records = list(getattr(self.graph.sink, "records", []))
+        return self._result(status, cause, restarts, records, storage, started)
+
+    def _restart(self, restarts: int) -> bool:
+        """After a failed attempt: False when ``restart_attempts`` are spent, else log the
+        restart and wait the restart delay (both runners fail over the same way)."""
+        if restarts >= self.env.restart_attempts:
+            return False
+        self.restarts = restarts + 1
+        log.warning(
+            "job %s failed (%s); restart %d of %d", self.name, self._failure, self.restarts, self.env.restart_attempts
+        )
+        time.sleep(self.env.restart_delay_ms / 1000)
+        return True
+
+    def _result(
+        self,
+        status: str,
+        cause: Optional[BaseException],
+        restarts: int,
+        records: List[Any],
+        storage: Any,
+        started: float,
+    ) -> JobResult:
+        assert self.coordinator is not None
         latest = self.coordinator.store.latest()
         return JobResult(
             name=self.name,

@@ -16,7 +16,6 @@ Spark as the cluster manager.
 
 from __future__ import annotations
 
-import logging
 import os
 import queue
 import secrets
@@ -40,7 +39,6 @@ from .result import JobResult
 
 __all__ = ["SparkRunner"]
 
-log = logging.getLogger(__name__)
 
 REGISTRATION_TIMEOUT_S = 120.0
 
@@ -405,17 +403,12 @@ class _SparkJob(LocalRunner):
 
                 self.coordinator.abort_pending_checkpoints(CheckpointFailureReason.JOB_FAILOVER_REGION)
                 cause = self._failure
-                if restarts >= env.restart_attempts:
+                if not self._restart(restarts):
                     status = "FAILED"
                     break
                 restarts += 1
-                self.restarts = restarts
                 self._attempt_number += 1
-                log.warning("job %s failed (%s); restart %d of %d", self.name, cause, restarts, env.restart_attempts)
-                latest = self.coordinator.restore_latest()
-                if latest is not None:
-                    restored_meta = latest
-                time.sleep(env.restart_delay_ms / 1000)
+                restored_meta = self.coordinator.restore_latest() or restored_meta
         finally:
             self.coordinator.shutdown()
             timers.shutdown()
@@ -423,20 +416,7 @@ class _SparkJob(LocalRunner):
                 self._control.shutdown()
             if storage.fs.get_file_info(probe_path).is_file:
                 storage.fs.delete_file(probe_path)
-        latest = self.coordinator.store.latest()
-        return JobResult(
-            name=self.name,
-            job_id=self.job_id,
-            status=status,
-            cause=cause if status == "FAILED" else None,
-            restarts=restarts,
-            records=[],
-            checkpoints=self.coordinator.stats,
-            checkpoint_dir=storage.uri_of(storage.root),
-            latest_checkpoint=storage.uri_of(storage.checkpoint_dir(latest.checkpoint_id)) if latest else None,
-            duration_s=time.monotonic() - started,
-            _temp=self._temp,
-        )
+        return self._result(status, cause, restarts, [], storage, started)
 
     def _check_picklable(self, spec: _TaskSpec) -> None:
         from pyspark import cloudpickle
