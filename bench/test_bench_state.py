@@ -76,7 +76,7 @@ def _state_bytes(backend) -> int:
 
 def test_heap_snapshot_against_raw_arrow_ipc(benchmark, filled) -> None:
     syncs, asyncs, raws = [], [], []
-    for _ in range(5):  # interleaved, so a slow spell of the machine hits both
+    for _ in range(max(5, 20_000_000 // filled.n)):  # interleaved, so a slow spell of the machine hits both
         checkpoint_id = next(_ids)
         start = time.perf_counter()
         snapshot = filled.backend.snapshot(checkpoint_id, filled.storage.location(checkpoint_id))

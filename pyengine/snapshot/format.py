@@ -23,6 +23,7 @@ so a subtask reads and verifies only the batches holding its key groups.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import pickle
@@ -37,6 +38,7 @@ from ..state.keygroups import KeyGroupRange
 from ..state.serializers import PickleNotAllowedError, SafeSerializer, StateSerializationError, serializer_for
 from ..storage.filesystem import CorruptStateError, open_input_file, read_bytes, read_range
 from ..storage.handles import BatchIndexEntry, KeyGroupsStateHandle, StreamStateHandle
+from .ipcfile import write_ipc_file
 
 __all__ = [
     "TOMBSTONE",
@@ -180,7 +182,14 @@ _NO_DELETES = np.zeros(0, bool)
 
 
 def _joined(pieces: List[np.ndarray]) -> np.ndarray:
-    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+    if len(pieces) == 1:
+        return pieces[0]
+    dtype = pieces[0].dtype
+    # Into a buffer from Arrow's memory pool, which keeps its pages: a fresh NumPy
+    # array of a few MB is a fresh mmap whose page faults cost 20x the copy.
+    out = np.frombuffer(pa.allocate_buffer(sum(len(p) for p in pieces) * dtype.itemsize), dtype)
+    np.concatenate(pieces, out=out)
+    return out
 
 
 def _all_int64_keys(group: Any) -> bool:
@@ -278,60 +287,66 @@ def write_keyed_state(
         ],
         metadata={"pyengine": json.dumps(meta, separators=(",", ":"))},
     )
-    index: List[BatchIndexEntry] = []
-    with stream:
-        writer = ipc.new_file(stream, schema, options=_WRITE_OPTIONS)
-        # The writer emits the file header (magic, padding, schema message) with the
-        # first batch; it is that long, so batch 0's byte range starts right after it.
-        header = len(_FILE_MAGIC) + schema.serialize().size
-        for batch_number, (state_index, parts) in enumerate(plan):
-            column = columns[state_index]
-            lengths: List[int] = []
-            if isinstance(parts[0][1], ColumnarSlice):  # whole arrays, no Python object per entry
-                key_pieces, value_pieces, masks = [], [], []
-                for _, group, start, stop in parts:
+
+    def build(state_index: int, parts: List[Tuple[int, Any, int, int]]) -> pa.RecordBatch:
+        column = columns[state_index]
+        lengths: List[int] = []
+        if isinstance(parts[0][1], ColumnarSlice):  # whole arrays, no Python object per entry
+            key_pieces, value_pieces, masks = [], [], []
+            for _, group, start, stop in parts:
+                if group.deleted is None:  # a full snapshot: no tombstones to mark
+                    keys, values, deleted = group.keys[start:stop], group.values[start:stop], _NO_DELETES
+                else:
                     keys, values, deleted = _columnar_batch_columns(group, start, stop)
-                    key_pieces.append(keys)
-                    value_pieces.append(values)
-                    masks.append(deleted)
-                    lengths.append(len(keys))
-                all_keys = _joined(key_pieces)
-                key_array = pa.array(all_keys, pa.int64()) if plain_keys else _int_key_union(all_keys)
-                mask = None
-                if any(len(m) for m in masks):  # tombstones of a delta: null values
-                    mask = _joined([m if len(m) else np.zeros(n, bool) for m, n in zip(masks, lengths, strict=True)])
-                value_child = pa.array(_joined(value_pieces), column.storage_type, mask=mask)
-            else:
-                items: List[Tuple[Any, Any]] = []
-                for _, group, start, stop in parts:
-                    chunk = (
-                        group.items()
-                        if (start, stop) == (0, len(group))
-                        else itertools.islice(group.items(), start, stop)
-                    )
-                    before = len(items)
-                    items.extend(chunk)
-                    lengths.append(len(items) - before)
-                key_list = [k for k, _ in items]
-                key_array = pa.array(key_list, pa.int64()) if plain_keys else _key_array(key_list)
-                value_child = _value_child(column, [v for _, v in items])
-            n = len(key_array)
-            value_array = value_child if plain_values else _union_of(value_types, value_names, state_index, value_child)
-            batch = pa.record_batch(
-                [
-                    _runs([kg for kg, _, _, _ in parts], lengths),
-                    _runs([state_index], [n]),
-                    key_array,
-                    value_array,
-                ],
-                schema=schema,
+                key_pieces.append(keys)
+                value_pieces.append(values)
+                masks.append(deleted)
+                lengths.append(len(keys))
+            all_keys = _joined(key_pieces)
+            key_array = pa.array(all_keys, pa.int64()) if plain_keys else _int_key_union(all_keys)
+            mask = None
+            if any(len(m) for m in masks):  # tombstones of a delta: null values
+                mask = _joined([m if len(m) else np.zeros(n, bool) for m, n in zip(masks, lengths, strict=True)])
+            value_child = pa.array(_joined(value_pieces), column.storage_type, mask=mask)
+        else:
+            items: List[Tuple[Any, Any]] = []
+            for _, group, start, stop in parts:
+                chunk = (
+                    group.items() if (start, stop) == (0, len(group)) else itertools.islice(group.items(), start, stop)
+                )
+                before = len(items)
+                items.extend(chunk)
+                lengths.append(len(items) - before)
+            key_list = [k for k, _ in items]
+            key_array = pa.array(key_list, pa.int64()) if plain_keys else _key_array(key_list)
+            value_child = _value_child(column, [v for _, v in items])
+        n = len(key_array)
+        value_array = value_child if plain_values else _union_of(value_types, value_names, state_index, value_child)
+        return pa.record_batch(
+            [_runs([kg for kg, _, _, _ in parts], lengths), _runs([state_index], [n]), key_array, value_array],
+            schema=schema,
+        )
+
+    with stream:
+        if len(plan) > 1:  # batches encoded on worker threads, written here in order
+            segments = write_ipc_file(
+                stream, schema, [functools.partial(build, i, parts) for i, parts in plan], _WRITE_OPTIONS
             )
-            stream.begin_segment(header if batch_number == 0 else None)
-            writer.write_batch(batch)
-            offset, length, checksum = stream.end_segment()
-            index.append(BatchIndexEntry(parts[0][0], batch_number, offset, length, checksum, parts[-1][0]))
-        writer.close()
+        else:  # one batch: pyarrow compresses its columns in parallel itself
+            segments = []
+            writer = ipc.new_file(stream, schema, options=_WRITE_OPTIONS)
+            # The writer emits the file header (magic, padding, schema message) with the
+            # first batch; it is that long, so batch 0's byte range starts right after it.
+            for state_index, parts in plan:
+                stream.begin_segment(len(_FILE_MAGIC) + schema.serialize().size)
+                writer.write_batch(build(state_index, parts))
+                segments.append(stream.end_segment())
+            writer.close()
         handle = stream.close_and_get_handle()
+    index = [
+        BatchIndexEntry(parts[0][0], batch_number, offset, length, checksum, parts[-1][0])
+        for batch_number, ((_, parts), (offset, length, checksum)) in enumerate(zip(plan, segments, strict=True))
+    ]
     return KeyGroupsStateHandle(
         stream=handle,
         key_group_start=key_group_range.start,
@@ -343,8 +358,14 @@ def write_keyed_state(
 
 def _runs(values: Sequence[int], lengths: Sequence[int]) -> pa.Array:
     """A run-end encoded int16 column: a few runs per batch instead of a value per row."""
-    return pa.RunEndEncodedArray.from_arrays(
-        pa.array(np.cumsum(np.asarray(lengths, np.int64)).astype(np.int32)), pa.array(np.asarray(values, np.int16))
+    ends = np.cumsum(np.asarray(lengths, np.int64))
+    # Not RunEndEncodedArray.from_arrays: it tries to import pandas on every call
+    # (about 40 us when pandas is absent), which is most of a small batch's cost.
+    return pa.Array.from_buffers(
+        _RUNS,
+        int(ends[-1]) if len(ends) else 0,
+        [None],
+        children=[pa.array(ends.astype(np.int32)), pa.array(np.asarray(values, np.int16))],
     )
 
 

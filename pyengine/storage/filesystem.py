@@ -123,8 +123,7 @@ class CheckpointStateOutputStream:
         self.closed = False
 
     # the file-object protocol pyarrow's writers use
-    def write(self, data: Any) -> int:
-        view = memoryview(data)
+    def _put(self, view: memoryview) -> None:
         if self._pending is not None:
             self._pending += view
             if len(self._pending) > self._inline_threshold:
@@ -133,6 +132,10 @@ class CheckpointStateOutputStream:
                 self._pending = None
         else:
             self._out.write(view)
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self._put(view)
         # Each byte is hashed once: by its segment's hasher inside one, else by the file's.
         if self._segment is None:
             self._hash.update(view)
@@ -167,6 +170,21 @@ class CheckpointStateOutputStream:
         self._segment = None
         self._hash.update(value.to_bytes(8, "little"))
         return self._segment_start, self._size - self._segment_start, checksum_hex(value)
+
+    def write_segment(self, parts: Sequence[Any], digest: int) -> Tuple[int, int, str]:
+        """Writes one segment whose xxh3-64 ``digest`` the caller has computed (on
+        the thread that encoded it, so the writing thread only copies bytes), and
+        returns its (offset, length, checksum) as ``end_segment`` does."""
+        if self._segment is not None:
+            raise ValueError("write_segment() inside begin_segment()/end_segment()")
+        start = self._size
+        for part in parts:
+            view = memoryview(part)
+            self._put(view)
+            self._size += view.nbytes
+        self._hash.update(digest.to_bytes(8, "little"))
+        self._segmented = True
+        return start, self._size - start, checksum_hex(digest)
 
     def tell(self) -> int:
         return self._size

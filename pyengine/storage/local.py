@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
-from typing import Any, Iterable, Optional, Set, Tuple
+from typing import Any, Iterable, Optional, Sequence, Set, Tuple
 
 from .filesystem import CheckpointStateOutputStream, CorruptStateError, read_bytes
 from .handles import KeyGroupsStateHandle, StateHandle, StreamStateHandle
@@ -74,6 +74,16 @@ class DuplicatingOutputStream:
 
     def end_segment(self) -> Tuple[int, int, str]:
         return self.primary.end_segment()
+
+    def write_segment(self, parts: Sequence[Any], digest: int) -> Tuple[int, int, str]:
+        segment = self.primary.write_segment(parts, digest)
+        if self._local is not None:
+            try:
+                for part in parts:
+                    self._local.write(part)
+            except OSError as exc:
+                self._local_failed(exc)
+        return segment
 
     def close_and_get_handle(self) -> StateHandle:
         self.closed = True
