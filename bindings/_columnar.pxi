@@ -113,6 +113,12 @@ cdef class ColumnarGroup:
         unless the group is frozen first."""
         return self.keys[: self.n], self.values[: self.n]
 
+    def freeze(self):
+        """``arrays()``, made safe to keep: the next write copies them first
+        (copy-on-write), so a snapshot can read them on another thread."""
+        self.shared = True
+        return self.keys[: self.n], self.values[: self.n]
+
     def put_many(self, keys, values):
         """Inserts or replaces many entries (keys: int64 array), in one C loop."""
         positions, _ = self._upsert(keys)

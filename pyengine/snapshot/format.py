@@ -54,7 +54,7 @@ __all__ = [
 FORMAT_NAME = "pyengine-keyed-state"
 FORMAT_VERSION = 1
 ROWS_PER_BATCH = 1 << 20
-TARGET_ROWS = 1 << 18
+TARGET_ROWS = 1 << 17
 OWN_BATCH_ROWS = 1 << 15  # a key group this large is a batch of its own: no copying to merge it
 _RUNS = pa.run_end_encoded(pa.int32(), pa.int16())
 _WRITE_OPTIONS = ipc.IpcWriteOptions(compression="lz4")
@@ -152,17 +152,23 @@ def _value_child(column: StateColumn, values: List[Any]) -> pa.Array:
         raise StateSerializationError(f"cannot snapshot state {column.name!r}: {exc}") from exc
 
 
-@dataclass(frozen=True)
 class ColumnarSlice:
     """Entries of one key group given as arrays (typed columnar state): int64 keys
-    and their values, plus keys deleted since the previous snapshot (deltas)."""
+    and their values, plus keys deleted since the previous snapshot (deltas).
 
-    keys: np.ndarray
-    values: np.ndarray
-    deleted: Optional[np.ndarray] = None
+    A plain slotted class, not a frozen dataclass: a snapshot's synchronous part
+    makes one per key group, and a frozen dataclass's ``__init__`` costs 3x."""
+
+    __slots__ = ("deleted", "keys", "size", "values")
+
+    def __init__(self, keys: np.ndarray, values: np.ndarray, deleted: Optional[np.ndarray] = None) -> None:
+        self.keys = keys
+        self.values = values
+        self.deleted = deleted
+        self.size = len(keys) + (0 if deleted is None else len(deleted))
 
     def __len__(self) -> int:
-        return len(self.keys) + (0 if self.deleted is None else len(self.deleted))
+        return self.size
 
 
 def _columnar_batch_columns(piece: ColumnarSlice, start: int, stop: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:

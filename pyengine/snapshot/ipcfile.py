@@ -200,7 +200,9 @@ def write_ipc_file(
     schema_message = schema.serialize()
     schema_size = schema_message.size
     pool = _executor()
-    ahead = encoding_workers()
+    # Several batches per worker in flight: the writing thread then rarely waits
+    # for the next one, and a worker rarely waits for the GIL with nothing queued.
+    ahead = 3 * encoding_workers()
     pending: Deque[Future[_Message]] = deque()
     next_build = 0
     segments: List[Tuple[int, int, str]] = []

@@ -59,11 +59,7 @@ class ColumnarValueTable:
         """Synchronous part of a snapshot: the arrays as they are, shared from now on."""
         from ..snapshot.format import ColumnarSlice
 
-        frozen = []
-        for group in self.groups:
-            group.shared = True
-            keys, values = group.arrays()
-            frozen.append(ColumnarSlice(keys, values))
+        frozen = [ColumnarSlice(*group.freeze()) for group in self.groups]
         self.active_snapshots += 1
         return frozen
 
