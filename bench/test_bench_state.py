@@ -155,15 +155,18 @@ def test_incremental_checkpoint_of_one_percent_changes(benchmark) -> None:
     backend.notify_checkpoint_complete(1)
     changed = rng.choice(keys, n // 100, replace=False)
     fulls, deltas = [], []
-    for round_ in range(3):  # interleaved: a full snapshot of the same state, then a delta
-        heap = create_keyed_backend("heap", max_parallelism=128)
-        heap.get_state(COUNT).update_many(keys, np.arange(n))
+    heap = create_keyed_backend("heap", max_parallelism=128)
+    heap.get_state(COUNT).update_many(keys, np.arange(n))
+    for round_ in range(7):  # interleaved: a full snapshot of the same state, then a delta
+        location = storage.location(200 + round_)
         start = time.perf_counter()
-        heap.snapshot(200 + round_, storage.location(200 + round_)).run()
+        heap.snapshot(200 + round_, location).run()
         fulls.append(time.perf_counter() - start)
+        location.dispose()  # kept, memory storage would hold every full copy of the state in RAM
         state.update_many(changed, -changed - round_)
+        location = storage.location(2 + round_)
         start = time.perf_counter()
-        result = backend.snapshot(2 + round_, storage.location(2 + round_)).run()
+        result = backend.snapshot(2 + round_, location).run()
         deltas.append(time.perf_counter() - start)
         # As in a job with max_concurrent=1: each checkpoint completes before the next.
         backend.notify_checkpoint_complete(2 + round_)

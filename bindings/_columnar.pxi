@@ -5,8 +5,14 @@
 # last entry into the hole. A snapshot takes keys[:n] and values[:n] as they are
 # (zero-copy into Arrow); after a freeze, the first write copies the two arrays,
 # so what the snapshot holds never changes.
+#
+# With change tracking on (the incremental backend), a group also records which
+# positions were written since the last take_changes() (a byte per position plus
+# the list of marked positions) and which keys were removed: a delta is then
+# gathered by position, with no hash lookup and no Python int per changed key.
 
 cimport numpy as cnp
+from libc.string cimport memcpy
 import numpy as np
 
 cnp.import_array()
@@ -19,6 +25,11 @@ cdef class ColumnarGroup:
     cdef object values
     cdef Py_ssize_t n
     cdef public bint shared
+    cdef bint tracking
+    cdef cnp.uint8_t[::1] dirty  # per position (capacity of keys): written since the last take
+    cdef cnp.int64_t[::1] dirty_pos  # the positions marked in dirty, in marking order
+    cdef Py_ssize_t ndirty
+    cdef set removed  # keys removed since the last take
 
     def __cinit__(self, dtype, Py_ssize_t capacity=8):
         if capacity < 8:
@@ -40,6 +51,39 @@ cdef class ColumnarGroup:
     def dtype(self):
         return self.values.dtype
 
+    def track_changes(self):
+        """Starts recording changes (see take_changes), forgetting any recorded so far."""
+        self.tracking = True
+        self.dirty = np.zeros(len(self.keys), np.uint8)
+        self.dirty_pos = np.empty(16, np.int64)
+        self.ndirty = 0
+        self.removed = set()
+
+    @property
+    def tracking_changes(self):
+        return self.tracking
+
+    cdef inline int mark(self, Py_ssize_t pos) except -1:
+        if not self.tracking or self.dirty[pos]:
+            return 0
+        self.dirty[pos] = 1
+        if self.ndirty == self.dirty_pos.shape[0]:
+            grown = np.empty(2 * self.ndirty, np.int64)
+            grown[: self.ndirty] = np.asarray(self.dirty_pos)
+            self.dirty_pos = grown
+        self.dirty_pos[self.ndirty] = pos
+        self.ndirty += 1
+        return 0
+
+    cdef int resized(self, Py_ssize_t capacity) except -1:
+        """The arrays now hold ``capacity`` positions: the dirty bytes follow."""
+        if self.tracking:
+            dirty = np.zeros(capacity, np.uint8)
+            keep = min(capacity, self.dirty.shape[0])
+            dirty[:keep] = np.asarray(self.dirty)[:keep]
+            self.dirty = dirty
+        return 0
+
     cdef int own(self) except -1:
         if self.shared:
             self.keys = self.keys.copy()
@@ -56,6 +100,7 @@ cdef class ColumnarGroup:
             keys[:pos] = self.keys[:pos]
             values[:pos] = self.values[:pos]
             self.keys, self.values = keys, values
+            self.resized(grown)
         self.keys[pos] = key
         if pe_i64map_put(&self.index, key, pos, &PY_ALLOC) < 0:
             raise MemoryError()
@@ -81,6 +126,7 @@ cdef class ColumnarGroup:
         if pos < 0:
             pos = self.append(key)
         self.values[pos] = value
+        self.mark(pos)
 
     def remove(self, int64_t key):
         """Deletes ``key``; True if it was there."""
@@ -96,17 +142,25 @@ cdef class ColumnarGroup:
             self.keys[pos] = last_key
             self.values[pos] = self.values[last]
             pe_i64map_put(&self.index, last_key, pos, &PY_ALLOC)
+            self.mark(pos)  # another key now lives here; a mark on `last` stays, unused past n
         self.n -= 1
+        if self.tracking:
+            self.removed.add(key)
         return True
 
     def clear(self):
         cdef int64_t i
+        if self.tracking:
+            self.removed.update(self.keys[: self.n].tolist())
         for i in range(self.n):
             pe_i64map_remove(&self.index, self.keys[i], NULL)
         self.n = 0
         self.shared = False
         self.keys = np.empty(8, np.int64)
         self.values = np.empty(8, self.values.dtype)
+        if self.tracking:
+            self.dirty = np.zeros(8, np.uint8)
+            self.ndirty = 0
 
     def arrays(self):
         """(keys, values) of every entry, as views: valid until the next write
@@ -162,6 +216,7 @@ cdef class ColumnarGroup:
             new_keys[: self.n] = self.keys[: self.n]
             new_values[: self.n] = self.values[: self.n]
             self.keys, self.values = new_keys, new_values
+            self.resized(grown)
         dense = self.keys
         if self.n == 0 and m > 64:  # loading into an empty group: size the map once
             pe_i64map_destroy(&self.index, &PY_ALLOC)
@@ -178,6 +233,7 @@ cdef class ColumnarGroup:
                 self.n += 1
                 f[i] = 1
             p[i] = pos
+            self.mark(pos)
         return positions, fresh
 
     def get_many(self, keys):
@@ -234,4 +290,56 @@ def gather_changes(list groups, list touched):
         dc[g] = d - dstart
         if u > start:
             values[start:u] = group.values[positions[start:u]]
+    return keys[:u], values[:u], deleted[:d], upserts, deletes
+
+
+def take_changes(list groups):
+    """What changed in many groups since their last take, and starts afresh: the
+    same (keys, values, deleted, upserts, deletes) as gather_changes, found by
+    position instead of by key. A key removed and then written again is an upsert."""
+    cdef Py_ssize_t g, i, ngroups = len(groups), total = 0, total_removed = 0, u = 0, d = 0, start, dstart
+    cdef ColumnarGroup group
+    cdef int64_t pos
+    cdef cnp.int64_t[::1] dense
+    cdef char* src
+    cdef char* dst
+    cdef Py_ssize_t itemsize
+    for g in range(ngroups):
+        group = <ColumnarGroup?>groups[g]
+        if not group.tracking:
+            raise ValueError("take_changes() on a group that does not track changes")
+        total += group.ndirty
+        total_removed += len(group.removed)
+    keys = np.empty(total, np.int64)
+    deleted = np.empty(total_removed, np.int64)
+    upserts = np.zeros(ngroups, np.int64)
+    deletes = np.zeros(ngroups, np.int64)
+    cdef cnp.int64_t[::1] k = keys, dl = deleted, uc = upserts, dc = deletes
+    dtype = (<ColumnarGroup>groups[0]).values.dtype if ngroups else np.int64
+    values = np.empty(total, dtype)
+    # Values are gathered as bytes: any fixed-width dtype, no NumPy call per group.
+    dst = <char*>cnp.PyArray_DATA(<cnp.ndarray>values)
+    itemsize = values.itemsize
+    for g in range(ngroups):
+        group = <ColumnarGroup>groups[g]
+        start, dstart = u, d
+        dense = group.keys
+        src = <char*>cnp.PyArray_DATA(<cnp.ndarray>group.values)
+        for i in range(group.ndirty):
+            pos = group.dirty_pos[i]
+            group.dirty[pos] = 0
+            if pos < group.n:  # else: emptied by a removal, and not refilled
+                k[u] = dense[pos]
+                memcpy(dst + u * itemsize, src + pos * itemsize, itemsize)
+                u += 1
+        group.ndirty = 0
+        if group.removed:
+            for removed_key in group.removed:
+                pos = removed_key
+                if pe_i64map_get(&group.index, pos) < 0:  # not written again since
+                    dl[d] = pos
+                    d += 1
+            group.removed = set()
+        uc[g] = u - start
+        dc[g] = d - dstart
     return keys[:u], values[:u], deleted[:d], upserts, deletes

@@ -28,7 +28,7 @@ import itertools
 import json
 import pickle
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -42,6 +42,7 @@ from .ipcfile import write_ipc_file
 
 __all__ = [
     "TOMBSTONE",
+    "ColumnarChanges",
     "ColumnarSlice",
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -58,6 +59,10 @@ TARGET_ROWS = 1 << 17
 OWN_BATCH_ROWS = 1 << 15  # a key group this large is a batch of its own: no copying to merge it
 _RUNS = pa.run_end_encoded(pa.int32(), pa.int16())
 _WRITE_OPTIONS = ipc.IpcWriteOptions(compression="lz4")
+# Compressing a batch's columns on pyarrow's threads pays off only for large ones:
+# for a small batch (a delta) the hand-off costs more than it saves.
+_SERIAL_WRITE_OPTIONS = ipc.IpcWriteOptions(compression="lz4", use_threads=False)
+PARALLEL_COLUMNS_ROWS = 1 << 16
 _FILE_MAGIC = b"ARROW1\0\0"  # the IPC file's leading magic and its padding to 8 bytes
 _KEY_INT, _KEY_STR, _KEY_PACKED = 0, 1, 2
 _KEY_TYPE = pa.dense_union([pa.field("int", pa.int64()), pa.field("str", pa.string()), pa.field("packed", pa.binary())])
@@ -153,38 +158,60 @@ def _value_child(column: StateColumn, values: List[Any]) -> pa.Array:
 
 
 class ColumnarSlice:
-    """Entries of one key group given as arrays (typed columnar state): int64 keys
-    and their values, plus keys deleted since the previous snapshot (deltas).
+    """The entries of one key group given as arrays (typed columnar state, a full
+    snapshot): int64 keys and their values.
 
     A plain slotted class, not a frozen dataclass: a snapshot's synchronous part
     makes one per key group, and a frozen dataclass's ``__init__`` costs 3x."""
 
-    __slots__ = ("deleted", "keys", "size", "values")
+    __slots__ = ("keys", "values")
 
-    def __init__(self, keys: np.ndarray, values: np.ndarray, deleted: Optional[np.ndarray] = None) -> None:
+    def __init__(self, keys: np.ndarray, values: np.ndarray) -> None:
+        self.keys = keys
+        self.values = values
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+class ColumnarChanges:
+    """The changed entries of a whole columnar state (an incremental delta), all key
+    groups' concatenated in key-group order: group i's upserts are the next
+    ``upserts[i]`` of (keys, values), its deletions the next ``deletes[i]`` of
+    ``deleted``. Written as it is, with no per-group slicing or copying."""
+
+    __slots__ = ("deleted", "deletes", "keys", "upserts", "values")
+
+    def __init__(
+        self, keys: np.ndarray, values: np.ndarray, deleted: np.ndarray, upserts: np.ndarray, deletes: np.ndarray
+    ) -> None:
         self.keys = keys
         self.values = values
         self.deleted = deleted
-        self.size = len(keys) + (0 if deleted is None else len(deleted))
+        self.upserts = upserts
+        self.deletes = deletes
 
-    def __len__(self) -> int:
-        return self.size
-
-
-def _columnar_batch_columns(piece: ColumnarSlice, start: int, stop: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows ``start:stop`` of a slice as (keys, values, deleted mask): NumPy only, so
-    a batch of many key groups becomes one Arrow array with one concatenation."""
-    keys, values = piece.keys, piece.values
-    if piece.deleted is not None and len(piece.deleted):
-        keys = np.concatenate([keys, piece.deleted])
-        values = np.concatenate([values, np.zeros(len(piece.deleted), values.dtype)])
-        mask = np.zeros(len(keys), bool)
-        mask[len(piece.keys) :] = True
-        return keys[start:stop], values[start:stop], mask[start:stop]
-    return keys[start:stop], values[start:stop], _NO_DELETES
+    def key_sets(self) -> List[Set[Any]]:
+        """Every changed key (upserted or deleted) per group."""
+        out = []
+        u = d = 0
+        for up, de in zip(self.upserts.tolist(), self.deletes.tolist(), strict=True):
+            out.append(set(self.keys[u : u + up].tolist()) | set(self.deleted[d : d + de].tolist()))
+            u += up
+            d += de
+        return out
 
 
-_NO_DELETES = np.zeros(0, bool)
+class _Batch(NamedTuple):
+    """One planned record batch: entries of one state, key groups first..last.
+    Parts are (key group, group, start, stop), or for ColumnarChanges one part
+    (first key group, changes, first group offset, end group offset)."""
+
+    state: int
+    first: int
+    last: int
+    parts: List[Tuple[int, Any, int, int]]
+    rows: int
 
 
 def _joined(pieces: List[np.ndarray]) -> np.ndarray:
@@ -198,8 +225,34 @@ def _joined(pieces: List[np.ndarray]) -> np.ndarray:
     return out
 
 
+def _changes_columns(
+    part: Tuple[int, Any, int, int], column: StateColumn, plain_keys: bool
+) -> Tuple[List[int], List[int], pa.Array, pa.Array]:
+    """(run key groups, run lengths, keys, values) of groups ``a:b`` of a delta: its
+    upserts as they are (slices, no copy), then its deletions as nulls. A key group
+    with both has two runs."""
+    first_group, changes, a, b = part
+    up = changes.upserts[a:b]
+    de = changes.deletes[a:b]
+    ua, da = int(changes.upserts[:a].sum()), int(changes.deletes[:a].sum())
+    ub, db = ua + int(up.sum()), da + int(de.sum())
+    groups = np.arange(first_group, first_group + (b - a))
+    live_up, live_de = up > 0, de > 0
+    run_groups = np.concatenate([groups[live_up], groups[live_de]]).tolist()
+    lengths = np.concatenate([up[live_up], de[live_de]]).tolist()
+    keys, values = changes.keys[ua:ub], changes.values[ua:ub]
+    mask = None
+    if db > da:
+        keys = _joined([keys, changes.deleted[da:db]])
+        values = _joined([values, np.zeros(db - da, values.dtype)])
+        mask = np.zeros(len(keys), bool)
+        mask[ub - ua :] = True
+    key_array = pa.array(keys, pa.int64()) if plain_keys else _int_key_union(keys)
+    return run_groups, lengths, key_array, pa.array(values, column.storage_type, mask=mask)
+
+
 def _all_int64_keys(group: Any) -> bool:
-    if isinstance(group, ColumnarSlice):
+    if isinstance(group, (ColumnarSlice, ColumnarChanges)):
         return True
     return all(type(k) is int and _INT64_MIN <= k <= _INT64_MAX for k in group)
 
@@ -221,21 +274,23 @@ def _union_of(children_types: Sequence[pa.DataType], names: Sequence[str], index
     )
 
 
-def _plan_batches(
-    groups: Sequence[Sequence[Any]], key_group_range: KeyGroupRange, num_states: int
-) -> List[Tuple[int, List[Tuple[int, Any, int, int]]]]:
-    """Batches as (state, parts), each part (key group, group, start, stop): one state
-    per batch, consecutive key groups merged until a batch has TARGET_ROWS rows
-    (few, large batches keep per-batch costs down), none over ROWS_PER_BATCH."""
-    plan: List[Tuple[int, List[Tuple[int, Any, int, int]]]] = []
+def _plan_batches(groups: Sequence[Any], key_group_range: KeyGroupRange, num_states: int) -> List[_Batch]:
+    """Batches of one state each, consecutive key groups merged until a batch has
+    TARGET_ROWS rows (few, large batches keep per-batch costs down), none over
+    ROWS_PER_BATCH."""
+    plan: List[_Batch] = []
     for state_index in range(num_states):
+        if isinstance(groups[state_index], ColumnarChanges):
+            plan.extend(_plan_changes(state_index, groups[state_index], key_group_range))
+            continue
         parts: List[Tuple[int, Any, int, int]] = []
         rows = 0
+
         for offset, key_group in enumerate(key_group_range):
             group = groups[state_index][offset]
             size, start = len(group), 0
             if size >= OWN_BATCH_ROWS and parts:  # large groups are not merged with others
-                plan.append((state_index, parts))
+                plan.append(_Batch(state_index, parts[0][0], parts[-1][0], parts, rows))
                 parts, rows = [], 0
             while start < size:
                 take = min(size - start, ROWS_PER_BATCH - rows)
@@ -243,13 +298,39 @@ def _plan_batches(
                 rows += take
                 start += take
                 if rows >= ROWS_PER_BATCH:
-                    plan.append((state_index, parts))
+                    plan.append(_Batch(state_index, parts[0][0], parts[-1][0], parts, rows))
                     parts, rows = [], 0
             if rows >= TARGET_ROWS or (size >= OWN_BATCH_ROWS and parts):
-                plan.append((state_index, parts))
+                plan.append(_Batch(state_index, parts[0][0], parts[-1][0], parts, rows))
                 parts, rows = [], 0
         if parts:
-            plan.append((state_index, parts))
+            plan.append(_Batch(state_index, parts[0][0], parts[-1][0], parts, rows))
+    return plan
+
+
+def _plan_changes(state_index: int, changes: ColumnarChanges, key_group_range: KeyGroupRange) -> List[_Batch]:
+    """Batches of consecutive key groups of a delta with about TARGET_ROWS rows each
+    (a key group with more changes than that is a batch of its own)."""
+    plan: List[_Batch] = []
+    base = key_group_range.start
+
+    def close(a: int, b: int, rows: int) -> None:  # group offsets a..b, both with entries
+        plan.append(_Batch(state_index, base + a, base + b, [(base + a, changes, a, b + 1)], rows))
+
+    first = last = -1
+    rows = 0
+    for offset, size in enumerate((changes.upserts + changes.deletes).tolist()):
+        if not size:
+            continue
+        if first >= 0 and rows + size > TARGET_ROWS:
+            close(first, last, rows)
+            first, rows = -1, 0
+        if first < 0:
+            first = offset
+        rows += size
+        last = offset
+    if first >= 0:
+        close(first, last, rows)
     return plan
 
 
@@ -270,7 +351,7 @@ def write_keyed_state(
     value_names = [f"s{i}" for i in range(len(columns))]
     plan = _plan_batches(groups, key_group_range, len(columns))
     # Plain columns where they can be: unions cost a type id and an offset per row.
-    plain_keys = all(_all_int64_keys(group) for _, parts in plan for _, group, _, _ in parts)
+    plain_keys = all(_all_int64_keys(group) for batch in plan for _, group, _, _ in batch.parts)
     plain_values = len(columns) == 1
     meta = {
         "format": FORMAT_NAME,
@@ -279,7 +360,7 @@ def write_keyed_state(
         "max_parallelism": max_parallelism,
         "key_groups": [key_group_range.start, key_group_range.end],
         "states": [c.to_json() for c in columns],
-        "batches": [[parts[0][0], parts[-1][0], state_index] for state_index, parts in plan],
+        "batches": [[batch.first, batch.last, batch.state] for batch in plan],
         "key_encoding": "int64" if plain_keys else "union",
         "value_encoding": "plain" if plain_values else "union",
     }
@@ -294,26 +375,22 @@ def write_keyed_state(
         metadata={"pyengine": json.dumps(meta, separators=(",", ":"))},
     )
 
-    def build(state_index: int, parts: List[Tuple[int, Any, int, int]]) -> pa.RecordBatch:
+    def build(batch: _Batch) -> pa.RecordBatch:
+        state_index, parts = batch.state, batch.parts
         column = columns[state_index]
         lengths: List[int] = []
-        if isinstance(parts[0][1], ColumnarSlice):  # whole arrays, no Python object per entry
-            key_pieces, value_pieces, masks = [], [], []
+        run_groups = [kg for kg, _, _, _ in parts]
+        if isinstance(parts[0][1], ColumnarChanges):  # a delta: slices of its arrays, runs from its counts
+            run_groups, lengths, key_array, value_child = _changes_columns(parts[0], column, plain_keys)
+        elif isinstance(parts[0][1], ColumnarSlice):  # whole arrays, no Python object per entry
+            key_pieces, value_pieces = [], []
             for _, group, start, stop in parts:
-                if group.deleted is None:  # a full snapshot: no tombstones to mark
-                    keys, values, deleted = group.keys[start:stop], group.values[start:stop], _NO_DELETES
-                else:
-                    keys, values, deleted = _columnar_batch_columns(group, start, stop)
-                key_pieces.append(keys)
-                value_pieces.append(values)
-                masks.append(deleted)
-                lengths.append(len(keys))
+                key_pieces.append(group.keys[start:stop])
+                value_pieces.append(group.values[start:stop])
+                lengths.append(stop - start)
             all_keys = _joined(key_pieces)
             key_array = pa.array(all_keys, pa.int64()) if plain_keys else _int_key_union(all_keys)
-            mask = None
-            if any(len(m) for m in masks):  # tombstones of a delta: null values
-                mask = _joined([m if len(m) else np.zeros(n, bool) for m, n in zip(masks, lengths, strict=True)])
-            value_child = pa.array(_joined(value_pieces), column.storage_type, mask=mask)
+            value_child = pa.array(_joined(value_pieces), column.storage_type)
         else:
             items: List[Tuple[Any, Any]] = []
             for _, group, start, stop in parts:
@@ -329,29 +406,29 @@ def write_keyed_state(
         n = len(key_array)
         value_array = value_child if plain_values else _union_of(value_types, value_names, state_index, value_child)
         return pa.record_batch(
-            [_runs([kg for kg, _, _, _ in parts], lengths), _runs([state_index], [n]), key_array, value_array],
-            schema=schema,
+            [_runs(run_groups, lengths), _runs([state_index], [n]), key_array, value_array], schema=schema
         )
 
     with stream:
         if len(plan) > 1:  # batches encoded on worker threads, written here in order
             segments = write_ipc_file(
-                stream, schema, [functools.partial(build, i, parts) for i, parts in plan], _WRITE_OPTIONS
+                stream, schema, [functools.partial(build, batch) for batch in plan], _WRITE_OPTIONS
             )
         else:  # one batch: pyarrow compresses its columns in parallel itself
             segments = []
-            writer = ipc.new_file(stream, schema, options=_WRITE_OPTIONS)
+            options = _WRITE_OPTIONS if plan and plan[0].rows >= PARALLEL_COLUMNS_ROWS else _SERIAL_WRITE_OPTIONS
+            writer = ipc.new_file(stream, schema, options=options)
             # The writer emits the file header (magic, padding, schema message) with the
             # first batch; it is that long, so batch 0's byte range starts right after it.
-            for state_index, parts in plan:
+            for batch in plan:
                 stream.begin_segment(len(_FILE_MAGIC) + schema.serialize().size)
-                writer.write_batch(build(state_index, parts))
+                writer.write_batch(build(batch))
                 segments.append(stream.end_segment())
             writer.close()
         handle = stream.close_and_get_handle()
     index = [
-        BatchIndexEntry(parts[0][0], batch_number, offset, length, checksum, parts[-1][0])
-        for batch_number, ((_, parts), (offset, length, checksum)) in enumerate(zip(plan, segments, strict=True))
+        BatchIndexEntry(batch.first, batch_number, offset, length, checksum, batch.last)
+        for batch_number, (batch, (offset, length, checksum)) in enumerate(zip(plan, segments, strict=True))
     ]
     return KeyGroupsStateHandle(
         stream=handle,

@@ -10,7 +10,7 @@ other key turns the state into ordinary (dict) storage, transparently.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Set
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple, Optional, Set
 
 import numpy as np
 import pyarrow as pa
@@ -18,6 +18,9 @@ import pyarrow as pa
 from .. import _native
 from .descriptors import StateDescriptor, ValueStateDescriptor
 from .keygroups import key_groups_of_int64
+
+if TYPE_CHECKING:
+    from ..snapshot.format import ColumnarChanges
 
 __all__ = ["ColumnarValueState", "ColumnarValueTable", "KeySplit", "columnar_dtype"]
 
@@ -46,7 +49,7 @@ class ColumnarValueTable:
         self.groups = [_native.ColumnarGroup(dtype) for _ in range(num_key_groups)]
         self.active_snapshots = 0
         self.pickled = False
-        self.changes: Optional[List[Set[Any]]] = None
+        self.tracking = False  # recording changes for incremental checkpoints (in the groups, natively)
 
     def __len__(self) -> int:
         return sum(len(g) for g in self.groups)
@@ -63,19 +66,35 @@ class ColumnarValueTable:
         self.active_snapshots += 1
         return frozen
 
-    def freeze_changes(self, touched: List[Set[Any]]) -> List[Any]:
-        """The changed entries only (an incremental delta), gathered now, while nothing writes."""
-        from ..snapshot.format import ColumnarSlice
+    def track_changes(self) -> None:
+        """From now on every group records what is written and removed, for ``take_changes``."""
+        for group in self.groups:
+            group.track_changes()
+        self.tracking = True
 
-        keys, values, deleted, upserts, deletes = _native.gather_changes(self.groups, touched)
-        frozen = []
-        u = d = 0
-        for up, de in zip(upserts.tolist(), deletes.tolist(), strict=True):
-            frozen.append(ColumnarSlice(keys[u : u + up], values[u : u + up], deleted[d : d + de]))
-            u += up
-            d += de
+    def take_changes(self) -> ColumnarChanges:
+        """The entries written and the keys removed since the last take (or since
+        tracking began), and starts a new log."""
+        from ..snapshot.format import ColumnarChanges
+
+        return ColumnarChanges(*_native.take_changes(self.groups))
+
+    def pending_key_sets(self) -> List[Set[Any]]:
+        """The keys changed since the last take, per group, as sets (the dict storage's log)."""
+        return self.take_changes().key_sets()
+
+    def freeze_changes(self, touched: List[Set[Any]]) -> ColumnarChanges:
+        """The entries of the given changed keys (an incremental delta over several
+        change logs), gathered now, while nothing writes."""
+        from ..snapshot.format import ColumnarChanges
+
         self.active_snapshots += 1
-        return frozen
+        return ColumnarChanges(*_native.gather_changes(self.groups, touched))
+
+    def freeze_taken(self, changes: ColumnarChanges) -> ColumnarChanges:
+        """An incremental delta that is exactly one change log, already gathered."""
+        self.active_snapshots += 1
+        return changes
 
     def release(self) -> None:
         self.active_snapshots -= 1
@@ -161,9 +180,6 @@ class ColumnarValueState:
                 if self._check is not None:
                     self._check(value)
                 group.put(key, value)
-                changes = self._table.changes
-                if changes is not None:
-                    changes[b._key_index].add(key)
                 return
         self._fallback.update(value)
 
@@ -171,14 +187,9 @@ class ColumnarValueState:
         if self._fallback is None:
             group = self._group()
             if group is not None:
-                if group.remove(self._backend._key):
-                    self._changed()
+                group.remove(self._backend._key)
                 return
         self._fallback.clear()
-
-    def _changed(self) -> None:
-        if self._table.changes is not None:
-            self._table.changes[self._backend._key_index].add(self._backend._key)
 
     def split_keys(self, keys: Any) -> KeySplit:
         """Sorts int64 keys by key group once, for several ``*_many`` calls on the same keys."""
@@ -204,8 +215,6 @@ class ColumnarValueState:
         for index in sp.active:
             a, b = sp.bounds[index], sp.bounds[index + 1]
             self._table.groups[index].put_many(sp.sorted_keys[a:b], values[a:b])
-            if self._table.changes is not None:
-                self._table.changes[index].update(sp.sorted_keys[a:b].tolist())
 
     def merge_many(self, keys: Any, values: Any, how: str, split: Optional[KeySplit] = None) -> Any:
         """Folds values into many distinct int64 keys ("add", "min" or "max"; a missing
@@ -217,8 +226,6 @@ class ColumnarValueState:
         for index in sp.active:
             a, b = sp.bounds[index], sp.bounds[index + 1]
             merged[a:b] = self._table.groups[index].merge_many(sp.sorted_keys[a:b], values[a:b], how)
-            if self._table.changes is not None:
-                self._table.changes[index].update(sp.sorted_keys[a:b].tolist())
         out = np.empty_like(merged)
         out[sp.order] = merged
         return out

@@ -792,7 +792,7 @@ class HeapKeyedStateBackend:
         columnar = self._tables[name]
         table = StateTable(columnar.descriptor, len(self.key_group_range))
         table.groups = columnar.to_dicts()
-        table.changes = columnar.changes
+        table.changes = columnar.pending_key_sets() if columnar.tracking else None
         self._tables[name] = table
         return table
 

@@ -18,17 +18,25 @@ and deletes each when the last retained checkpoint using it is discarded.
 from __future__ import annotations
 
 import uuid
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
-from ..snapshot.format import TOMBSTONE, write_keyed_state
+from ..snapshot.format import TOMBSTONE, ColumnarChanges, write_keyed_state
 from ..snapshot.strategies import SnapshotResult, column_of
 from ..storage.filesystem import INLINE_THRESHOLD, CheckpointStorageLocation
 from ..storage.handles import KeyGroupsStateHandle
+from .columnar import ColumnarValueTable
 from .heap import HeapKeyedStateBackend
 
 __all__ = ["IncrementalKeyedStateBackend", "IncrementalSnapshot"]
 
 Changes = Dict[str, List[Set[Any]]]  # state name -> changed keys per key group
+# What one snapshot took from the change log, per state: key sets per key group
+# (dict storage), or the changed entries themselves (columnar storage).
+Taken = Dict[str, Union[List[Set[Any]], ColumnarChanges]]
+
+
+def _key_sets(changes: Union[List[Set[Any]], ColumnarChanges]) -> List[Set[Any]]:
+    return changes.key_sets() if isinstance(changes, ColumnarChanges) else changes
 
 
 class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
@@ -42,11 +50,14 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
             raise ValueError(f"max_chain must be an int >= 0, got {max_chain!r}")
         self.max_chain = max_chain
         self._confirmed: List[KeyGroupsStateHandle] = []  # the chain of the last completed checkpoint
-        self._unconfirmed: List[Tuple[int, Changes]] = []  # change sets of snapshots not yet completed
+        self._unconfirmed: List[Tuple[int, Taken]] = []  # change sets of snapshots not yet completed
         self._results: Dict[int, List[KeyGroupsStateHandle]] = {}  # chains written, by checkpoint
 
     def _track(self, table: Any) -> Any:
-        if table.changes is None:
+        if isinstance(table, ColumnarValueTable):
+            if not table.tracking:
+                table.track_changes()
+        elif table.changes is None:
             table.changes = [set() for _ in table.groups]
         return table
 
@@ -68,26 +79,36 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
         touched: Optional[Changes] = None
         with self._freeze_lock:
             tables = [self._track(self._tables[n]) for n in names]
-            taken: Changes = {}
+            taken: Taken = {}
             for name, table in zip(names, tables, strict=True):
-                assert table.changes is not None
-                taken[name] = table.changes
-                table.changes = [set() for _ in table.groups]
+                if isinstance(table, ColumnarValueTable):
+                    taken[name] = table.take_changes()
+                else:
+                    taken[name] = table.changes
+                    table.changes = [set() for _ in table.groups]
             self._unconfirmed.append((checkpoint_id, taken))
-            if not full and len(self._unconfirmed) == 1:
-                touched = taken  # the usual case: the previous checkpoint completed; no copy
-            elif not full:
+            if full:
+                frozen = [t.freeze() for t in tables]
+            elif len(self._unconfirmed) == 1:
+                # The usual case: the previous checkpoint completed, so the delta is
+                # exactly this change log. Columnar tables took the entries already.
+                touched = {n: c for n, c in taken.items() if not isinstance(c, ColumnarChanges)}
+                frozen = []
+                for n, t in zip(names, tables, strict=True):
+                    change_log = taken[n]
+                    columnar = isinstance(t, ColumnarValueTable) and isinstance(change_log, ColumnarChanges)
+                    frozen.append(t.freeze_taken(change_log) if columnar else t.freeze())
+            else:  # earlier checkpoints still pending: the delta covers their changes too
                 touched = {name: [set() for _ in self.key_group_range] for name in names}
                 for _, changes in self._unconfirmed:
                     for name, per_group in changes.items():
                         if name in touched:
-                            for i, keys in enumerate(per_group):
+                            for i, keys in enumerate(_key_sets(per_group)):
                                 touched[name][i] |= keys
-            # Columnar tables hand over just the changed entries, gathered here.
-            frozen = [
-                t.freeze_changes(touched[n]) if touched is not None and hasattr(t, "freeze_changes") else t.freeze()
-                for n, t in zip(names, tables, strict=True)
-            ]
+                frozen = [
+                    t.freeze_changes(touched[n]) if isinstance(t, ColumnarValueTable) else t.freeze()
+                    for n, t in zip(names, tables, strict=True)
+                ]
 
         def release() -> None:
             with self._freeze_lock:
@@ -182,7 +203,7 @@ class IncrementalSnapshot:
             else:
                 groups = [
                     frozen_table
-                    if frozen_table and not isinstance(frozen_table[0], dict)  # columnar: already the delta
+                    if isinstance(frozen_table, ColumnarChanges)  # columnar: already the delta
                     else [
                         {k: frozen_group.get(k, TOMBSTONE) for k in keys}
                         for frozen_group, keys in zip(frozen_table, self._touched[name], strict=True)

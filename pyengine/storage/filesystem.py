@@ -95,6 +95,7 @@ def _join(*parts: str) -> str:
 
 
 INLINE_THRESHOLD = 20 * 1024  # as Flink's state.storage.fs.memory-threshold
+_COALESCE_BYTES = 64 * 1024
 
 
 class CheckpointStateOutputStream:
@@ -115,6 +116,7 @@ class CheckpointStateOutputStream:
         self._inline_threshold = inline_threshold
         self._pending: Optional[bytearray] = bytearray() if inline_threshold > 0 else None
         self._out: Any = None if self._pending is not None else fs.open_output_stream(self._temp)
+        self._small = bytearray()  # small writes not yet passed on to _out
         self._hash = xxhash.xxh3_64()
         self._segment: Optional[Any] = None
         self._segment_start = 0
@@ -130,8 +132,20 @@ class CheckpointStateOutputStream:
                 self._out = self._fs.open_output_stream(self._temp)
                 self._out.write(self._pending)
                 self._pending = None
+        elif view.nbytes < _COALESCE_BYTES:
+            # pyarrow writes a batch as many pieces (lengths, metadata, padding):
+            # one call to the filesystem for all the small ones, not one each.
+            self._small += view
+            if len(self._small) >= _COALESCE_BYTES:
+                self._flush_small()
         else:
+            self._flush_small()
             self._out.write(view)
+
+    def _flush_small(self) -> None:
+        if self._small:
+            self._out.write(self._small)
+            self._small = bytearray()
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
@@ -207,6 +221,7 @@ class CheckpointStateOutputStream:
             checksum = "xxh3s" + checksum[len("xxh3") :]
         if self._pending is not None:
             return ByteStreamStateHandle(self._prefix + self.path, bytes(self._pending), checksum)
+        self._flush_small()
         self._out.close()
         self._fs.move(self._temp, self.path)
         return StreamStateHandle(self._prefix + self.path, self._size, checksum)
