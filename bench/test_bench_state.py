@@ -4,17 +4,16 @@ Typed value state (``type=pa.int64()``, int64 keys) is columnar in memory, so a
 heap snapshot writes its arrays as they are. Both sides of each comparison write
 to memory, so what is compared is CPU cost, not the disk.
 
-Asserted (met with margin here): the synchronous part <= 5% of the asynchronous
-part; restore >= 200 MB/s of state files; peak memory while snapshotting within
-1.5x the state's size; an incremental checkpoint of 1% changed keys <= 3% of the
-bytes of a full one.
+Asserted: the synchronous part <= 5% of the asynchronous part; restore >= 200
+MB/s of state files; peak memory while snapshotting within 1.5x the state's size;
+an incremental checkpoint of 1% changed keys <= 3% of the bytes and <= 10% of the
+time of a full one (5-6% measured).
 
-Measured and reported, not met robustly on this shared 2-core machine:
->= 70% of raw pyarrow.ipc throughput (50-69%: the file is 128 key-group batches
-with per-batch checksums, and pyarrow alone writes 128 batches at 60-72% of the
-speed of one); >= 5x faster than pickling the dict (5-8x, too close to the line
-to assert); the incremental checkpoint in <= 10% of a full one's time (9-12%:
-gathering 1% of the keys is random access into the whole state).
+Reported, with a floor against regressions only: >= 70% of raw pyarrow.ipc
+throughput. Measured 66-76% (1M) and 69-89% (10M) on this shared 2-core machine:
+the same LZ4 work as the baseline, plus hashing every batch and, at 1M, copying
+small key groups into shared batches, so the ratio sits at the line and moves
+with the machine's noise. >= 5x faster than pickling the dict: 7-13x, reported.
 """
 
 from __future__ import annotations
@@ -76,7 +75,7 @@ def _state_bytes(backend) -> int:
 
 def test_heap_snapshot_against_raw_arrow_ipc(benchmark, filled) -> None:
     syncs, asyncs, raws = [], [], []
-    for _ in range(max(5, 20_000_000 // filled.n)):  # interleaved, so a slow spell of the machine hits both
+    for _ in range(max(8, 20_000_000 // filled.n)):  # interleaved, so a slow spell of the machine hits both
         checkpoint_id = next(_ids)
         location = filled.storage.location(checkpoint_id)  # the coordinator's work, before the task's
         start = time.perf_counter()
@@ -101,6 +100,7 @@ def test_heap_snapshot_against_raw_arrow_ipc(benchmark, filled) -> None:
         f"{sync_share:.2%} of async (target <= 5%)"
     )
     assert sync_share <= 0.05
+    assert ratio >= 0.5, "heap snapshots regressed far below raw pyarrow.ipc throughput"
 
 
 def test_against_pickling_the_dict(filled) -> None:
@@ -177,10 +177,10 @@ def test_incremental_checkpoint_of_one_percent_changes(benchmark) -> None:
     SUMMARY.append(
         f"incremental, 1% of {n:,} keys changed: {byte_share:.2%} of the bytes (target <= 3%) in "
         f"{min(deltas) * 1e3:.1f} ms vs {min(fulls) * 1e3:.1f} ms = {time_share:.1%} of the time "
-        f"(target <= 10%: {'met' if time_share <= 0.10 else 'NOT MET, reported only'}) "
-        "of a full checkpoint"
+        "(target <= 10%) of a full checkpoint"
     )
     assert byte_share <= 0.03
+    assert time_share <= 0.10
 
 
 def _rss() -> int:
