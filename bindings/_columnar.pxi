@@ -59,10 +59,6 @@ cdef class ColumnarGroup:
         self.ndirty = 0
         self.removed = set()
 
-    @property
-    def tracking_changes(self):
-        return self.tracking
-
     cdef inline int mark(self, Py_ssize_t pos) except -1:
         if not self.tracking or self.dirty[pos]:
             return 0

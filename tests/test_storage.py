@@ -168,3 +168,43 @@ def test_bad_storage_settings_are_refused_clearly(tmp_path) -> None:
 def test_probe_round_trips_through_storage(storage) -> None:
     storage.probe()
     assert [p for p in storage.list_files() if ".probe" in p] == []
+
+
+def test_read_keyed_state_applies_an_incremental_chain(storage) -> None:
+    """A delta's entries replace the base's and its deletions remove them: the
+    table is the state as of the checkpoint, each key once."""
+    store = CompletedCheckpointStore(storage)
+    b = create_keyed_backend("incremental", max_parallelism=4)
+    count = b.get_state(ValueStateDescriptor("count", 0, pa.int64()))
+    tags = b.get_state(MapStateDescriptor("tags"))
+    expected_count = {}
+    expected_tags = {}
+    for k in range(200):
+        b.set_current_key(k)
+        count.update(k)
+        tags.put("first", k)
+        expected_count[k], expected_tags[k] = k, {"first": k}
+    for checkpoint_id in (1, 2, 3):
+        result = b.snapshot(checkpoint_id, storage.location(checkpoint_id)).run()
+        op = OperatorState(1, 4, {0: SubtaskState(keyed=result.handles)})
+        store.complete(CheckpointMetadata("job", checkpoint_id, 0, operators={"op": op}))
+        b.notify_checkpoint_complete(checkpoint_id)
+        for k in range(checkpoint_id * 10, checkpoint_id * 10 + 10):  # changed after the checkpoint
+            b.set_current_key(k)
+            count.update(-k)
+            tags.clear()
+        for k in range(100 + checkpoint_id * 5, 105 + checkpoint_id * 5):
+            b.set_current_key(k)
+            count.clear()
+        if checkpoint_id < 3:
+            for k in range(checkpoint_id * 10, checkpoint_id * 10 + 10):
+                expected_count[k] = -k
+                expected_tags.pop(k, None)
+            for k in range(100 + checkpoint_id * 5, 105 + checkpoint_id * 5):
+                expected_count.pop(k, None)
+    assert len(result.handles) == 3  # the base and two deltas
+    path = storage.uri_of(storage.checkpoint_dir(3))
+    table = read_keyed_state(path, "op", "count")
+    assert table.num_rows == len(expected_count)
+    assert {r["key"]: r["value"] for r in table.to_pylist()} == expected_count
+    assert {r["key"]: dict(r["value"]) for r in read_keyed_state(path, "op", "tags").to_pylist()} == expected_tags

@@ -13,8 +13,10 @@ Every file is readable with ``pyarrow.ipc.open_file`` alone. Columns:
   ``map<key, value>``); any other state stores each entry through its
   serializer as binary. Deletions in a delta are null values.
 
-Each record batch holds entries of one state and of consecutive key groups, in
-key-group order; small key groups share a batch, so per-batch costs stay low.
+Each record batch holds entries of one state and of a range of consecutive key
+groups; small key groups share a batch, so per-batch costs stay low. Runs are in
+key-group order, except in a delta of columnar state, which lists its upserts in
+key-group order and then its deletions (a key group may then have two runs).
 The schema metadata ``pyengine`` (JSON) names the format version, backend,
 key-group range, states and the (first key group, last key group, state) of
 every batch; the state handle also records each batch's byte range and xxh3-64,
@@ -653,7 +655,7 @@ def read_keyed_state(
                     batch = ipc.read_record_batch(ipc.read_message(pa.py_buffer(raw)), schema)
             except (pa.ArrowInvalid, IndexError) as exc:
                 raise CorruptStateError(f"{where}: batch {entry.batch} cannot be read: {exc}") from None
-            # A batch may hold several key groups, in order: (key group, first row, end row) runs.
+            # A batch may hold several key groups: (key group, first row, end row) runs.
             runs = [run for run in _run_list(batch.column(0)) if run[0] in wanted]
             if runs:
                 yield info.columns[state_index], state_index, batch, runs

@@ -6,7 +6,8 @@ checkpoint, name an operator (by uid) and a state, get a ``pyarrow.Table``.
 
 from __future__ import annotations
 
-from typing import Any, List
+import itertools
+from typing import Any, Dict, List, Tuple
 
 import pyarrow as pa
 
@@ -54,15 +55,23 @@ def read_keyed_state(checkpoint_path: str, operator: str, state_name: str, *, al
     read only with ``allow_pickle=True``."""
     # Imported here: the snapshot format builds on this package's key groups and
     # serializers, so a top-level import would make a cycle.
+    from ..snapshot.format import TOMBSTONE
     from ..snapshot.format import read_keyed_state as _read_file
 
     metadata = load_metadata(checkpoint_path)
     op = _operator(metadata, operator, checkpoint_path)
+    handles = op.keyed_handles()
+    # An incremental checkpoint is a chain per subtask: a base, then deltas whose
+    # entries replace the base's and whose nulls delete. Files whose key groups
+    # overlap are applied in order; files of disjoint key groups are just joined.
+    spans = sorted((h.key_group_start, h.key_group_end) for h in handles)
+    chained = any(b[0] <= a[1] for a, b in itertools.pairwise(spans))
+    latest: Dict[Tuple[int, Any], Any] = {}
     keys: List[Any] = []
     values: List[Any] = []
     key_groups: List[int] = []
     spec = None
-    for handle in op.keyed_handles():
+    for handle in handles:
         _, entries = _read_file(
             handle,
             KeyGroupRange(handle.key_group_start, handle.key_group_end),
@@ -72,11 +81,22 @@ def read_keyed_state(checkpoint_path: str, operator: str, state_name: str, *, al
         )
         for key_group, column, ks, vs in entries:
             spec = column
-            if column.ttl:
-                vs = [_unwrap_ttl(column.kind, v) for v in vs]
+            if chained:
+                for k, v in zip(ks, vs, strict=True):
+                    if v is TOMBSTONE:
+                        latest.pop((key_group, k), None)
+                    else:
+                        latest[(key_group, k)] = v
+                continue
             keys.extend(ks)
             values.extend(vs)
             key_groups.extend([key_group] * len(ks))
+    if chained:
+        key_groups = [kg for kg, _ in latest]
+        keys = [k for _, k in latest]
+        values = list(latest.values())
+    if spec is not None and spec.ttl:
+        values = [_unwrap_ttl(spec.kind, v) for v in values]
     if spec is None:
         raise KeyError(
             f"operator {operator!r} in checkpoint {checkpoint_path} has no entries of keyed state {state_name!r}"
