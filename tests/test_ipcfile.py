@@ -11,6 +11,7 @@ import pyarrow.ipc as ipc
 import pytest
 import xxhash
 
+from pyengine.snapshot import ipcfile
 from pyengine.snapshot.ipcfile import write_ipc_file
 from pyengine.state import ValueStateDescriptor, create_keyed_backend
 from pyengine.storage import checkpoint_storage
@@ -43,7 +44,9 @@ def _stream(tmp_path, name="f.arrow") -> CheckpointStateOutputStream:
 
 @pytest.mark.parametrize("compression", ["lz4", None])
 @pytest.mark.parametrize("sizes", [[1], [5, 0, 7], [3000, 1, 20000, 17, 4096, 9, 2, 30000]])
-def test_the_file_is_byte_for_byte_what_pyarrow_writes(tmp_path, compression, sizes) -> None:
+@pytest.mark.parametrize("workers", [0, 1, 3])  # 0: one core, the writing thread encodes everything
+def test_the_file_is_byte_for_byte_what_pyarrow_writes(tmp_path, monkeypatch, compression, sizes, workers) -> None:
+    monkeypatch.setattr(ipcfile, "encoding_workers", lambda: workers)
     batches = [_batch(i, n) for i, n in enumerate(sizes)]
     options = ipc.IpcWriteOptions(compression=compression)
     expected = pa.BufferOutputStream()
