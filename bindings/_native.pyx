@@ -358,17 +358,22 @@ cdef class InputGate:
         (unaligned), or the switch to unaligned when the aligned timeout has passed."""
         self.enter()
         try:
-            while True:
-                if self.prio_len:
-                    taken = self.take_priority()
-                    if taken is not None:
-                        return taken
-                if self.timeout_eligible and self.timeout_due():
-                    self.switch_to_unaligned()
-                    continue
-                return None
+            return self.take_urgent()
         finally:
             self.in_poll = False
+
+    cdef object take_urgent(self):
+        """A priority item, or None once there is none and no aligned timeout is
+        due (a due timeout switches to unaligned first, which may queue some)."""
+        while True:
+            if self.prio_len:
+                taken = self.take_priority()
+                if taken is not None:
+                    return taken
+            if self.timeout_eligible and self.timeout_due():
+                self.switch_to_unaligned()
+                continue
+            return None
 
     cdef object take_plain_data(self, uint32_t ch, void *ptr):
         """Pops the data item at ptr, the head of ch, when no checkpoint is in
@@ -479,13 +484,9 @@ cdef class InputGate:
         cdef int kind
         cdef list notes
         while True:
-            if self.prio_len:
-                taken = self.take_priority()
-                if taken is not None:
-                    return taken
-            if self.timeout_eligible and self.timeout_due():
-                self.switch_to_unaligned()
-                continue
+            taken = self.take_urgent()
+            if taken is not None:
+                return taken
             sch = self.next_channel()
             if sch < 0:
                 return None

@@ -208,14 +208,7 @@ class ReferenceCheckpointedInputGate:
             self._enter()
             try:
                 self._raise_pending_error()
-                while True:
-                    taken = self._take_priority()
-                    if taken is not None:
-                        return taken
-                    if self._timeout_due():
-                        self._switch_to_unaligned()
-                        continue
-                    return None
+                return self._take_urgent()
             finally:
                 self._in_poll = False
 
@@ -301,7 +294,9 @@ class ReferenceCheckpointedInputGate:
         ch = self._next_channel()
         return ch is not None and _kind(self._rings[ch][0]) != _DATA
 
-    def _poll_one(self) -> Optional[Tuple[int, Any]]:
+    def _take_urgent(self) -> Optional[Tuple[int, Any]]:
+        """A priority item, or None once there is none and no aligned timeout is
+        due (a due timeout switches to unaligned first, which may queue some)."""
         while True:
             taken = self._take_priority()
             if taken is not None:
@@ -309,6 +304,13 @@ class ReferenceCheckpointedInputGate:
             if self._timeout_due():
                 self._switch_to_unaligned()
                 continue
+            return None
+
+    def _poll_one(self) -> Optional[Tuple[int, Any]]:
+        while True:
+            taken = self._take_urgent()
+            if taken is not None:
+                return taken
             ch = self._next_channel()
             if ch is None:
                 return None
