@@ -164,3 +164,28 @@ def test_an_overtaking_barrier_jumps_the_send_queue_and_returns_what_it_passed(e
     assert [x[0] for x in items if isinstance(x, list)] == list(range(sent))
     out.close()
     other.close()
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 3, 8])
+def test_a_blocked_put_is_woken_at_every_capacity_and_flush_sees_everything_written(endpoint, capacity) -> None:
+    """The sender wakes a waiting producer only once its queue is down to half: at no
+    capacity may that leave the producer, or ``flush``, waiting for good."""
+    gate, server, _ = endpoint
+    out = RemoteChannel(server.location, 0, TOKEN, capacity=capacity)
+    n = 200
+    got: List[int] = []
+
+    def consume() -> None:
+        for _, item in drain(gate):
+            if isinstance(item, pa.RecordBatch):
+                got.extend(item.column(0).to_pylist())
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    for i in range(n):
+        assert out.put(0, pa.record_batch({"i": [i]}), timeout=10), f"put {i} waited 10 s at capacity {capacity}"
+    assert out.flush(timeout=10) and out.queued(0) == 0
+    out.put(0, EndOfPartition(), timeout=10)
+    consumer.join(15)
+    assert got == list(range(n))
+    out.close()
