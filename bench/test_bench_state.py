@@ -1,19 +1,26 @@
 """State benchmarks (issue #3), each against a baseline measured in the same run.
 
 Typed value state (``type=pa.int64()``, int64 keys) is columnar in memory, so a
-heap snapshot writes its arrays as they are. Both sides of each comparison write
-to memory, so what is compared is CPU cost, not the disk.
+heap snapshot writes its arrays as they are.
 
-Asserted: the synchronous part <= 5% of the asynchronous part; restore >= 200
+Heap snapshot against writing the same columns with ``pyarrow.ipc`` (LZ4), both
+into the same storage, interleaved, in two storages that keep the disk out of it:
+
+- a checkpoint directory on a file system in RAM (tmpfs, ``/dev/shm``; the temp
+  directory where there is none): ``file://`` storage, as jobs use it, where
+  ``write`` is a copy into the kernel's pages. Asserted: >= 70% of the raw
+  throughput (measured 105-135%: the writing thread copies one batch while
+  others compress the next).
+- pyarrow's in-memory file system (``memory://``): reported, with a floor of 50%
+  against regressions. Measured 63-76% at 1M, 73-100% at 10M. Its output stream
+  grows by doubling and copying, which costs a writer of many batches a second
+  copy of the file that two big writes of one batch almost avoid.
+
+Asserted too: the synchronous part <= 5% of the asynchronous part; restore >= 200
 MB/s of state files; peak memory while snapshotting within 1.5x the state's size;
 an incremental checkpoint of 1% changed keys <= 3% of the bytes and <= 10% of the
-time of a full one (5-6% measured).
-
-Reported, with a floor against regressions only: >= 70% of raw pyarrow.ipc
-throughput. Measured 82-101% at 10M but 65-76% at 1M on this shared 2-core
-machine: the same LZ4 work as the baseline, plus hashing every batch and, at 1M,
-copying small key groups into shared batches, so that ratio sits at the line and
-moves with the machine's noise. >= 5x faster than pickling the dict: 7-19x, reported.
+time of a full one (5-6% measured). >= 5x faster than pickling the dict: 7-19x,
+reported.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import shutil
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -50,12 +59,34 @@ def filled(request, tmp_path_factory):
     # In memory, as the raw-IPC baseline: both measure the CPU cost of writing, which
     # is ours to make fast, not the disk's write-back throttling, which is noise here.
     storage = checkpoint_storage(f"memory://bench-{request.param}", "bench")
+    ram_dir = _ram_directory(40 * n, directory)
+    on_tmpfs = checkpoint_storage(ram_dir, "bench")
     backend.snapshot(0, storage.location(0)).run()  # warm: imports, allocator arenas
     yield SimpleNamespace(
-        label=request.param, n=n, backend=backend, storage=storage, keys=keys, values=values, directory=directory
+        label=request.param,
+        n=n,
+        backend=backend,
+        storage=storage,
+        on_tmpfs=on_tmpfs,
+        tmpfs=ram_dir.startswith("/dev/shm"),
+        keys=keys,
+        values=values,
+        directory=directory,
     )
     del backend
     gc.collect()
+    shutil.rmtree(ram_dir, ignore_errors=True)
+
+
+def _ram_directory(needed: int, fallback) -> str:
+    """A directory on tmpfs with room for ``needed`` bytes, else one under ``fallback``."""
+    try:
+        stat = os.statvfs("/dev/shm")
+        if stat.f_bavail * stat.f_frsize >= needed:
+            return tempfile.mkdtemp(prefix="pyengine-bench-", dir="/dev/shm")
+    except OSError:
+        pass
+    return str(fallback / "checkpoints")
 
 
 def _raw_ipc(storage, keys, values):
@@ -73,34 +104,59 @@ def _state_bytes(backend) -> int:
     return sum(g.arrays()[0].nbytes + g.arrays()[1].nbytes for g in table.groups)
 
 
+def _timed_snapshot(backend, storage, checkpoint_id):
+    """(synchronous, asynchronous) seconds of one heap snapshot into ``storage``."""
+    location = storage.location(checkpoint_id)  # the coordinator's work, before the task's
+    start = time.perf_counter()
+    snapshot = backend.snapshot(checkpoint_id, location)
+    sync = time.perf_counter() - start
+    start = time.perf_counter()
+    snapshot.run()
+    asynchronous = time.perf_counter() - start
+    location.dispose()
+    return sync, asynchronous
+
+
+def _timed_raw(storage, keys, values) -> float:
+    start = time.perf_counter()
+    _raw_ipc(storage, keys, values)
+    return time.perf_counter() - start
+
+
 def test_heap_snapshot_against_raw_arrow_ipc(benchmark, filled) -> None:
-    syncs, asyncs, raws = [], [], []
-    for _ in range(max(8, 20_000_000 // filled.n)):  # interleaved, so a slow spell of the machine hits both
-        checkpoint_id = next(_ids)
-        location = filled.storage.location(checkpoint_id)  # the coordinator's work, before the task's
-        start = time.perf_counter()
-        snapshot = filled.backend.snapshot(checkpoint_id, location)
-        syncs.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        snapshot.run()
-        asyncs.append(time.perf_counter() - start)
-        filled.storage.location(checkpoint_id).dispose()
-        start = time.perf_counter()
-        _raw_ipc(filled.storage, filled.keys, filled.values)
-        raws.append(time.perf_counter() - start)
+    syncs, on_tmpfs, raw_tmpfs, in_memory, raw_memory = [], [], [], [], []
+    for _ in range(max(8, 20_000_000 // filled.n)):  # interleaved, so a slow spell of the machine hits all
+        sync, asynchronous = _timed_snapshot(filled.backend, filled.on_tmpfs, next(_ids))
+        syncs.append(sync)
+        on_tmpfs.append(asynchronous)
+        raw_tmpfs.append(_timed_raw(filled.on_tmpfs, filled.keys, filled.values))
+        in_memory.append(_timed_snapshot(filled.backend, filled.storage, next(_ids))[1])
+        raw_memory.append(_timed_raw(filled.storage, filled.keys, filled.values))
     benchmark.group = "state snapshot"
     benchmark.pedantic(lambda: None, rounds=1)
-    ratio = min(raws) / min(asyncs)
-    sync_share = min(syncs) / min(asyncs)
-    met = "met" if ratio >= 0.70 else "NOT MET, reported only"
-    benchmark.extra_info.update(async_s=min(asyncs), raw_ipc_s=min(raws), sync_ms=min(syncs) * 1e3)
+    ratio = min(raw_tmpfs) / min(on_tmpfs)
+    memory_ratio = min(raw_memory) / min(in_memory)
+    sync_share = min(syncs) / min(on_tmpfs)
+    where = "a tmpfs directory" if filled.tmpfs else "the temp directory (no tmpfs with room)"
+    benchmark.extra_info.update(
+        async_s=min(on_tmpfs),
+        raw_ipc_s=min(raw_tmpfs),
+        memory_async_s=min(in_memory),
+        memory_raw_ipc_s=min(raw_memory),
+        sync_ms=min(syncs) * 1e3,
+    )
     SUMMARY.append(
-        f"heap snapshot {filled.label}: async {min(asyncs):.3f} s, raw pyarrow.ipc {min(raws):.3f} s -> "
-        f"{ratio:.0%} of raw throughput (target >= 70%: {met}); sync {min(syncs) * 1e3:.2f} ms = "
-        f"{sync_share:.2%} of async (target <= 5%)"
+        f"heap snapshot {filled.label} to {where}: {min(on_tmpfs):.3f} s, raw pyarrow.ipc {min(raw_tmpfs):.3f} s "
+        f"-> {ratio:.0%} of raw throughput (target >= 70%); sync {min(syncs) * 1e3:.2f} ms = {sync_share:.2%} "
+        "of async (target <= 5%)"
+    )
+    SUMMARY.append(
+        f"heap snapshot {filled.label} to memory://: {min(in_memory):.3f} s, raw pyarrow.ipc {min(raw_memory):.3f} s "
+        f"-> {memory_ratio:.0%} of raw throughput (reported; floor 50%)"
     )
     assert sync_share <= 0.05
-    assert ratio >= 0.5, "heap snapshots regressed far below raw pyarrow.ipc throughput"
+    assert ratio >= 0.70
+    assert memory_ratio >= 0.5, "heap snapshots regressed far below raw pyarrow.ipc throughput"
 
 
 def test_against_pickling_the_dict(filled) -> None:
