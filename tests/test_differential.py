@@ -5,7 +5,7 @@ data and errors."""
 from __future__ import annotations
 
 import random
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -51,7 +51,9 @@ class Pair:
         self.trace: List[Any] = []
 
     def both(self, method: str, *args) -> None:
-        native, reference = (_outcome(getattr(g, method), *args) for g in self.gates)
+        native, reference = (
+            _outcome(getattr(g, method), *(a() if isinstance(a, Fresh) else a for a in args)) for g in self.gates
+        )
         assert native == reference, (method, args, self.trace[-20:])
         self.trace.append((method, args, native))
 
@@ -68,6 +70,16 @@ class Pair:
             assert getattr(native, attr) == getattr(reference, attr), attr
         assert self.listeners[0].log == self.listeners[1].log
         assert self.listeners[0].triggered == self.listeners[1].triggered
+
+
+class Fresh:
+    """An argument made anew for each gate: an iterator can be consumed once."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make = make
+
+    def __call__(self) -> Any:
+        return self.make()
 
 
 def make_item(rng: random.Random, kind: str, serial: int, max_id: int, clock: ManualClock) -> Any:
@@ -94,8 +106,12 @@ def run_random(seed: int, num_channels: int, capacity: int, config: dict, steps:
             pair.both("push", ch, make_item(rng, kind, serial, max_id, pair.clock))
         elif r < 0.53:
             ch = rng.randrange(num_channels)
-            items = [make_item(rng, "data", serial * 100 + i, max_id, pair.clock) for i in range(rng.randrange(1, 6))]
-            pair.both("push_many", ch, items)
+            # Mostly data, sometimes an event inside the run; a list or tuple takes
+            # the native bulk path, any other iterable the item-by-item one.
+            kinds = rng.choices(list(weights), [300, *list(weights.values())[1:]], k=rng.randrange(1, 6))
+            items = [make_item(rng, k, serial * 100 + i, max_id, pair.clock) for i, k in enumerate(kinds)]
+            container = rng.choice((list, tuple, iter))
+            pair.both("push_many", ch, Fresh(lambda c=container, i=items: c(i)))
         elif r < 0.85:
             pair.both("poll_next")
         elif r < 0.92:
@@ -123,6 +139,7 @@ def test_thousands_of_random_events(config: dict, seed: int) -> None:
 
 op = st.one_of(
     st.tuples(st.just("data"), st.integers(0, 63)),
+    st.tuples(st.just("many"), st.integers(0, 63), st.integers(1, 9), st.integers(-1, 8)),
     st.tuples(st.just("barrier"), st.integers(0, 63), st.integers(0, 6), st.booleans()),
     st.tuples(st.just("cancel"), st.integers(0, 63), st.integers(0, 6)),
     st.tuples(st.just("eop"), st.integers(0, 63)),
@@ -145,6 +162,12 @@ def test_hypothesis_sequences(config: dict, num_channels: int, capacity: int, op
     for serial, o in enumerate(ops):
         if o[0] == "data":
             pair.both("push", o[1] % num_channels, serial)
+        elif o[0] == "many":
+            # A run of data through push_many with, at o[3], a barrier in it (-1: none).
+            run = [serial * 10 + i for i in range(o[2])]
+            if 0 <= o[3] < len(run):
+                run[o[3]] = CheckpointBarrier(serial % 7, 0, CheckpointOptions(CheckpointType.CHECKPOINT))
+            pair.both("push_many", o[1] % num_channels, Fresh(lambda r=run: list(r)))
         elif o[0] == "barrier":
             ctype = CheckpointType.SAVEPOINT if o[3] and serial % 3 == 0 else CheckpointType.CHECKPOINT
             pair.both("push", o[1] % num_channels, CheckpointBarrier(o[2], 0, CheckpointOptions(ctype)))

@@ -4,6 +4,7 @@ against both the native and the reference implementation."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -196,6 +197,35 @@ def test_poll_batch_equals_repeated_poll_next(impl) -> None:
             out.extend(got)
 
     assert run(batched=True) == run(batched=False)
+
+
+def test_batched_paths_keep_exactly_one_reference_per_queued_item(make_gate) -> None:
+    """push_many and poll_batch hand the queue's reference on rather than taking
+    their own: a miscount frees a buffer still in use, or leaks every buffer."""
+    gate = make_gate(2, capacity=8)
+    items = [object() for _ in range(12)]
+
+    def counts() -> list:
+        # Counted outside any assert (pytest's rewriting keeps what an assert
+        # evaluates alive until it ends) and always the same way.
+        return [sys.getrefcount(items[i]) for i in range(len(items))]
+
+    before = counts()
+
+    def held_by_gate_or_batch() -> list:
+        return [now - then for now, then in zip(counts(), before)]
+
+    pushed = gate.push_many(0, items[:10]), gate.push_many(1, tuple(items[10:]))  # a list (8 fit), a tuple
+    assert pushed == (8, 2)
+    queued = held_by_gate_or_batch()
+    assert queued == [1] * 8 + [0, 0] + [1, 1]
+    batch = gate.poll_batch(100)
+    assert sorted(id(item) for _, item in batch) == sorted(id(o) for o in items[:8] + items[10:])
+    in_batch = held_by_gate_or_batch()
+    assert in_batch == queued
+    del batch
+    released = held_by_gate_or_batch()
+    assert released == [0] * 12
 
 
 def test_cancellation_markers_are_consumed(make_gate) -> None:
