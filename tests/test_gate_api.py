@@ -213,7 +213,7 @@ def test_batched_paths_keep_exactly_one_reference_per_queued_item(make_gate) -> 
     before = counts()
 
     def held_by_gate_or_batch() -> list:
-        return [now - then for now, then in zip(counts(), before)]
+        return [now - then for now, then in zip(counts(), before, strict=True)]
 
     pushed = gate.push_many(0, items[:10]), gate.push_many(1, tuple(items[10:]))  # a list (8 fit), a tuple
     assert pushed == (8, 2)
