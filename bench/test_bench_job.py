@@ -92,7 +92,7 @@ def _percentiles(result: Any) -> str:
 
 
 def test_keyed_count_aggregate_with_and_without_checkpoints(benchmark, clicks) -> None:
-    best = _best_interleaved(lambda c: _aggregate_run(clicks, c), rounds=2)
+    best = _best_interleaved(lambda c: _aggregate_run(clicks, c), rounds=3)
     plain, checkpointed = best[False][0], best[True][0]
     ratio = plain / checkpointed
     rate = RECORDS / checkpointed
@@ -114,7 +114,7 @@ def test_keyed_count_aggregate_with_and_without_checkpoints(benchmark, clicks) -
 def test_keyed_process_function_with_and_without_checkpoints(benchmark) -> None:
     rng = np.random.default_rng(1)
     records = list(zip(rng.integers(0, KEYS, PROCESS_RECORDS).tolist(), range(PROCESS_RECORDS), strict=True))
-    best = _best_interleaved(lambda c: _process_run(records, c), rounds=2)
+    best = _best_interleaved(lambda c: _process_run(records, c), rounds=3)
     plain, checkpointed = best[False][0], best[True][0]
     ratio = plain / checkpointed
     rate = PROCESS_RECORDS / checkpointed
