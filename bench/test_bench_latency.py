@@ -154,21 +154,34 @@ def spark():
     session.stop()
 
 
+ROUNDS = 2  # interleaved; each side keeps its least disturbed run, as the throughput benchmarks keep their best
+
+
+def _percentiles(latencies: np.ndarray) -> tuple:
+    assert len(latencies), "no output was committed"
+    return float(np.percentile(latencies, 50) * 1e3), float(np.percentile(latencies, 99) * 1e3)
+
+
 def test_end_to_end_latency_on_spark_against_structured_streaming(benchmark, spark) -> None:
-    ours = _pyengine_latencies(spark)
-    theirs = _structured_streaming_latencies(spark)
+    runs: dict = {"ours": [], "ss": []}
+    for _ in range(ROUNDS):
+        # A slow spell of this shared machine (one CI run: every figure 1.5x slow, and a
+        # 575 ms p99 where 80-180 ms is usual) lands in one round, not in both.
+        runs["ours"].append(_percentiles(_pyengine_latencies(spark)))
+        runs["ss"].append(_percentiles(_structured_streaming_latencies(spark)))
     benchmark.group = "latency"
     benchmark.pedantic(lambda: None, rounds=1)
-    assert len(ours) and len(theirs)
-    p = {name: (np.percentile(v, 50) * 1e3, np.percentile(v, 99) * 1e3) for name, v in (("ours", ours), ("ss", theirs))}
-    benchmark.extra_info.update(pyengine_ms=p["ours"], structured_streaming_ms=p["ss"])
+    p = {name: min(measured, key=lambda pair: pair[1]) for name, measured in runs.items()}
+    benchmark.extra_info.update(pyengine_ms=runs["ours"], structured_streaming_ms=runs["ss"])
     ratio = p["ss"][1] / p["ours"][1]
     SUMMARY.append(
-        f"end-to-end latency at {RATE:,} rows/s, {USERS:,} keys, Spark local[4]: pyengine (checkpoints every "
-        f"{INTERVAL_MS} ms) p50 {p['ours'][0]:.0f} ms, p99 {p['ours'][1]:.0f} ms; Structured Streaming (RocksDB) "
-        f"p50 {p['ss'][0]:.0f} ms, p99 {p['ss'][1]:.0f} ms -> p99 {ratio:.1f}x lower "
-        f"(target >= 10x: {'met' if ratio >= 10 else 'NOT MET'})"
+        f"end-to-end latency at {RATE:,} rows/s, {USERS:,} keys, Spark local[4], best p99 of {ROUNDS} interleaved "
+        f"runs: pyengine (checkpoints every {INTERVAL_MS} ms) p50 {p['ours'][0]:.0f} ms, p99 {p['ours'][1]:.0f} ms; "
+        f"Structured Streaming (RocksDB) p50 {p['ss'][0]:.0f} ms, p99 {p['ss'][1]:.0f} ms -> p99 {ratio:.1f}x lower "
+        f"(target >= 10x: {'met' if ratio >= 10 else 'NOT MET'}); every run's p99: pyengine "
+        f"{', '.join(f'{r[1]:.0f}' for r in runs['ours'])} ms, Structured Streaming "
+        f"{', '.join(f'{r[1]:.0f}' for r in runs['ss'])} ms"
     )
-    # Measured 11-19x here; the guard leaves room for this shared machine's noise, and
+    # Measured 11-29x here; the guard leaves room for this shared machine's noise, and
     # the figure above says whether the target was met in this run.
     assert ratio >= 5

@@ -67,6 +67,10 @@ class ColumnarGroup:
     def merge_many(self, keys: Any, values: Any, how: str) -> Any: ...
     def get_many(self, keys: Any) -> Tuple[Any, Any]: ...
 
+def merge_groups(groups: List[ColumnarGroup], keys: Any, values: Any, bounds: Any, active: List[int], how: str) -> Any:
+    """ColumnarGroup.merge_many on every active key group g for keys[bounds[g]:bounds[g + 1]], in one call
+    (int64 or float64 values); the new values, in the order of keys."""
+
 def gather_changes(groups: List[ColumnarGroup], touched: List[Set[int]]) -> Tuple[Any, Any, Any, Any, Any]:
     """(keys, values, deleted, upserts, deletes) of many groups' changed keys, in one call."""
 

@@ -244,3 +244,64 @@ def test_vectorised_writes_through_incremental_checkpoints_restore_exactly(tmp_p
         r = create_keyed_backend("heap", max_parallelism=16)
         r.restore(result.handles)
         assert contents(r, ValueStateDescriptor("count", 0, pa.int64())) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from([np.int64, np.float64]),
+    how=st.sampled_from(["add", "min", "max"]),
+    tracking=st.booleans(),
+    batches=st.lists(st.tuples(st.integers(0, 2**32), st.integers(0, 60), st.booleans()), max_size=12),
+)
+def test_merge_groups_in_one_call_equals_merge_many_per_group(dtype, how, tracking, batches) -> None:
+    """The one-call merge over every key group (C) against each group's own
+    merge_many (NumPy): the same values returned and stored, including int64
+    wrap-around and NaN, the same changes tracked, and frozen arrays untouched."""
+    from pyengine import _native
+
+    ngroups = 5
+    one_call, per_group = ([_native.ColumnarGroup(np.dtype(dtype)) for _ in range(ngroups)] for _ in range(2))
+    if tracking:
+        for g in one_call + per_group:
+            g.track_changes()
+    for seed, n, freeze in batches:
+        rng = np.random.default_rng(seed)
+        keys = rng.choice(np.arange(-60, 60, dtype=np.int64), n, replace=False)
+        if dtype is np.int64:
+            values = rng.integers(-(2**63), 2**63 - 1, n, endpoint=True, dtype=np.int64)
+        else:
+            values = rng.choice(np.array([np.nan, np.inf, -np.inf, -0.0, 0.0, 1.5, -2.25]), n)
+        order = np.argsort(keys % ngroups, kind="stable")
+        sorted_keys, sorted_values = keys[order], values[order]
+        bounds = np.searchsorted((keys % ngroups)[order], np.arange(ngroups + 1))
+        active = np.nonzero(np.diff(bounds))[0].tolist()
+        frozen = [(g.freeze(), tuple(a.copy() for a in g.arrays())) for g in one_call] if freeze else []
+        got = _native.merge_groups(one_call, sorted_keys, sorted_values, bounds, active, how)
+        want = np.empty_like(sorted_values)
+        for g in active:
+            a, b = bounds[g], bounds[g + 1]
+            with np.errstate(invalid="ignore"):  # inf + -inf is NaN on both sides
+                want[a:b] = per_group[g].merge_many(sorted_keys[a:b], sorted_values[a:b], how)
+        assert np.array_equal(got, want, equal_nan=True)
+        for mine, theirs in zip(one_call, per_group, strict=True):
+            stored = zip(mine.arrays(), theirs.arrays(), strict=True)
+            assert all(np.array_equal(x, y, equal_nan=True) for x, y in stored)
+        for held, copied in frozen:
+            assert all(np.array_equal(x, y, equal_nan=True) for x, y in zip(held, copied, strict=True))
+    if tracking:
+        mine, theirs = _native.take_changes(one_call), _native.take_changes(per_group)
+        assert sorted(mine[0].tolist()) == sorted(theirs[0].tolist())
+        assert mine[3].tolist() == theirs[3].tolist()
+
+
+def test_merge_groups_refuses_what_it_cannot_merge() -> None:
+    from pyengine import _native
+
+    groups = [_native.ColumnarGroup(np.dtype(np.int64))]
+    one = np.array([1], np.int64)
+    with pytest.raises(ValueError, match="add, min or max"):
+        _native.merge_groups(groups, one, one, np.array([0, 1]), [0], "mul")
+    with pytest.raises(TypeError, match=r"values are float64, the key groups hold int64"):
+        _native.merge_groups(groups, one, one.astype(np.float64), np.array([0, 1]), [0], "add")
+    with pytest.raises(TypeError, match="int64 or float64 values only"):
+        _native.merge_groups([_native.ColumnarGroup(np.dtype(np.int32))], one, one.astype(np.int32), [0, 1], [0], "add")

@@ -26,6 +26,7 @@ __all__ = ["ColumnarValueState", "ColumnarValueTable", "KeySplit", "columnar_dty
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _MISSING = object()
+_MERGED_NATIVELY = (np.dtype(np.int64), np.dtype(np.float64))  # merge_groups: every key group in one C call
 
 
 def columnar_dtype(descriptor: StateDescriptor) -> Optional[np.dtype]:
@@ -222,10 +223,13 @@ class ColumnarValueState:
         self._columnar("merge_many")
         sp = split if split is not None else self.split_keys(keys)
         values = np.asarray(values, dtype=self._table.dtype)[sp.order]
-        merged = np.empty(len(sp.keys), self._table.dtype)
-        for index in sp.active:
-            a, b = sp.bounds[index], sp.bounds[index + 1]
-            merged[a:b] = self._table.groups[index].merge_many(sp.sorted_keys[a:b], values[a:b], how)
+        if self._table.dtype in _MERGED_NATIVELY:
+            merged = _native.merge_groups(self._table.groups, sp.sorted_keys, values, sp.bounds, sp.active, how)
+        else:
+            merged = np.empty(len(sp.keys), self._table.dtype)
+            for index in sp.active:
+                a, b = sp.bounds[index], sp.bounds[index + 1]
+                merged[a:b] = self._table.groups[index].merge_many(sp.sorted_keys[a:b], values[a:b], how)
         out = np.empty_like(merged)
         out[sp.order] = merged
         return out
