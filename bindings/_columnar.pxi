@@ -273,8 +273,14 @@ cdef int merge_runs(list groups, list active, const cnp.int64_t[::1] keys, const
     cdef ColumnarGroup group
     cdef cnp.int64_t[::1] dense
     cdef merged_t[::1] current
+    cdef Py_ssize_t ngroups = len(groups)
+    if bounds.shape[0] != ngroups + 1 or values.shape[0] != keys.shape[0] or out.shape[0] != keys.shape[0]:
+        raise ValueError(f"merge_groups: {keys.shape[0]} keys, {values.shape[0]} values and {bounds.shape[0]} "
+                         f"bounds for {ngroups} key groups (bounds: one more than groups)")
     for index in active:
         g = index
+        if g < 0 or g >= ngroups or not 0 <= bounds[g] <= bounds[g + 1] <= keys.shape[0]:
+            raise IndexError(f"merge_groups: key group {g} or its bounds are out of range")
         group = groups[g]
         group.prepare_write(bounds[g + 1] - bounds[g])
         dense = group.keys

@@ -305,3 +305,9 @@ def test_merge_groups_refuses_what_it_cannot_merge() -> None:
         _native.merge_groups(groups, one, one.astype(np.float64), np.array([0, 1]), [0], "add")
     with pytest.raises(TypeError, match="int64 or float64 values only"):
         _native.merge_groups([_native.ColumnarGroup(np.dtype(np.int32))], one, one.astype(np.int32), [0, 1], [0], "add")
+    with pytest.raises(ValueError, match="bounds: one more than groups"):
+        _native.merge_groups(groups, one, one, np.array([0]), [0], "add")
+    with pytest.raises(IndexError, match="key group 3"):
+        _native.merge_groups(groups, one, one, np.array([0, 1]), [3], "add")
+    with pytest.raises(IndexError, match="key group 0"):
+        _native.merge_groups(groups, one, one, np.array([0, 5]), [0], "add")
