@@ -206,9 +206,11 @@ def write_ipc_file(
     workers = encoding_workers()
     pool = _executor() if workers else None
     # A few batches per encoding thread ahead of the writing: enough that the
-    # writer rarely waits, few enough that memory stays a few batches.
-    ahead = 3 * (workers + 1)
+    # writer rarely waits, few enough that memory stays a few batches. And at
+    # most a quarter of the file: a small state (1M entries is 8 batches) would
+    # otherwise be mostly in flight at once, encoded beside itself.
     n = len(builds)
+    ahead = max(2, min(3 * (workers + 1), n // 4))
     slots: List[Optional[Future[_Message]]] = [None] * n
     in_pool: Deque[Future[_Message]] = deque()
     next_build = written = 0
