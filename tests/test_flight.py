@@ -189,3 +189,32 @@ def test_a_blocked_put_is_woken_at_every_capacity_and_flush_sees_everything_writ
     consumer.join(15)
     assert got == list(range(n))
     out.close()
+
+
+def test_a_channel_waits_for_a_server_that_is_about_to_listen(monkeypatch) -> None:
+    """A port refused at first (a server starting, or a closed server's connection
+    still cached by gRPC) is retried; a port that never accepts is a clear error."""
+    from pyengine.runners import flight as channels
+
+    gate = CheckpointedInputGate(1, RecordingListener(), capacity=8)
+    first = channels.ChannelServer(gate, TOKEN)
+    port = first.port
+    first.shutdown()  # the port is free now, and refuses
+    late: List[Any] = []
+
+    def start_late() -> None:
+        time.sleep(0.3)
+        late.append(channels.ChannelServer(gate, TOKEN, port=port))
+        late[0].serve()
+
+    threading.Thread(target=start_late, daemon=True).start()
+    out = RemoteChannel(f"grpc://127.0.0.1:{port}", 0, TOKEN)  # refused for 0.3 s, then connects
+    assert out.put(0, pa.record_batch({"x": [1, 2, 3]}), timeout=5)
+    got = gate.next(timeout=5)
+    assert got is not None and got[1].num_rows == 3
+    out.close()
+    late[0].shutdown()
+
+    monkeypatch.setattr(channels, "CONNECT_TIMEOUT_S", 0.3)
+    with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}: no server there"):
+        RemoteChannel(f"grpc://127.0.0.1:{port}", 0, TOKEN)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hmac
 import json
 import threading
+import time
 from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
@@ -78,6 +79,9 @@ def decode_event(raw: bytes) -> Any:
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"corrupt channel event {raw[:80]!r}: {exc}") from None
     raise ValueError(f"unknown channel event {kind!r}")
+
+
+CONNECT_TIMEOUT_S = 10.0  # how long a new channel waits for its server to accept
 
 
 def _descriptor(token: str, channel: int) -> flight.FlightDescriptor:
@@ -164,10 +168,13 @@ class RemoteChannel:
         self._token = token
         self._client = flight.FlightClient(location)
         try:  # refused here, before any data moves, if the token is wrong
-            list(self._client.do_action(flight.Action("hello", token.encode())))
+            self._hello(token)
         except flight.FlightUnauthenticatedError as exc:
             self._client.close()
             raise PermissionError(f"channel {channel} to {location}: {exc}") from None
+        except flight.FlightUnavailableError as exc:
+            self._client.close()
+            raise ConnectionError(f"channel {channel} to {location}: no server there ({exc})") from None
         self._writer: Any = None
         self._schema: Optional[pa.Schema] = None
         self._queue: Deque[Any] = deque()
@@ -177,6 +184,23 @@ class RemoteChannel:
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._send_loop, name=f"flight-out-{channel}", daemon=True)
         self._thread.start()
+
+    def _hello(self, token: str) -> None:
+        """The first call, retried while the address refuses for up to CONNECT_TIMEOUT_S:
+        the server may be a moment from listening, and gRPC shares one connection per
+        address across a process's clients, so a server that just closed on a port a
+        new one now has can leave a refused connection behind for a while."""
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        pause = 0.02
+        while True:
+            try:
+                list(self._client.do_action(flight.Action("hello", token.encode())))
+                return
+            except flight.FlightUnavailableError:
+                if time.monotonic() + pause > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(2 * pause, 0.5)
 
     # -- the gate-like side ---------------------------------------------------------------
 
