@@ -423,21 +423,13 @@ cdef class InputGate:
                 continue
             return None
 
-    cdef object take_plain_data(self, uint32_t ch, void *ptr):
-        """Pops the data item at ptr, the head of ch, when no checkpoint is in
-        progress: then polling data has no effect beyond the channel queue."""
-        item = <object>ptr
-        Py_XDECREF(<PyObject *>pe_rings_pop(&self.rings, ch))  # `item` keeps its own reference
-        pe_chanqueue_pop(&self.available)
-        if pe_rings_len(&self.rings, ch):
-            pe_chanqueue_push(&self.available, ch)
-        return result(self.chan(ch), item)
-
     @cython.final
     cdef inline int append_plain_data(self, list out, uint32_t ch, void *ptr) except -1:
-        """take_plain_data for a batch: the channel's reference to the item
-        passes to its pair, and the pair exists before anything is popped, so a
-        failed allocation leaves the item queued."""
+        """Moves the data item at ptr, the head of ch, into out as a (channel, item)
+        pair, when no checkpoint is in progress: then polling data has no effect
+        beyond the channel queue. The channel's reference to the item passes to
+        its pair, and the pair exists before anything is popped, so a failed
+        allocation leaves the item queued."""
         cdef tuple pair = PyTuple_New(2)
         channel = self.chan(ch)
         Py_INCREF(channel)
