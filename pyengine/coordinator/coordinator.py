@@ -224,6 +224,9 @@ class CheckpointCoordinator:
         self._last_completion_ms: Optional[int] = None
         self._consecutive_failures = 0
         self._shutdown = False
+        # Set by the runner: what completed checkpoints record of the run (see CheckpointMetadata).
+        self.job_name = ""
+        self.lineage: List[Tuple[str, int]] = []
 
     # -- scheduler ---------------------------------------------------------------------------
 
@@ -475,6 +478,8 @@ class CheckpointCoordinator:
             timestamp=pending.timestamp,
             type="savepoint" if pending.is_savepoint else "checkpoint",
             operators=operators,
+            job_name=self.job_name,
+            runs=[*self.lineage, (self.job_id, pending.checkpoint_id)],
         )
 
     def _abort(self, pending: PendingCheckpoint, cause: CheckpointException) -> None:

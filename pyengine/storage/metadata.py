@@ -3,10 +3,17 @@
 Plain JSON, so any tool can read it and reading it can never run code::
 
     {"format": "pyengine-checkpoint", "version": 1, "checksum": "xxh3:...",
-     "metadata": {"job_id": ..., "checkpoint_id": ..., "timestamp": ..., "type": ...,
+     "metadata": {"job_id": ..., "job_name": ..., "runs": [[run_id, checkpoint_id], ...],
+                  "checkpoint_id": ..., "timestamp": ..., "type": ...,
                   "operators": {uid: {"parallelism": P, "max_parallelism": M,
                                       "subtasks": {"0": {"keyed": [...], "operator": [...]}}}},
                   "shared": [uri, ...]}}
+
+``job_id`` is the run that wrote the checkpoint and ``job_name`` the job it is a
+run of. ``runs`` is the checkpoint's lineage: each run whose output the state
+covers, with the last checkpoint of that run it covers (the runs it was restored
+through, then this one). A sink uses it to tell the output a restored run must
+keep from what it must drop.
 
 The checksum covers the canonical JSON of ``metadata``, so a damaged file is
 told apart from a valid one even when it still parses.
@@ -16,7 +23,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import xxhash
 
@@ -79,6 +86,8 @@ class CheckpointMetadata:
     type: str = "checkpoint"  # or "savepoint"
     operators: Dict[str, OperatorState] = field(default_factory=dict)
     shared: List[str] = field(default_factory=list)  # incremental files this checkpoint uses
+    job_name: str = ""
+    runs: List[Tuple[str, int]] = field(default_factory=list)  # lineage: (run id, last checkpoint covered)
 
     def handles(self) -> List[StateHandle]:
         return [h for op in self.operators.values() for s in op.subtasks.values() for h in s.handles()]
@@ -104,6 +113,8 @@ class CheckpointMetadata:
                 for uid, op in sorted(self.operators.items())
             },
             "shared": sorted(self.shared),
+            "job_name": self.job_name,
+            "runs": [[r, c] for r, c in self.runs],
         }
         return {
             "format": METADATA_FORMAT,
@@ -148,6 +159,8 @@ class CheckpointMetadata:
                 type=str(body.get("type", "checkpoint")),
                 operators=operators,
                 shared=[str(p) for p in body.get("shared", [])],
+                job_name=str(body.get("job_name", "")),
+                runs=[(str(r), int(c)) for r, c in body.get("runs", [])],
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise MetadataError(f"{where} is malformed: {exc!r}") from None
