@@ -15,7 +15,8 @@ import json
 import re
 import sys
 import threading
-from typing import Any, Dict, List, Optional, TextIO, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -23,9 +24,27 @@ from pyarrow.fs import FileSelector
 
 from .storage.filesystem import resolve
 
-__all__ = ["CollectSink", "DiscardSink", "FileSink", "PrintSink", "Sink"]
+__all__ = ["CollectSink", "DiscardSink", "FileSink", "PrintSink", "RunInfo", "Sink"]
 
 FINAL = 2**62  # the checkpoint id of what is staged at the end of input without checkpoints
+
+# The lineage a restored state covers: (run id, last checkpoint id of that run it covers), oldest first.
+Covered = Sequence[Tuple[str, int]]
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """Who is writing: one run of a job.
+
+    ``run_id`` is this run's id (the job id of ``JobResult``); ``lineage_id`` the id of
+    the first run of the chain of restores this run continues (a fresh run: its own
+    id), so a sink tells its own earlier output from another job's; ``restored`` the
+    lineage of the checkpoint this run started from (``()`` for a fresh start)."""
+
+    job_name: str
+    run_id: str
+    lineage_id: str
+    restored: Tuple[Tuple[str, int], ...] = ()
 
 
 class Sink:

@@ -1,0 +1,43 @@
+"""Errors a user of pyengine catches, in one place.
+
+``JobFailedError`` is what ``execute()`` raises when a job fails (as Flink's
+``JobExecutionException``); ``NonRetryableError`` marks a failure that no restart
+can fix, so runners fail the job at once instead of spending ``restart_attempts``
+(Flink's ``SuppressRestartsException``)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+__all__ = ["JobFailedError", "NonRetryableError", "OutputInUseError"]
+
+
+class NonRetryableError(Exception):
+    """A failure that a restart cannot fix (a misspelt column, a record a sink refuses
+    by its type, a directory another job writes): the job fails without restarting."""
+
+
+class OutputInUseError(NonRetryableError):
+    """A sink's output (or a checkpoint storage) that another run uses or owns; the
+    message names that run and the ways out."""
+
+
+class JobFailedError(Exception):
+    """``execute()`` of a job that ended FAILED: ``result`` is its ``JobResult``, and the
+    user's exception is ``__cause__`` (with its traceback) and ``cause``."""
+
+    def __init__(self, message: str, result: Any = None, cause: Optional[BaseException] = None) -> None:
+        super().__init__(message)
+        self.result = result
+        self.cause = cause
+
+
+def is_non_retryable(exc: Optional[BaseException]) -> bool:
+    """True when ``exc`` or anything in its cause/context chain is a ``NonRetryableError``."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, NonRetryableError):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
