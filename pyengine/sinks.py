@@ -2,29 +2,59 @@
 
 Transactional sinks stage what a subtask wrote between two checkpoints and make
 it visible when the checkpoint covering it completes (two-phase commit). A
-staged piece is named by the checkpoint that covers it, so recovery needs no
-state: restoring from checkpoint ``R`` commits every staged piece of a
-checkpoint ``<= R`` (that checkpoint completed; only its commit never ran) and
-aborts the rest (their records will be replayed)."""
+staged piece is named by the run that wrote it and the checkpoint of that run
+that covers it, so recovery needs no state of its own: restoring a checkpoint
+that covers ``[(run W, 5), (run X, 12)]`` commits every staged piece of W up to
+5 and of X up to 12 (those checkpoints completed; only their commit never ran)
+and removes everything else of that lineage (its records will be replayed).
+
+A runner drives a sink as follows (the driver's calls in capitals):
+
+- ``begin_run(run)`` once per run, before anything else;
+- ``recover(covered)`` before each attempt, the first too;
+- ``stage``/``commit`` in the tasks (on Spark: on executors, after pickling);
+- ``end_run(status)`` once at the end."""
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
+import logging
+import math
+import numbers
+import os
 import re
+import socket
 import sys
 import threading
+import time
+import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, TextIO, Tuple
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from pyarrow.fs import FileSelector
 
+from .errors import NonRetryableError, OutputInUseError
 from .storage.filesystem import resolve
 
-__all__ = ["CollectSink", "DiscardSink", "FileSink", "PrintSink", "RunInfo", "Sink"]
+__all__ = [
+    "CollectSink",
+    "Covered",
+    "DiscardSink",
+    "FileSink",
+    "PrintSink",
+    "RecordRejectedError",
+    "RunInfo",
+    "Sink",
+    "run_tag",
+]
+
+log = logging.getLogger(__name__)
 
 FINAL = 2**62  # the checkpoint id of what is staged at the end of input without checkpoints
 
@@ -47,8 +77,34 @@ class RunInfo:
     restored: Tuple[Tuple[str, int], ...] = ()
 
 
+class RecordRejectedError(NonRetryableError, ValueError):
+    """A record a sink cannot write as it is: a value that is not JSON (NaN, a set,
+    bytes, an object), a field the declared schema lacks or a value that does not
+    fit it. No restart changes the record, so the job fails at once; it is also a
+    ``ValueError``, as a bad value is in Python."""
+
+
+def run_tag(run_id: str) -> str:
+    """The 12 hex characters that name a run in part-file names: the start of a hex
+    run id (``uuid4().hex``), else a digest of the id, so every run id has one and a
+    part name never carries characters a filesystem dislikes."""
+    if re.fullmatch(r"[0-9a-f]{12,}", run_id):
+        return run_id[:12]
+    return hashlib.sha1(run_id.encode()).hexdigest()[:12]
+
+
+def _covered_map(covered: Covered) -> Dict[str, int]:
+    """Run tag -> last checkpoint covered (a run listed twice: its larger id)."""
+    out: Dict[str, int] = {}
+    for run_id, checkpoint_id in covered:
+        tag = run_tag(str(run_id))
+        out[tag] = max(out.get(tag, -1), int(checkpoint_id))
+    return out
+
+
 class Sink:
-    """A sink's subtasks call ``stage``/``commit``; the runner calls ``recover``."""
+    """A sink's subtasks call ``stage``/``commit``; the runner calls ``begin_run``,
+    ``recover`` and ``end_run`` on the driver."""
 
     transactional = True
 
@@ -65,21 +121,31 @@ class Sink:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
+    def begin_run(self, run: RunInfo) -> None:
+        """Once per run, on the driver, before anything else: who is writing. A sink
+        that keeps output across runs checks here that it may write where it writes."""
+
     def stage(self, subtask: int, checkpoint_id: int, records: Any) -> None:
         """Keeps ``records`` invisibly until ``commit`` of a checkpoint >= ``checkpoint_id``.
 
-        ``records`` is a list of records, or a ``pyarrow.Table`` when the stream
-        carried Arrow batches (``map_batches``, ``aggregate``, ``read_files``)."""
+        ``checkpoint_id`` is this run's (ids restart in each run; ``FINAL`` at the end of
+        input without checkpoints). ``records`` is a list of records, or a
+        ``pyarrow.Table`` when the stream carried Arrow batches (``map_batches``,
+        ``aggregate``, ``read_files``)."""
         raise NotImplementedError
 
     def commit(self, subtask: int, checkpoint_id: int) -> None:
-        """Makes visible what ``subtask`` staged for checkpoints <= ``checkpoint_id``."""
+        """Makes visible what ``subtask`` staged in this run for checkpoints <= ``checkpoint_id``."""
         raise NotImplementedError
 
-    def recover(self, restored_checkpoint: int) -> None:
-        """Before a (re)start from ``restored_checkpoint`` (0: none): commit what is
-        staged for checkpoints up to it, abort the rest."""
+    def recover(self, covered: Covered) -> None:
+        """Before each attempt (the first too), on the driver: make the output exactly
+        what the restored state covers. ``covered`` lists ``(run_id, last checkpoint id)``
+        of the lineage, oldest first; ``()`` is a fresh start."""
         raise NotImplementedError
+
+    def end_run(self, status: str) -> None:
+        """Once at the end of the run, on the driver: ``FINISHED``, ``FAILED`` or ``CANCELED``."""
 
 
 class CollectSink(Sink):
@@ -87,24 +153,35 @@ class CollectSink(Sink):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._staged: Dict[Tuple[int, int], List[Any]] = {}
+        # (run id, subtask, checkpoint id) -> records staged
+        self._staged: Dict[Tuple[Optional[str], int, int], List[Any]] = {}
+        self._run_id: Optional[str] = None
         self.records: List[Any] = []
+
+    def begin_run(self, run: RunInfo) -> None:
+        with self._lock:
+            self._run_id = run.run_id
 
     def stage(self, subtask: int, checkpoint_id: int, records: Any) -> None:
         rows = _rows(records)
         with self._lock:
-            self._staged.setdefault((subtask, checkpoint_id), []).extend(rows)
+            self._staged.setdefault((self._run_id, subtask, checkpoint_id), []).extend(rows)
 
     def commit(self, subtask: int, checkpoint_id: int) -> None:
         with self._lock:
-            for key in sorted(k for k in self._staged if k[0] == subtask and k[1] <= checkpoint_id):
+            keys = [k for k in self._staged if k[0] == self._run_id and k[1] == subtask and k[2] <= checkpoint_id]
+            for key in sorted(keys, key=lambda k: k[2]):
                 self.records.extend(self._staged.pop(key))
 
-    def recover(self, restored_checkpoint: int) -> None:
+    def recover(self, covered: Covered) -> None:
+        """Commits staged pieces the restored state covers (checkpoints of their run up
+        to the covered one: they completed, only their commit never ran); drops the rest."""
+        upto = {str(r): int(c) for r, c in covered}
         with self._lock:
-            for key in sorted(self._staged, key=lambda k: k[1]):
+            for key in sorted(self._staged, key=lambda k: (k[2], k[1])):
                 records = self._staged.pop(key)
-                if key[1] <= restored_checkpoint:
+                run_id, _, checkpoint_id = key
+                if run_id is not None and run_id in upto and checkpoint_id <= upto[run_id]:
                     self.records.extend(records)
 
 
@@ -127,7 +204,7 @@ class PrintSink(Sink):
     def commit(self, subtask: int, checkpoint_id: int) -> None:
         pass
 
-    def recover(self, restored_checkpoint: int) -> None:
+    def recover(self, covered: Covered) -> None:
         pass
 
 
@@ -147,42 +224,386 @@ class DiscardSink(Sink):
     def commit(self, subtask: int, checkpoint_id: int) -> None:
         pass
 
-    def recover(self, restored_checkpoint: int) -> None:
+    def recover(self, covered: Covered) -> None:
         pass
 
 
-_STAGED = re.compile(r"^part-(\d+)-(\d+)-(\d+)\.(jsonl|csv|parquet)$")
+# part-<run tag>-<subtask>-<checkpoint>-<seq>.<format>: committed in the directory, staged in _staging/
+_PART = re.compile(r"^part-([0-9a-f]{12})-(\d+)-(\d+)-(\d+)\.(jsonl|csv|parquet)$")
+# what FileSink wrote before part names carried the run (an unknown writer's output now)
+_LEGACY_PART = re.compile(r"^part-(\d+)-(\d+)-(\d+)\.(jsonl|csv|parquet)$")
+# .part-<run tag>-...-<unique>.tmp: a piece being written
+_TEMP = re.compile(r"^\.part-([0-9a-f]{12})-.*\.tmp$")
+
+META_DIR = "_pyengine"  # the sink's own files: who wrote the directory, who writes it now
+RUNS_FILE = "runs.json"
+LOCK_FILE = "lock.json"
+RUNS_FORMAT = "pyengine-filesink-runs"
+HEARTBEAT_S = 10.0
+STALE_S = 60.0
+MODES = ("error", "append", "overwrite")
+
+# Tokens of the directory locks this process holds: a lock of this host and pid whose
+# token is not here was left by a run of this process that is gone.
+_LIVE_TOKENS: Set[str] = set()
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _utc(ms: Any) -> str:
+    if not isinstance(ms, (int, float)) or not ms:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ms / 1000))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    except OSError:
+        return True
+    return True
+
+
+def _visible(name: str) -> bool:
+    """Output a reader sees (Spark and pyarrow skip names starting with ``_`` or ``.``)."""
+    return not name.startswith(("_", "."))
 
 
 class FileSink(Sink):
-    """Part files under ``path`` (a local path or a ``pyarrow.fs`` URI), in
-    ``jsonl``, ``csv`` or ``parquet``. Staged files live in ``_staging/``;
-    committed ones are the only files whose names start with neither ``_`` nor ``.``."""
+    """Part files under ``path`` (a local path or a ``pyarrow.fs`` URI), in ``jsonl``,
+    ``csv`` or ``parquet``, written exactly once per run and named by the run.
+
+    Layout of ``path``::
+
+        part-<run tag>-<subtask>-<checkpoint>-<seq>.<format>   committed output
+        _staging/part-<run tag>-...                             staged, not yet committed
+        _staging/.part-<run tag>-...-<unique>.tmp               being written
+        _pyengine/runs.json                                     every run that wrote here
+        _pyengine/lock.json                                     the run writing now
+
+    ``mode`` says what to do with a directory that holds another job's committed
+    output (as ``DataFrame.write.mode``): ``"error"`` refuses it (``OutputInUseError``
+    naming the run that wrote it), ``"append"`` adds to it, ``"overwrite"`` replaces
+    it. A run that continues its own lineage (a restore or ``resume="auto"``) always
+    continues its own output, in every mode. Two live runs never write one
+    directory: the second is refused, naming the first.
+
+    ``schema`` (parquet and csv): a ``pyarrow.Schema`` every record must fit; without
+    it, each staged piece takes the union of its records' fields."""
 
     FORMATS = ("jsonl", "csv", "parquet")
+    MODES = MODES
 
-    def __init__(self, path: str, format: str = "jsonl") -> None:
+    def __init__(
+        self,
+        path: str,
+        format: str = "jsonl",
+        mode: str = "error",
+        schema: Optional[pa.Schema] = None,
+    ) -> None:
         if format not in self.FORMATS:
             raise ValueError(f"FileSink format must be one of {', '.join(self.FORMATS)}, got {format!r}")
         if not isinstance(path, str) or not path:
             raise ValueError(f"FileSink needs a path, got {path!r}")
+        if mode not in MODES:
+            raise ValueError(
+                f"FileSink mode must be one of {', '.join(repr(m) for m in MODES)} "
+                f"(as DataFrame.write.mode), got {mode!r}"
+            )
+        if schema is not None:
+            if not isinstance(schema, pa.Schema):
+                raise ValueError(f"FileSink schema must be a pyarrow.Schema, got {type(schema).__name__}")
+            if format == "jsonl":
+                raise ValueError("FileSink schema= applies to parquet and csv; jsonl writes each record as it is")
         self.path = path
         self.format = format
+        self.mode = mode
+        self.schema = schema
         self._seq: Dict[Tuple[int, int], int] = {}
         self._lock = threading.Lock()
+        self._run: Optional[RunInfo] = None
+        self._tag: Optional[str] = None
+        self._token: Optional[str] = None  # the directory lock this object holds (driver only)
+        self._heartbeat: Optional[_Heartbeat] = None
+
+    # The heartbeat thread stays on the driver; a copy (a Spark executor's) holds no lock.
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_heartbeat", None)
+        state["_token"] = None
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._heartbeat = None
+
+    @property
+    def run_tag(self) -> Optional[str]:
+        """The tag this run's part files carry (None before ``begin_run``)."""
+        return self._tag
 
     def _fs(self) -> Tuple[Any, str]:
         fs, root, _ = resolve(self.path)
         return fs, root
 
+    def _require_run(self, what: str) -> RunInfo:
+        if self._run is None:
+            raise RuntimeError(
+                f"FileSink.{what} before begin_run(run): part files are named by the run that writes them, "
+                "so a runner must call begin_run first"
+            )
+        return self._run
+
     def open(self, subtask: int) -> None:
         fs, root = self._fs()
         fs.create_dir(f"{root}/_staging", recursive=True)
 
+    # -- the run: identity, lock, mode ---------------------------------------------------------------------------
+
+    def begin_run(self, run: RunInfo) -> None:
+        """Takes the directory for ``run``: refuses it while another live run holds it
+        (``OutputInUseError``), applies ``mode`` to other jobs' output (``"error"``:
+        ``OutputInUseError`` naming their writer), records the run in
+        ``_pyengine/runs.json`` and keeps the lock's heartbeat until ``end_run``."""
+        if not isinstance(run, RunInfo):
+            raise TypeError(f"FileSink.begin_run needs a RunInfo, got {type(run).__name__}")
+        if self._token is not None:  # a run that never ended (its runner died): let it go first
+            self._release("FAILED")
+        fs, root = self._fs()
+        fs.create_dir(f"{root}/{META_DIR}", recursive=True)
+        fs.create_dir(f"{root}/_staging", recursive=True)
+        tag = run_tag(run.run_id)
+        token = self._take_lock(fs, root, run)
+        try:
+            runs = self._read_runs(fs, root)
+            ours = _lineage_tags(runs, run.lineage_id, run.restored) | {tag}
+            if self.mode == "error":
+                self._refuse_foreign_output(fs, root, runs, ours, run)
+            elif self.mode == "overwrite":
+                self._delete_foreign(fs, root, ours)
+                runs = {t: r for t, r in runs.items() if t in ours}
+            runs[tag] = {
+                "job_name": run.job_name,
+                "run_id": run.run_id,
+                "lineage_id": run.lineage_id,
+                "restored": [list(c) for c in run.restored],
+                "started_ms": _now_ms(),
+                "ended_ms": None,
+                "status": "RUNNING",
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "format": self.format,
+                "mode": self.mode,
+            }
+            self._write_runs(fs, root, runs)
+        except BaseException:
+            _drop_lock(fs, f"{root}/{META_DIR}/{LOCK_FILE}", token)
+            _LIVE_TOKENS.discard(token)
+            raise
+        with self._lock:
+            self._run, self._tag, self._token = run, tag, token
+            self._seq = {}
+        self._heartbeat = _Heartbeat(fs, f"{root}/{META_DIR}/{LOCK_FILE}", token, self.path)
+        self._heartbeat.start()
+
+    def end_run(self, status: str) -> None:
+        """Records ``status`` for this run in ``_pyengine/runs.json``, stops the heartbeat
+        and removes the lock. Never raises for storage trouble: it runs in the runner's
+        ``finally``, where an error would hide the job's own."""
+        if self._token is None:
+            return  # begin_run did not take the directory (refused, or never called)
+        self._release(status)
+
+    def _release(self, status: str) -> None:
+        token, self._token = self._token, None
+        heartbeat, self._heartbeat = self._heartbeat, None
+        if heartbeat is not None:
+            heartbeat.stop()
+        fs, root = self._fs()
+        try:
+            runs = self._read_runs(fs, root)
+            entry = runs.get(self._tag or "")
+            if entry is not None:
+                entry["status"] = str(status)
+                entry["ended_ms"] = _now_ms()
+                self._write_runs(fs, root, runs)
+        except OSError as exc:
+            log.warning("FileSink %s: could not record run status %s: %s", self.path, status, exc)
+        if token is not None:
+            _drop_lock(fs, f"{root}/{META_DIR}/{LOCK_FILE}", token)
+            _LIVE_TOKENS.discard(token)
+
+    def _take_lock(self, fs: Any, root: str, run: RunInfo) -> str:
+        """Creates ``_pyengine/lock.json`` exclusively (a hard link or ``O_EXCL`` on a
+        local disk; check-then-write-then-verify elsewhere), taking over a stale one."""
+        path = f"{root}/{META_DIR}/{LOCK_FILE}"
+        token = uuid.uuid4().hex
+        now = _now_ms()
+        body = {
+            "run_id": run.run_id,
+            "job_name": run.job_name,
+            "lineage_id": run.lineage_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started_ms": now,
+            "heartbeat_ms": now,
+            "token": token,
+        }
+        data = json.dumps(body, indent=1).encode()
+        local = isinstance(fs, pafs.LocalFileSystem)
+        _LIVE_TOKENS.add(token)
+        try:
+            for _ in range(8):
+                if local:
+                    created = _create_exclusive_local(path, data)
+                else:
+                    created = fs.get_file_info(path).type == pafs.FileType.NotFound
+                    if created:
+                        _write_atomic(fs, path, data)
+                        held_now = _read_lock(fs, path)
+                        if held_now is None or held_now.get("token") != token:
+                            continue  # another writer's lock replaced ours: judge it below
+                if created:
+                    return token
+                held = _read_lock(fs, path)
+                if held is None:
+                    continue  # removed meanwhile: try again
+                if not _lock_stale(held):
+                    raise OutputInUseError(self._in_use_message(held))
+                log.warning(
+                    "FileSink %s: taking over the stale lock of run %s of job %r (host %s, pid %s, heartbeat %s)",
+                    self.path,
+                    held.get("run_id"),
+                    held.get("job_name"),
+                    held.get("host"),
+                    held.get("pid"),
+                    _utc(held.get("heartbeat_ms")),
+                )
+                _remove_stale_lock(fs, path, held, local, token)
+            raise OutputInUseError(
+                f"FileSink output {self.path}: could not take {META_DIR}/{LOCK_FILE}: other runs keep taking it"
+            )
+        except BaseException:
+            _LIVE_TOKENS.discard(token)
+            raise
+
+    def _in_use_message(self, held: Dict[str, Any]) -> str:
+        if held.get("_unreadable"):
+            who = "another run (its lock file is being written)"
+        else:
+            beat = held.get("heartbeat_ms")
+            age = f"{(_now_ms() - beat) / 1000:.0f} s ago" if isinstance(beat, (int, float)) else "unknown"
+            who = (
+                f"run {held.get('run_id')} of job {held.get('job_name')!r} "
+                f"(host {held.get('host')}, pid {held.get('pid')}, heartbeat {age})"
+            )
+        return (
+            f"FileSink output {self.path} is in use by {who}: two runs must not write one directory. "
+            f"Wait for that run to end (or stop it), or write to another path. A lock left by a dead run is "
+            f"taken over once its process is gone (same host) or its heartbeat is older than {STALE_S:.0f} s"
+        )
+
+    def _read_runs(self, fs: Any, root: str) -> Dict[str, Dict[str, Any]]:
+        """``runs.json``: run tag -> that run's record (empty when missing or unreadable)."""
+        path = f"{root}/{META_DIR}/{RUNS_FILE}"
+        try:
+            with fs.open_input_stream(path) as f:
+                data = json.loads(f.read())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("FileSink %s: %s is unreadable (%s): its writers are unknown", self.path, path, exc)
+            return {}
+        runs = data.get("runs") if isinstance(data, dict) and data.get("format") == RUNS_FORMAT else None
+        if not isinstance(runs, dict):
+            return {}
+        return {str(t): dict(r) for t, r in runs.items() if isinstance(r, dict)}
+
+    def _write_runs(self, fs: Any, root: str, runs: Dict[str, Dict[str, Any]]) -> None:
+        body = {"format": RUNS_FORMAT, "version": 1, "runs": runs}
+        _write_atomic(fs, f"{root}/{META_DIR}/{RUNS_FILE}", json.dumps(body, indent=1).encode())
+
+    def _refuse_foreign_output(
+        self, fs: Any, root: str, runs: Dict[str, Dict[str, Any]], ours: Set[str], run: RunInfo
+    ) -> None:
+        """``mode="error"``: raise ``OutputInUseError`` when the directory holds committed
+        output that is not this lineage's, naming who wrote it and the ways out."""
+        writers: Dict[str, List[str]] = {}  # run tag ("" for unknown) -> names
+        for info in fs.get_file_info(FileSelector(root, allow_not_found=True)):
+            if not _visible(info.base_name):
+                continue
+            m = _PART.match(info.base_name)
+            if m and m.group(1) in ours:
+                continue
+            tag = m.group(1) if m and m.group(1) in runs else ""
+            writers.setdefault(tag, []).append(info.base_name)
+        if not writers:
+            return
+        parts = []
+        resumable = None
+        for tag, names in sorted(
+            writers.items(), key=lambda kv: (kv[0] == "", runs.get(kv[0], {}).get("started_ms", 0))
+        ):
+            example = sorted(names)[0]
+            count = f"{len(names)} file{'s' if len(names) != 1 else ''} (e.g. {example!r})"
+            if not tag:
+                parts.append(f"{count} of an unknown writer")
+                continue
+            r = runs[tag]
+            status = str(r.get("status", "?"))
+            if status == "RUNNING":
+                status = "did not finish (its process ended without ending the run)"
+            parts.append(
+                f"{count} of run {r.get('run_id')} of job {r.get('job_name')!r}, "
+                f"started {_utc(r.get('started_ms'))}, {status}"
+            )
+            if r.get("job_name") == run.job_name and r.get("status") != "FINISHED":
+                resumable = r
+        message = (
+            f"FileSink output {self.path} holds committed output of another run: {'; '.join(parts)}. "
+            f'Pass FileSink(..., mode="append") to add this run\'s output to it, mode="overwrite" to replace it, '
+            f"or write to another path"
+        )
+        if resumable is not None:
+            message += (
+                f"; or, to continue run {resumable.get('run_id')} of job {run.job_name!r} where it stopped, "
+                f"execute({run.job_name!r}, resume='auto')"
+            )
+        raise OutputInUseError(message)
+
+    def _delete_foreign(self, fs: Any, root: str, ours: Set[str]) -> None:
+        """``mode="overwrite"``: remove committed output and staged pieces not of this lineage."""
+        for info in fs.get_file_info(FileSelector(root, allow_not_found=True)):
+            if not _visible(info.base_name):
+                continue
+            m = _PART.match(info.base_name)
+            if m and m.group(1) in ours:
+                continue
+            if info.type == pafs.FileType.Directory:
+                fs.delete_dir(info.path)
+            else:
+                fs.delete_file(info.path)
+        for info in self._staging_infos(fs, root):
+            m = _PART.match(info.base_name) or _TEMP.match(info.base_name)
+            if m and m.group(1) in ours:
+                continue
+            if info.type == pafs.FileType.Directory:
+                fs.delete_dir(info.path)
+            else:
+                fs.delete_file(info.path)
+
+    # -- staging and committing ----------------------------------------------------------------------------------
+
     def _encode(self, records: Any) -> bytes:
         if self.format == "jsonl":
-            return "".join(json.dumps(r, separators=(",", ":"), default=str) + "\n" for r in _rows(records)).encode()
-        table = records if isinstance(records, pa.Table) else _table_of(records)
+            return _jsonl(records)
+        table = _table_of(records, self.schema)
         if self.format == "csv":
             text = io.StringIO()
             writer = csv.writer(text)
@@ -195,69 +616,105 @@ class FileSink(Sink):
         return bytes(sink.getvalue().to_pybytes())
 
     def stage(self, subtask: int, checkpoint_id: int, records: Any) -> None:
+        self._require_run("stage")
         if not len(records):
             return
+        data = self._encode(records)  # refuses a bad record before anything is written
         with self._lock:
             seq = self._seq.get((subtask, checkpoint_id), 0)
             self._seq[(subtask, checkpoint_id)] = seq + 1
         fs, root = self._fs()
-        name = f"part-{subtask}-{checkpoint_id}-{seq}.{self.format}"
-        temp = f"{root}/_staging/.{name}.tmp"
+        name = f"part-{self._tag}-{subtask}-{checkpoint_id}-{seq}.{self.format}"
+        temp = f"{root}/_staging/.{name}.{uuid.uuid4().hex[:12]}.tmp"  # never shared by two writers
         with fs.open_output_stream(temp) as out:
-            out.write(self._encode(records))
+            out.write(data)
         fs.move(temp, f"{root}/_staging/{name}")
 
-    def _staged(self) -> List[Tuple[str, int, int]]:
-        fs, root = self._fs()
+    def _staging_infos(self, fs: Any, root: str) -> List[Any]:
         try:
-            infos = fs.get_file_info(FileSelector(f"{root}/_staging", allow_not_found=True))
+            return list(fs.get_file_info(FileSelector(f"{root}/_staging", allow_not_found=True)))
         except FileNotFoundError:
             return []
+
+    def _staged(self, fs: Any, root: str) -> List[Tuple[str, str, int, int]]:
+        """(name, run tag, subtask, checkpoint) of every staged piece."""
         out = []
-        for info in infos:
-            match = _STAGED.match(info.base_name)
-            if match:
-                out.append((info.base_name, int(match.group(1)), int(match.group(2))))
+        for info in self._staging_infos(fs, root):
+            m = _PART.match(info.base_name)
+            if m:
+                out.append((info.base_name, m.group(1), int(m.group(2)), int(m.group(3))))
         return out
 
-    def _publish(self, name: str) -> None:
-        fs, root = self._fs()
+    def _publish(self, fs: Any, root: str, name: str) -> None:
         staged, final = f"{root}/_staging/{name}", f"{root}/{name}"
-        if fs.get_file_info(final).type.name == "File":
-            fs.delete_file(staged)  # committed before, by an attempt that died before cleaning up
+        if fs.get_file_info(final).type == pafs.FileType.File:
+            # Names are unique per run and piece: the same piece, moved by a copy-then-delete
+            # filesystem that died between the two.
+            fs.delete_file(staged)
         else:
             fs.move(staged, final)
 
     def commit(self, subtask: int, checkpoint_id: int) -> None:
-        for name, sub, cid in self._staged():
-            if sub == subtask and cid <= checkpoint_id:
-                self._publish(name)
+        self._require_run("commit")
+        fs, root = self._fs()
+        for name, tag, sub, cid in self._staged(fs, root):
+            if tag == self._tag and sub == subtask and cid <= checkpoint_id:
+                self._publish(fs, root, name)
 
-    def recover(self, restored_checkpoint: int) -> None:
+    def recover(self, covered: Covered) -> None:
+        """Makes this lineage's output exactly what ``covered`` covers: staged pieces it
+        covers are committed, every other staged piece, temp file and committed part
+        file of the lineage is deleted (they come after the restore point, or from a
+        branch a restore abandoned). Other lineages' files are never touched."""
+        run = self._require_run("recover")
         fs, root = self._fs()
         fs.create_dir(f"{root}/_staging", recursive=True)
-        for name, _, cid in self._staged():
-            if cid <= restored_checkpoint:
-                self._publish(name)
-            else:
-                fs.delete_file(f"{root}/_staging/{name}")
-        for info in fs.get_file_info(FileSelector(f"{root}/_staging")):
-            if info.base_name.endswith(".tmp"):
+        upto = _covered_map(covered)
+        ours = _lineage_tags(self._read_runs(fs, root), run.lineage_id, covered) | {self._tag or ""}
+
+        def is_covered(tag: str, checkpoint_id: int) -> bool:
+            return tag in upto and checkpoint_id <= upto[tag]
+
+        for info in self._staging_infos(fs, root):
+            m = _PART.match(info.base_name)
+            if m and m.group(1) in ours:
+                if is_covered(m.group(1), int(m.group(3))):
+                    self._publish(fs, root, info.base_name)
+                else:
+                    fs.delete_file(info.path)
+                continue
+            t = _TEMP.match(info.base_name)
+            if t and t.group(1) in ours:  # a dead attempt's piece, half written
+                fs.delete_file(info.path)
+        for info in fs.get_file_info(FileSelector(root, allow_not_found=True)):
+            m = _PART.match(info.base_name)
+            if m and m.group(1) in ours and not is_covered(m.group(1), int(m.group(3))):
                 fs.delete_file(info.path)
 
+    # -- reading -------------------------------------------------------------------------------------------------
+
     def committed_files(self) -> List[str]:
-        """Paths of the committed part files, in the order they were written per
-        subtask (by subtask, checkpoint, sequence number; other files by name last)."""
+        """Paths of the committed files: runs in the order they started (legacy
+        unnamed-run part files first), then by subtask, checkpoint and sequence number;
+        files pyengine did not write last, by name."""
         fs, root = self._fs()
         infos = fs.get_file_info(FileSelector(root, allow_not_found=True))
+        runs = self._read_runs(fs, root)
+        started = sorted(runs, key=lambda t: (runs[t].get("started_ms") or 0, t))
+        rank = {t: i for i, t in enumerate(started)}
 
-        def order(info: Any) -> Tuple[int, int, int, int, str]:
-            match = _STAGED.match(info.base_name)
-            if match is None:
-                return (1, 0, 0, 0, info.base_name)
-            return (0, int(match.group(1)), int(match.group(2)), int(match.group(3)), info.base_name)
+        def order(info: Any) -> Tuple[int, int, str, int, int, int, str]:
+            name = info.base_name
+            m = _PART.match(name)
+            if m:
+                tag = m.group(1)
+                return (1, rank.get(tag, len(rank)), tag, int(m.group(2)), int(m.group(3)), int(m.group(4)), name)
+            legacy = _LEGACY_PART.match(name)
+            if legacy:
+                return (0, 0, "", int(legacy.group(1)), int(legacy.group(2)), int(legacy.group(3)), name)
+            return (2, 0, "", 0, 0, 0, name)
 
-        files = [i for i in infos if i.is_file and not i.base_name.startswith(("_", "."))]
+        files = [i for i in infos if i.is_file and _visible(i.base_name)]
         return [i.path for i in sorted(files, key=order)]
 
     def read_committed(self) -> List[Any]:
@@ -276,13 +733,338 @@ class FileSink(Sink):
         return out
 
 
+def _lineage_tags(runs: Dict[str, Dict[str, Any]], lineage_id: str, covered: Covered) -> Set[str]:
+    """Run tags of a lineage: the runs ``runs.json`` records under it, and every run
+    its restored state covers (even when ``runs.json`` lost them)."""
+    tags = {t for t, r in runs.items() if r.get("lineage_id") == lineage_id}
+    tags.update(run_tag(str(run_id)) for run_id, _ in covered)
+    return tags
+
+
+# -- the directory lock ------------------------------------------------------------------------------------------
+
+
+class _Heartbeat:
+    """Refreshes the lock's heartbeat every ``HEARTBEAT_S`` from a daemon thread on the
+    driver, so another host can tell a live writer from a dead one."""
+
+    def __init__(self, fs: Any, path: str, token: str, output: str) -> None:
+        self.fs, self.path, self.token, self.output = fs, path, token, output
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pyengine-filesink-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                held = _read_lock(self.fs, self.path)
+                if held is None or held.get("token") != self.token:
+                    log.warning("FileSink %s: this run lost its lock to another run (%s)", self.output, held)
+                    return
+                held["heartbeat_ms"] = _now_ms()
+                _write_atomic(self.fs, self.path, json.dumps(held, indent=1).encode())
+            except OSError as exc:  # a storage hiccup: the next beat tries again
+                log.warning("FileSink %s: heartbeat failed: %s", self.output, exc)
+
+
+def _write_atomic(fs: Any, path: str, data: bytes) -> None:
+    """Writes ``path`` whole or not at all: a unique temp name, then a move."""
+    parent, _, name = path.rpartition("/")
+    temp = f"{parent}/.{name}.{uuid.uuid4().hex[:12]}.tmp"
+    with fs.open_output_stream(temp) as out:
+        out.write(data)
+    fs.move(temp, path)
+
+
+def _create_exclusive_local(path: str, data: bytes) -> bool:
+    """Creates ``path`` holding ``data`` only if it does not exist (False if it does).
+    A hard link from a complete temp file, so no reader sees a half-written lock;
+    ``O_CREAT | O_EXCL`` where the filesystem has no hard links."""
+    temp = f"{path}.{uuid.uuid4().hex[:12]}.tmp"
+    with open(temp, "wb") as f:
+        f.write(data)
+    try:
+        os.link(temp, path)
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return True
+    finally:
+        os.unlink(temp)
+
+
+def _read_lock(fs: Any, path: str) -> Optional[Dict[str, Any]]:
+    """The lock's content; None when there is none; ``{"_unreadable": True, "mtime_ms": ...}``
+    when it cannot be parsed (being written with ``O_EXCL``, or damaged)."""
+    try:
+        with fs.open_input_stream(path) as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(raw)
+        if isinstance(data, dict):
+            return data
+    except ValueError:
+        pass
+    info = fs.get_file_info(path)
+    mtime = info.mtime.timestamp() * 1000 if info.mtime is not None else 0
+    return {"_unreadable": True, "mtime_ms": mtime}
+
+
+def _lock_stale(held: Dict[str, Any]) -> bool:
+    """A lock is stale when its run is gone: from this host with a dead pid (or, for
+    this process, a run that no longer holds it), or a heartbeat older than ``STALE_S``."""
+    now = _now_ms()
+    if held.get("_unreadable"):
+        return now - float(held.get("mtime_ms") or 0) > STALE_S * 1000
+    if held.get("token") in _LIVE_TOKENS:
+        return False
+    pid = held.get("pid")
+    if held.get("host") == socket.gethostname() and isinstance(pid, int) and pid > 0:
+        if pid == os.getpid() or not _pid_alive(pid):
+            return True
+    beat = held.get("heartbeat_ms")
+    return not isinstance(beat, (int, float)) or now - beat > STALE_S * 1000
+
+
+def _remove_stale_lock(fs: Any, path: str, held: Dict[str, Any], local: bool, token: str) -> None:
+    """Removes the lock judged stale, and only it: on a local disk it is moved aside
+    first and checked (another run may have replaced it meanwhile: then it is put back)."""
+    if not local:
+        try:
+            fs.delete_file(path)
+        except FileNotFoundError:
+            pass
+        return
+    aside = f"{path}.{token}.stale"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return
+    try:
+        moved = _read_lock(fs, aside)
+        if moved is not None and moved.get("token") != held.get("token") and not moved.get("_unreadable"):
+            try:
+                os.link(aside, path)  # a live run's lock, taken over meanwhile: put it back
+            except FileExistsError:
+                pass
+    finally:
+        os.unlink(aside)
+
+
+def _drop_lock(fs: Any, path: str, token: str) -> None:
+    """Removes the lock if it is still ``token``'s."""
+    try:
+        held = _read_lock(fs, path)
+        if held is not None and held.get("token") == token:
+            fs.delete_file(path)
+    except OSError as exc:
+        log.warning("FileSink: could not remove lock %s: %s", path, exc)
+
+
+# -- encoding ----------------------------------------------------------------------------------------------------
+
+
 def _rows(records: Any) -> List[Any]:
     if isinstance(records, (pa.Table, pa.RecordBatch)):
         return records.to_pylist()  # type: ignore[no-any-return]
     return list(records)
 
 
-def _table_of(records: List[Any]) -> pa.Table:
-    if records and not isinstance(records[0], dict):
-        records = [{"value": r} for r in records]
-    return pa.Table.from_pylist(records)
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _not_json(value: Any, where: str = "") -> Optional[Tuple[str, Any]]:
+    """(where, value) of the first value in ``value`` that is not JSON, or None."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (where, value)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not (k is None or isinstance(k, (str, int, bool)) or (isinstance(k, float) and math.isfinite(k))):
+                return (f"{where}[{k!r}] (a key)", k)
+            found = _not_json(v, f"{where}[{k!r}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = _not_json(v, f"{where}[{i}]")
+            if found is not None:
+                return found
+        return None
+    return (where, value)
+
+
+def _jsonl(records: Any) -> bytes:
+    """One JSON document per line; refuses what JSON cannot say (``RecordRejectedError``)
+    instead of writing ``NaN`` or a value's ``str``."""
+    lines = []
+    for r in _rows(records):
+        try:
+            lines.append(json.dumps(r, separators=(",", ":"), allow_nan=False))
+        except (TypeError, ValueError, RecursionError) as exc:
+            found = _not_json(r)
+            if found is None:
+                what = str(exc)
+            else:
+                where, bad = found
+                kind = "NaN/Infinity" if isinstance(bad, float) else f"a {type(bad).__name__}"
+                what = f"{_short(bad)} at record{where} is {kind}, not a JSON value"
+            raise RecordRejectedError(
+                f"jsonl FileSink cannot write record {_short(r)}: {what}. Convert it to JSON values (str, "
+                "int, finite float, bool, None, list, dict) before the sink, or write parquet"
+            ) from None
+    return ("\n".join(lines) + "\n").encode() if lines else b""
+
+
+def _table_of(records: Any, schema: Optional[pa.Schema] = None) -> pa.Table:
+    """The records as one table: with ``schema``, conformed to it (refusing what does
+    not fit); without, with the union of the records' fields in first-seen order, each
+    column's type inferred from all its values."""
+    if isinstance(records, pa.RecordBatch):
+        records = pa.Table.from_batches([records])
+    if isinstance(records, pa.Table):
+        return records if schema is None else _conform_table(records, schema)
+    rows = list(records)
+    is_dict = [isinstance(r, dict) for r in rows]
+    if not any(is_dict):
+        rows = [{"value": r} for r in rows]
+    elif not all(is_dict):
+        bad = rows[is_dict.index(False)]
+        raise RecordRejectedError(
+            f"FileSink cannot write record {_short(bad)} (a {type(bad).__name__}) among dict records: "
+            "a file's rows are all dicts (fields are columns) or all plain values (one 'value' column)"
+        )
+    if schema is not None:
+        return _conform_rows(rows, schema)
+    names: Dict[Any, None] = {}
+    for r in rows:
+        for k in r:
+            names.setdefault(k, None)
+    arrays = []
+    for name in names:
+        if not isinstance(name, str):
+            raise RecordRejectedError(f"FileSink cannot write field {name!r}: a field name must be a str")
+        values = [r.get(name) for r in rows]
+        try:
+            arrays.append(pa.array(values))
+        except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+            raise RecordRejectedError(
+                f"FileSink cannot write field {name!r}: its values do not make one column ({exc}); "
+                "give them one type, or declare FileSink(..., schema=pyarrow.schema([...]))"
+            ) from None
+    return pa.Table.from_arrays(arrays, names=list(names))
+
+
+def _conform_rows(rows: List[Dict[str, Any]], schema: pa.Schema) -> pa.Table:
+    known = set(schema.names)
+    for r in rows:
+        for k in r:
+            if k not in known:
+                raise RecordRejectedError(
+                    f"FileSink cannot write record {_short(r)}: field {k!r} is not in the declared schema "
+                    f"(fields: {', '.join(schema.names)})"
+                )
+    arrays = []
+    for field in schema:
+        values = [r.get(field.name) for r in rows]
+        arrays.append(_column(field, values, rows))
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _column(field: pa.Field, values: List[Any], rows: List[Any]) -> pa.Array:
+    """``values`` as ``field``'s column, or ``RecordRejectedError`` naming the field and
+    the first value that does not fit (a missing or None value in a non-nullable field,
+    a value of another type; a float in an integer field, which Arrow would truncate)."""
+    for i, v in enumerate(values):
+        problem = _misfit(v, field.type) if v is not None else (None if field.nullable else "is missing or None")
+        if problem is not None:
+            raise RecordRejectedError(
+                f"FileSink cannot write record {_short(rows[i])}: field {field.name!r} ({field.type}) {problem}"
+            )
+    try:
+        return pa.array(values, type=field.type)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        pass
+    for i, v in enumerate(values):
+        try:
+            pa.array([v], type=field.type)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+            raise RecordRejectedError(
+                f"FileSink cannot write record {_short(rows[i])}: field {field.name!r} ({field.type}) "
+                f"does not take {_short(v)} ({exc})"
+            ) from None
+    raise RecordRejectedError(f"FileSink cannot write field {field.name!r} ({field.type})")
+
+
+def _misfit(value: Any, type_: pa.DataType) -> Optional[str]:
+    """Why ``value`` does not fit ``type_`` where Arrow's conversion would accept it
+    and change it (floats into integers, unknown fields of structs), or None."""
+    if value is None:
+        return None
+    if pa.types.is_integer(type_):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            return f"does not take {_short(value)} (a {type(value).__name__})"
+        return None
+    if pa.types.is_struct(type_) and isinstance(value, dict):
+        names = {type_.field(i).name: type_.field(i).type for i in range(type_.num_fields)}
+        for k, v in value.items():
+            if k not in names:
+                return f"has no field {k!r} (in {_short(value)})"
+            problem = _misfit(v, names[k])
+            if problem is not None:
+                return f"[{k!r}] {problem}"
+        return None
+    if (pa.types.is_list(type_) or pa.types.is_large_list(type_)) and isinstance(value, (list, tuple)):
+        for v in value:
+            problem = _misfit(v, type_.value_type)
+            if problem is not None:
+                return f"[...] {problem}"
+    return None
+
+
+def _conform_table(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """An Arrow table cast to the declared schema (safe casts only)."""
+    known = set(schema.names)
+    for name in table.column_names:
+        if name not in known:
+            raise RecordRejectedError(
+                f"FileSink cannot write column {name!r}: it is not in the declared schema "
+                f"(fields: {', '.join(schema.names)})"
+            )
+    columns = []
+    for field in schema:
+        if field.name not in table.column_names:
+            if not field.nullable:
+                raise RecordRejectedError(f"FileSink cannot write: field {field.name!r} ({field.type}) is missing")
+            columns.append(pa.nulls(table.num_rows, type=field.type))
+            continue
+        column = table.column(field.name)
+        if not field.nullable and column.null_count:
+            raise RecordRejectedError(f"FileSink cannot write: field {field.name!r} ({field.type}) holds nulls")
+        try:
+            columns.append(column.cast(field.type, safe=True))
+        except (pa.ArrowException, TypeError, ValueError) as exc:
+            raise RecordRejectedError(
+                f"FileSink cannot write column {field.name!r} ({column.type}) as {field.type}: {exc}"
+            ) from None
+    return pa.Table.from_arrays(columns, schema=schema)
