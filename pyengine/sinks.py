@@ -17,7 +17,9 @@ A runner drives a sink as follows (the driver's calls in capitals):
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import datetime
 import hashlib
 import io
 import json
@@ -32,7 +34,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Set, TextIO, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, TextIO, Tuple
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -459,39 +461,44 @@ class FileSink(Sink):
         local = isinstance(fs, pafs.LocalFileSystem)
         _LIVE_TOKENS.add(token)
         try:
-            for _ in range(8):
-                if local:
-                    created = _create_exclusive_local(path, data)
-                else:
-                    created = fs.get_file_info(path).type == pafs.FileType.NotFound
-                    if created:
-                        _write_atomic(fs, path, data)
-                        held_now = _read_lock(fs, path)
-                        if held_now is None or held_now.get("token") != token:
-                            continue  # another writer's lock replaced ours: judge it below
-                if created:
-                    return token
-                held = _read_lock(fs, path)
-                if held is None:
-                    continue  # removed meanwhile: try again
-                if not _lock_stale(held):
-                    raise OutputInUseError(self._in_use_message(held))
-                log.warning(
-                    "FileSink %s: taking over the stale lock of run %s of job %r (host %s, pid %s, heartbeat %s)",
-                    self.path,
-                    held.get("run_id"),
-                    held.get("job_name"),
-                    held.get("host"),
-                    held.get("pid"),
-                    _utc(held.get("heartbeat_ms")),
-                )
-                _remove_stale_lock(fs, path, held, local, token)
-            raise OutputInUseError(
-                f"FileSink output {self.path}: could not take {META_DIR}/{LOCK_FILE}: other runs keep taking it"
-            )
+            with _guard(fs, path):
+                return self._take_lock_guarded(fs, path, token, data, local)
         except BaseException:
             _LIVE_TOKENS.discard(token)
             raise
+
+    def _take_lock_guarded(self, fs: Any, path: str, token: str, data: bytes, local: bool) -> str:
+        """The taking itself, with the guard held (see ``_guard``)."""
+        for _ in range(8):
+            if local:
+                created = _create_exclusive_local(path, data)
+            else:
+                created = fs.get_file_info(path).type == pafs.FileType.NotFound
+                if created:
+                    _write_atomic(fs, path, data)
+                    held_now = _read_lock(fs, path)
+                    if held_now is None or held_now.get("token") != token:
+                        continue  # another writer's lock replaced ours: judge it below
+            if created:
+                return token
+            held = _read_lock(fs, path)
+            if held is None:
+                continue  # removed meanwhile: try again
+            if not _lock_stale(held):
+                raise OutputInUseError(self._in_use_message(held))
+            log.warning(
+                "FileSink %s: taking over the stale lock of run %s of job %r (host %s, pid %s, heartbeat %s)",
+                self.path,
+                held.get("run_id"),
+                held.get("job_name"),
+                held.get("host"),
+                held.get("pid"),
+                _utc(held.get("heartbeat_ms")),
+            )
+            _remove_stale_lock(fs, path, held, local, token)
+        raise OutputInUseError(
+            f"FileSink output {self.path}: could not take {META_DIR}/{LOCK_FILE}: other runs keep taking it"
+        )
 
     def _in_use_message(self, held: Dict[str, Any]) -> str:
         if held.get("_unreadable"):
@@ -764,14 +771,37 @@ class _Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                held = _read_lock(self.fs, self.path)
-                if held is None or held.get("token") != self.token:
-                    log.warning("FileSink %s: this run lost its lock to another run (%s)", self.output, held)
-                    return
-                held["heartbeat_ms"] = _now_ms()
-                _write_atomic(self.fs, self.path, json.dumps(held, indent=1).encode())
+                with _guard(self.fs, self.path):
+                    held = _read_lock(self.fs, self.path)
+                    if held is None or held.get("token") != self.token:
+                        log.warning("FileSink %s: this run lost its lock to another run (%s)", self.output, held)
+                        return
+                    held["heartbeat_ms"] = _now_ms()
+                    _write_atomic(self.fs, self.path, json.dumps(held, indent=1).encode())
             except OSError as exc:  # a storage hiccup: the next beat tries again
                 log.warning("FileSink %s: heartbeat failed: %s", self.output, exc)
+
+
+@contextlib.contextmanager
+def _guard(fs: Any, lock_path: str) -> Iterator[None]:
+    """On a local disk, serialises every read-judge-write of the lock file (taking,
+    taking over, heartbeat, removal) with ``flock`` on ``_pyengine/.guard``: two runs
+    that find one stale lock never both take it. Elsewhere (no ``flock``), nothing:
+    creation is checked, then verified."""
+    if not isinstance(fs, pafs.LocalFileSystem):
+        yield
+        return
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    fd = os.open(f"{lock_path.rpartition('/')[0]}/.guard", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def _write_atomic(fs: Any, path: str, data: bytes) -> None:
@@ -870,9 +900,10 @@ def _remove_stale_lock(fs: Any, path: str, held: Dict[str, Any], local: bool, to
 def _drop_lock(fs: Any, path: str, token: str) -> None:
     """Removes the lock if it is still ``token``'s."""
     try:
-        held = _read_lock(fs, path)
-        if held is not None and held.get("token") == token:
-            fs.delete_file(path)
+        with _guard(fs, path):
+            held = _read_lock(fs, path)
+            if held is not None and held.get("token") == token:
+                fs.delete_file(path)
     except OSError as exc:
         log.warning("FileSink: could not remove lock %s: %s", path, exc)
 
@@ -1018,13 +1049,22 @@ def _column(field: pa.Field, values: List[Any], rows: List[Any]) -> pa.Array:
 
 def _misfit(value: Any, type_: pa.DataType) -> Optional[str]:
     """Why ``value`` does not fit ``type_`` where Arrow's conversion would accept it
-    and change it (floats into integers, unknown fields of structs), or None."""
+    and change it (a float truncated to an integer, a bool as 1.0, bytes decoded as
+    text, an int read as a time since the epoch, unknown fields of a struct dropped),
+    or None. As PySpark's ``verifySchema``: a value must already be of the field's kind."""
     if value is None:
         return None
+    wrong = f"does not take {_short(value)} (a {type(value).__name__})"
     if pa.types.is_integer(type_):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            return f"does not take {_short(value)} (a {type(value).__name__})"
-        return None
+        return wrong if isinstance(value, bool) or not isinstance(value, numbers.Integral) else None
+    if pa.types.is_floating(type_):
+        return wrong if isinstance(value, bool) or not isinstance(value, numbers.Real) else None
+    if pa.types.is_string(type_) or pa.types.is_large_string(type_):
+        return None if isinstance(value, str) else wrong
+    if pa.types.is_binary(type_) or pa.types.is_large_binary(type_) or pa.types.is_fixed_size_binary(type_):
+        return None if isinstance(value, (bytes, bytearray, memoryview)) else wrong
+    if pa.types.is_timestamp(type_) or pa.types.is_date(type_):
+        return None if isinstance(value, datetime.date) or type(value).__name__ == "datetime64" else wrong
     if pa.types.is_struct(type_) and isinstance(value, dict):
         names = {type_.field(i).name: type_.field(i).type for i in range(type_.num_fields)}
         for k, v in value.items():
@@ -1059,6 +1099,12 @@ def _conform_table(table: pa.Table, schema: pa.Schema) -> pa.Table:
             columns.append(pa.nulls(table.num_rows, type=field.type))
             continue
         column = table.column(field.name)
+        textual = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
+        if column.type in textual and field.type not in textual:  # a cast would parse the text
+            raise RecordRejectedError(
+                f"FileSink cannot write column {field.name!r} ({column.type}) as {field.type}: "
+                "text is not parsed into other types; convert it before the sink"
+            )
         if not field.nullable and column.null_count:
             raise RecordRejectedError(f"FileSink cannot write: field {field.name!r} ({field.type}) holds nulls")
         try:

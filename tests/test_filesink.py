@@ -409,6 +409,59 @@ def test_stale_locks_are_taken_over_and_live_ones_refused(out) -> None:
         FileSink(out, mode="append").begin_run(new_run())
 
 
+@pytest.mark.parametrize("stale", [False, True])
+def test_runs_racing_for_one_directory_leave_exactly_one_writer(out, stale) -> None:
+    import socket
+
+    if stale:
+        _plant_lock(out, host=socket.gethostname(), pid=dead_pid())
+    contenders = [FileSink(out, mode="append") for _ in range(8)]
+    start = threading.Barrier(len(contenders))
+    won: List[FileSink] = []
+    refused: List[BaseException] = []
+
+    def take(sink: FileSink) -> None:
+        start.wait()
+        try:
+            sink.begin_run(new_run())
+            won.append(sink)
+        except OutputInUseError as exc:
+            refused.append(exc)
+
+    threads = [threading.Thread(target=take, args=(s,)) for s in contenders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(won) == 1 and len(refused) == len(contenders) - 1
+    assert json.load(open(os.path.join(out, "_pyengine", "lock.json")))["run_id"][:12] == won[0].run_tag
+    won[0].end_run("FINISHED")
+
+
+def test_on_a_pyarrow_filesystem_the_lock_is_checked_then_written(monkeypatch) -> None:
+    """memory:// (pyarrow's mock filesystem) has no exclusive create: the lock is
+    checked, written and read back; the rest of the contract is the same."""
+    out = f"memory://filesink-{uuid.uuid4().hex[:8]}/out"
+    x = FileSink(out)
+    rx = new_run("mem")
+    x.begin_run(rx)
+    x.recover(())
+    kept = write(x, rx, [1, 2], "X")
+    write(x, rx, [3], "X")
+    with pytest.raises(OutputInUseError, match="mem"):
+        FileSink(out, mode="append").begin_run(new_run())
+    crash(x)  # same host, this process: stale once its run is gone
+    y = FileSink(out)
+    ry = new_run("mem", lineage=rx.run_id, restored=((rx.run_id, 2),))
+    y.begin_run(ry)
+    y.recover(ry.restored)
+    kept += write(y, ry, [3], "Y")
+    y.end_run("FINISHED")
+    assert key(y.read_committed()) == key(kept)
+    with pytest.raises(OutputInUseError, match="mem"):
+        FileSink(out).begin_run(new_run("other"))
+
+
 def test_heartbeat_refreshes_the_lock_and_stops_at_end_run(out, monkeypatch) -> None:
     monkeypatch.setattr(sinks, "HEARTBEAT_S", 0.02)
     s = FileSink(out)
@@ -517,7 +570,12 @@ def test_declared_schema_fits_records_and_refuses_what_does_not_fit(out) -> None
         ([{"a": "seven"}], "'a'"),  # a str in an integer field
         ([{"a": 1.5}], "'a'"),  # a float Arrow would truncate to 1
         ([{"a": 1, "b": 5}], "'b'"),
+        ([{"a": 1, "b": b"raw"}], "'b'"),  # bytes Arrow would decode into the string column
+        ([{"a": True}], "'a'"),
+        ([{"a": 1, "c": True}], "'c'"),  # a bool Arrow would write as 1.0
         (pa.table({"a": [1], "z": [2]}), "'z'"),
+        (pa.table({"a": ["7"]}), "'a'"),  # text a cast would parse
+        (pa.table({"a": [1.5]}), "'a'"),  # an unsafe cast
     ]
     for records, field in cases:
         with pytest.raises(RecordRejectedError, match=field) as err:
@@ -531,6 +589,28 @@ def test_declared_schema_fits_records_and_refuses_what_does_not_fit(out) -> None
     s.commit(0, 2)
     assert len(s.read_committed()) == 3  # nothing of the refused records was staged
     s.end_run("FAILED")
+
+
+def test_declared_nested_and_time_fields_take_only_values_of_their_kind(out) -> None:
+    import datetime
+
+    schema = pa.schema(
+        [("at", pa.timestamp("ms")), ("tags", pa.list_(pa.int64())), ("geo", pa.struct([("lat", pa.float64())]))]
+    )
+    s = FileSink(out, format="parquet", schema=schema)
+    s.begin_run(new_run())
+    at = datetime.datetime(2024, 1, 2, 3, 4, 5)
+    s.stage(0, 1, [{"at": at, "tags": [1, 2], "geo": {"lat": 1.5}}])
+    for bad, field in [
+        ({"at": 1_700_000_000_000}, "'at'"),  # an int Arrow would read as a time since the epoch
+        ({"tags": [1, 2.5]}, "'tags'"),
+        ({"geo": {"lat": 1.0, "lon": 2.0}}, "'geo'.*'lon'"),  # a struct field Arrow would drop
+    ]:
+        with pytest.raises(RecordRejectedError, match=field):
+            s.stage(0, 1, [bad])
+    s.commit(0, 1)
+    assert s.read_committed() == [{"at": at, "tags": [1, 2], "geo": {"lat": 1.5}}]
+    s.end_run("FINISHED")
 
 
 def test_inferred_columns_that_do_not_make_one_type_are_refused_naming_the_field(out) -> None:
