@@ -379,7 +379,6 @@ class FileSink(Sink):
             self._release("FAILED")
         fs, root = self._fs()
         fs.create_dir(f"{root}/{META_DIR}", recursive=True)
-        fs.create_dir(f"{root}/_staging", recursive=True)
         tag = run_tag(run.run_id)
         token = self._take_lock(fs, root, run)
         try:
@@ -407,7 +406,8 @@ class FileSink(Sink):
         except BaseException:
             _drop_lock(fs, f"{root}/{META_DIR}/{LOCK_FILE}", token)
             _LIVE_TOKENS.discard(token)
-            raise
+            raise  # refused: nothing a reader sees changed (a hidden _pyengine/.guard stays)
+        fs.create_dir(f"{root}/_staging", recursive=True)
         with self._lock:
             self._run, self._tag, self._token = run, tag, token
             self._seq = {}

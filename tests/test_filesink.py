@@ -125,6 +125,9 @@ def test_files_pyengine_did_not_write_are_an_unknown_writers_output(out) -> None
         f.write('{"a":1}\n')
     with pytest.raises(OutputInUseError, match="unknown writer"):
         FileSink(out).begin_run(new_run())
+    # Refused: nothing a reader sees changed, no lock and no record of the refused run.
+    assert sorted(os.listdir(out)) == ["_pyengine", "part-0-1-0.jsonl"]
+    assert os.listdir(os.path.join(out, "_pyengine")) == [".guard"]
     os.remove(os.path.join(out, "part-0-1-0.jsonl"))
     with open(os.path.join(out, "notes.txt"), "w") as f:
         f.write("mine")
