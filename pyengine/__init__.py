@@ -5,7 +5,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what IDEs and type checkers see; at run time these load on first use
+    from . import agg, errors, runners, sinks
+    from .api import StreamEnvironment
+    from .coordinator.config import CheckpointConfig
+    from .errors import JobFailedError
+    from .runtime.operators import KeyedProcessFunction
 
 __version__ = "0.1.0"
 
@@ -14,7 +21,9 @@ __all__ = [
     "KeyedProcessFunction",
     "StreamEnvironment",
     "__version__",
+    "JobFailedError",
     "agg",
+    "errors",
     "runners",
     "sinks",
 ]
@@ -24,6 +33,8 @@ _LAZY = {
     "CheckpointConfig": ("pyengine.coordinator.config", "CheckpointConfig"),
     "KeyedProcessFunction": ("pyengine.runtime.operators", "KeyedProcessFunction"),
     "sinks": ("pyengine.sinks", None),
+    "errors": ("pyengine.errors", None),
+    "JobFailedError": ("pyengine.errors", "JobFailedError"),
     "agg": ("pyengine.agg", None),
     "runners": ("pyengine.runners", None),
 }

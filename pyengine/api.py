@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, List, Optional
 
 from .agg import Aggregation
 from .coordinator import CheckpointConfig
+from .runners.result import JobResult
 from .runtime.aggregate import AggregateOperator
 from .runtime.operators import (
     FilterOperator,
@@ -71,8 +72,9 @@ class Vertex:
 
 
 class JobGraph:
-    def __init__(self, steps: List[_Step], sink: Sink) -> None:
+    def __init__(self, steps: List[_Step], sink: Sink, sources: Optional[List[Source]] = None) -> None:
         self.sink = sink
+        self.sources = list(sources or [])  # prepared by the runner when a run starts
         self.vertices: List[Vertex] = []
         current = Vertex("v0", "forward", None)
         for step in steps:
@@ -140,6 +142,7 @@ class StreamEnvironment:
         self.restart_delay_ms = restart_delay_ms
         self.channel_capacity = channel_capacity
         self._streams: List[DataStream] = []
+        self._sources: List[Source] = []
         self._local_root: Optional[str] = None
 
     def _local_dir(self, vertex: str, subtask: int) -> Optional[str]:
@@ -158,6 +161,7 @@ class StreamEnvironment:
             raise TypeError(f"from_source takes a pyengine Source, got {source!r}")
         stream = DataStream(self, [_Step("op", name, lambda uid, n, _c: SourceOperator(uid, n, source))])
         self._streams.append(stream)
+        self._sources.append(source)
         return stream
 
     def from_collection(self, records: Iterable[Any], name: str = "collection") -> DataStream:
@@ -172,19 +176,15 @@ class StreamEnvironment:
         return self.from_source(FileSource(path, format, columns), name)
 
     def from_dataframe(self, df: Any, name: str = "dataframe", path: Optional[str] = None) -> DataStream:
-        """A Spark DataFrame as a replayable source: written once, now, as Parquet under
-        ``path`` (by default ``_sources/`` in the checkpoint storage), then read by
-        position as ``read_files`` reads, so a restore replays exactly."""
-        if not hasattr(df, "write") or not hasattr(df, "schema"):
-            raise TypeError(f"from_dataframe takes a Spark DataFrame, got {type(df).__name__}")
-        if path is None:
-            import tempfile
-            import uuid
+        """A batch Spark DataFrame as a replayable source (``pyengine.spark.DataFrameSource``):
+        a plain scan of parquet files is read in place; anything else is written once,
+        when the job starts, as parquet under ``path`` (by default ``_sources/`` in the
+        job's checkpoint directory, reused by a resumed run and deleted when the job
+        finishes), then read by position, so a restore replays exactly."""
+        from .spark import DataFrameSource
 
-            root = self.checkpoint_storage or tempfile.mkdtemp(prefix="pyengine-sources-")
-            path = f"{root.rstrip('/')}/_sources/{name}-{uuid.uuid4().hex[:8]}"
-        df.write.mode("errorifexists").parquet(path)
-        return self.read_files(path, format="parquet", name=name)
+        taken = sum(1 for s in self._sources if isinstance(s, DataFrameSource))
+        return self.from_source(DataFrameSource(df, f"{name}-{taken}" if taken else name, path), name)
 
     def from_generator(self, fn: Callable[[int], Any], count: int, name: str = "generator") -> DataStream:
         return self.from_source(GeneratorSource(fn, count), name)
@@ -199,32 +199,97 @@ class StreamEnvironment:
             raise ValueError("the embedded runner runs one pipeline per environment (one sink_to)")
         stream = sinks[0]
         assert stream._sink is not None
-        return JobGraph(stream._steps, stream._sink)
+        return JobGraph(stream._steps, stream._sink, list(self._sources))
 
-    def execute(
-        self, name: str = "pyengine-job", *, restore_from: Optional[str] = None, runner: Any = "embedded"
-    ) -> Any:
-        """Runs the job to its end; returns a ``JobResult`` (FINISHED, or FAILED with its cause).
+    def _check_embedded(self, graph: JobGraph) -> None:
+        """The embedded runner runs every subtask as a thread of this process: past a
+        few dozen threads per core it makes no progress worth having (parallelism 1024
+        on 2 cores made none in minutes), so it refuses, saying why."""
+        cores = os.cpu_count() or 1
+        threads = self.parallelism * len(graph.vertices)
+        limit = max(64, 32 * cores)
+        if threads > limit:
+            raise ValueError(
+                f"parallelism={self.parallelism} needs {threads} subtask threads ({len(graph.vertices)} vertices) "
+                f"in this process, more than the embedded runner runs on {cores} core(s) (at most {limit}): "
+                "lower parallelism, or run on Spark with execute(runner='spark')"
+            )
 
-        ``runner``: "embedded" (threads in this process), "spark" (a barrier stage on
-        the active Spark session, or a local one), or a ``pe.runners.SparkRunner(spark)``."""
-        from .runners.local import LocalRunner
-
+    def _runner(self, name: str, restore_from: Optional[str], resume: Any, runner: Any) -> Any:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"execute needs a job name, got {name!r}")
+        if resume not in ("auto", "never"):
+            if not isinstance(resume, str) or not resume:
+                raise ValueError(f"resume must be 'auto', 'never' or a checkpoint path, got {resume!r}")
+            if restore_from is not None and restore_from != resume:
+                raise ValueError("pass either resume=<path> or restore_from=<path>, not both")
+            restore_from, resume = resume, "never"
+        graph = self._graph()
         if runner == "embedded":
-            return LocalRunner(self._graph(), self, name, restore_from).run()
+            from .runners.local import LocalRunner
+
+            self._check_embedded(graph)
+            return LocalRunner(graph, self, name, restore_from, resume)
         if runner == "spark":
             from .runners.spark import SparkRunner
 
             runner = SparkRunner()
-        if not hasattr(runner, "run") or isinstance(runner, str):
+        if not hasattr(runner, "job") or isinstance(runner, str):
             raise ValueError(f"runner must be 'embedded', 'spark' or a SparkRunner, got {runner!r}")
-        return runner.run(self._graph(), self, name, restore_from)
+        return runner.job(graph, self, name, restore_from, resume)
 
-    def execute_async(self, name: str = "pyengine-job", *, restore_from: Optional[str] = None) -> JobClient:
-        """Starts the job on a background thread; the client triggers savepoints and waits."""
-        from .runners.local import LocalRunner
+    def execute(
+        self,
+        name: str = "pyengine-job",
+        *,
+        resume: str = "auto",
+        restore_from: Optional[str] = None,
+        runner: Any = "embedded",
+    ) -> JobResult:
+        """Runs the job to its end and returns its ``JobResult``; raises ``JobFailedError``
+        (with the result, and the user's exception as its cause) when it fails.
 
-        return JobClient(LocalRunner(self._graph(), self, name, restore_from))
+        ``resume``: ``"auto"`` (the default) continues the latest unfinished run of the
+        job called ``name`` in this checkpoint storage, as a reused
+        ``checkpointLocation`` does in Spark: after a crash or a failure, run the same
+        job again (fixed if need be) and it carries on from its latest checkpoint, its
+        output exact. It applies when ``checkpoint_storage`` is set, checkpointing is
+        on, and the sink keeps its output (not a ``CollectSink``). ``"never"`` starts
+        fresh. A path (a checkpoint, a savepoint, a job's checkpoint directory, or a
+        storage root that ``name`` picks one job of) restores that; ``restore_from`` is
+        the same.
+
+        ``runner``: "embedded" (threads in this process), "spark" (a barrier stage on
+        the active Spark session, or a local one), or a ``pe.runners.SparkRunner(spark)``."""
+        result = self._runner(name, restore_from, resume, runner).run()
+        return _raise_if_failed(result)
+
+    def execute_async(
+        self,
+        name: str = "pyengine-job",
+        *,
+        resume: str = "auto",
+        restore_from: Optional[str] = None,
+        runner: Any = "embedded",
+    ) -> JobClient:
+        """Starts the job on a background thread; the client triggers savepoints and waits
+        (``wait()`` raises ``JobFailedError`` as ``execute`` does)."""
+        return JobClient(self._runner(name, restore_from, resume, runner))
+
+
+def _raise_if_failed(result: JobResult) -> JobResult:
+    if result.status != "FAILED":
+        return result
+    from .errors import JobFailedError
+
+    cause = result.cause
+    user = cause.__cause__ if cause is not None and cause.__cause__ is not None else cause
+    what = f"{type(user).__name__}: {user}" if user is not None else "unknown cause"
+    raise JobFailedError(
+        f"job {result.name!r} (run {result.job_id}) failed after {result.restarts} restart(s): {what}",
+        result,
+        user,
+    ) from user
 
 
 class JobClient:
@@ -274,13 +339,14 @@ class JobClient:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
-    def wait(self, timeout_s: Optional[float] = None) -> Any:
+    def wait(self, timeout_s: Optional[float] = None) -> JobResult:
+        """The job's result once it ends; raises ``JobFailedError`` if it failed."""
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             raise TimeoutError(f"job {self._runner.name!r} still running after {timeout_s} s")
         if self._error is not None:
             raise self._error
-        return self._result
+        return _raise_if_failed(self._result)
 
 
 class DataStream:

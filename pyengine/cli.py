@@ -34,8 +34,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     checkpoints = sub.add_parser("checkpoints", help="list or inspect checkpoints and savepoints")
     what = checkpoints.add_subparsers(dest="action", required=True)
-    listing = what.add_parser("list", help="the completed checkpoints under a job's checkpoint directory")
-    listing.add_argument("dir", help="a job's checkpoint directory (path or URI)")
+    listing = what.add_parser(
+        "list", help="the jobs under a checkpoint storage root, or the completed checkpoints of one job's directory"
+    )
+    listing.add_argument("dir", help="a checkpoint storage root or a job's checkpoint directory (path or URI)")
     inspect = what.add_parser("inspect", help="what one checkpoint or savepoint holds")
     inspect.add_argument("path", help="a chk-<n> or savepoint directory, or its _metadata file")
     inspect.add_argument("--json", action="store_true", help="print the metadata as JSON")
@@ -81,12 +83,23 @@ def _list(directory: str) -> int:
     from pyarrow.fs import FileSelector
 
     from .storage.filesystem import resolve
+    from .storage.jobs import describe_jobs, list_jobs, read_job
     from .storage.metadata import load_metadata
 
     fs, root, prefix = resolve(directory)
     info = fs.get_file_info(root)
     if info.type.name != "Directory":
         raise ValueError(f"{directory} is not a directory")
+    job = read_job(directory)
+    if job is None:
+        jobs = list_jobs(directory)
+        if jobs:  # a storage root: one line per job, then `list` one of them for its checkpoints
+            print(f"{len(jobs)} job(s) under {directory}:")
+            print(describe_jobs(jobs))
+            return 0
+    else:
+        runs = ", ".join(f"{r.run_id} {r.status.lower()}" for r in job.runs) or "none recorded"
+        print(f"job {job.job_name or '(unnamed)'!r} in {job.uri} ({job.state}); runs: {runs}")
     found: List[Tuple[int, str, Optional[CheckpointMetadata], str]] = []
     for entry in fs.get_file_info(FileSelector(root, recursive=True)):
         if entry.base_name != "_metadata":
@@ -121,7 +134,10 @@ def _inspect(path: str, as_json: bool) -> int:
     if as_json:
         print(json.dumps(meta.to_json(), indent=2, sort_keys=True))
         return 0
-    print(f"{meta.type} {meta.checkpoint_id} of job {meta.job_id}, taken {_utc(meta.timestamp)} UTC")
+    name = f"job {meta.job_name!r}, run {meta.job_id}" if meta.job_name else f"run {meta.job_id}"
+    print(f"{meta.type} {meta.checkpoint_id} of {name}, taken {_utc(meta.timestamp)} UTC")
+    if meta.runs:
+        print("  output lineage: " + " -> ".join(f"{r[:12]} to chk-{c}" for r, c in meta.runs))
     if meta.shared:
         print(f"  shares {len(meta.shared)} incremental file(s) with earlier checkpoints")
     for uid, op in sorted(meta.operators.items()):

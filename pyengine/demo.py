@@ -147,7 +147,12 @@ def _run(
             f"records read  {completed:>3} checkpoints  {client.restarts} restart(s)  {now - started:5.1f} s"
         )
         print(("\r" + line) if interactive else line, end="" if interactive else "\n", file=out, flush=True)
-    result = client.wait()
+    from .errors import JobFailedError
+
+    try:
+        result = client.wait()
+    except JobFailedError as exc:
+        result = exc.result
     if interactive:
         print(file=out)
     elapsed = time.monotonic() - started

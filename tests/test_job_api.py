@@ -126,7 +126,9 @@ def _failing_run(tmp_path, records: List[Any]) -> Any:
         restart_attempts=0,
     )
     counting_job(env, records, str(tmp_path / "out"), slow_s=0.0001, fail=fail)
-    result = env.execute("dies")
+    with pytest.raises(pe.errors.JobFailedError, match="caught fire") as info:
+        env.execute("dies")
+    result = info.value.result
     assert result.status == "FAILED" and "caught fire" in str(result.cause)
     assert result.latest_checkpoint is not None, "no checkpoint completed before the failure"
     return result

@@ -7,6 +7,7 @@ checkpoint, as Flink's full-restart strategy, up to ``restart_attempts``."""
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 import tempfile
 import threading
@@ -21,10 +22,14 @@ from ..coordinator import (
     ExecutionAttempt,
     ThreadTimerService,
 )
+from ..errors import OutputInUseError, is_non_retryable
 from ..io import CheckpointedInputGate, CheckpointFailureReason, CheckpointOptions
 from ..runtime.operators import OperatorContext
 from ..runtime.task import Output, StreamTask
+from ..sinks import CollectSink, RunInfo
 from ..storage import checkpoint_storage
+from ..storage.filesystem import CheckpointStorage
+from ..storage.jobs import JobLease, describe_jobs, list_jobs
 from ..storage.metadata import CheckpointMetadata, OperatorState, load_metadata
 from .result import JobResult
 
@@ -33,36 +38,59 @@ __all__ = ["LocalRunner", "resolve_restore_path"]
 log = logging.getLogger(__name__)
 
 
-def resolve_restore_path(path: str) -> Tuple[CheckpointMetadata, str]:
-    """A checkpoint directory, a savepoint directory or ``_metadata`` file, or a
-    job's checkpoint directory (its latest completed checkpoint)."""
-    from ..storage.filesystem import resolve
+def resolve_restore_path(path: str, job_name: Optional[str] = None) -> Tuple[CheckpointMetadata, str]:
+    """What ``restore_from=path`` restores: a checkpoint directory, a savepoint
+    directory or ``_metadata`` file; a job's directory (its latest readable
+    checkpoint, falling back past a damaged one with a warning); or a checkpoint
+    storage root holding exactly one job, or several of which ``job_name`` picks
+    exactly one. Anything else is refused with what was found there."""
+    from ..storage.jobs import describe_jobs, list_jobs, read_job
 
     try:
         return load_metadata(path), path
     except (OSError, ValueError) as first:
-        fs, root, prefix = resolve(path)
-        try:
-            from pyarrow.fs import FileSelector
-
-            infos = fs.get_file_info(FileSelector(root, recursive=True, allow_not_found=True))
-        except OSError:
-            infos = []
-        candidates = []
-        for info in infos:
-            if info.base_name == "_metadata":
-                directory = info.path.rsplit("/", 1)[0]
-                name = directory.rsplit("/", 1)[-1]
-                if name.startswith("chk-") and name[4:].isdigit():
-                    candidates.append((int(name[4:]), prefix + directory))
-        for _, directory in sorted(candidates, reverse=True):
+        job = read_job(path)
+        if job is None:
+            jobs = list_jobs(path)
+            if not jobs:
+                raise ValueError(
+                    f"restore_from={path!r} is not a checkpoint, a savepoint, a job's checkpoint directory or a "
+                    f"checkpoint storage root: {first}"
+                ) from None
+            if len(jobs) > 1:
+                named = [j for j in jobs if j.job_name == job_name]
+                if len(named) != 1:
+                    which = "none is" if not named else f"{len(named)} are"
+                    raise ValueError(
+                        f"restore_from={path!r} is a checkpoint storage root holding {len(jobs)} jobs, and {which} "
+                        f"named {job_name!r}; pass one job's directory (or one of its chk-<n> directories):\n"
+                        + describe_jobs(jobs)
+                    ) from None
+                jobs = named
+            job = jobs[0]
+        errors = []
+        for checkpoint_id in reversed(job.checkpoints):
+            directory = f"{job.uri}/chk-{checkpoint_id}"
             try:
                 return load_metadata(directory), directory
             except (OSError, ValueError) as exc:
-                log.warning("skipping %s: %s", directory, exc)
-        raise ValueError(
-            f"restore_from={path!r} is not a checkpoint, a savepoint or a job's checkpoints: {first}"
-        ) from None
+                log.warning("skipping %s, it cannot be restored: %s", directory, exc)
+                errors.append(str(exc))
+        detail = "; ".join(errors) if errors else "it has no completed checkpoint"
+        raise ValueError(f"restore_from={path!r}: job directory {job.uri} cannot be restored: {detail}") from None
+
+
+def covered_by(metadata: Optional[CheckpointMetadata]) -> Tuple[Tuple[str, int], ...]:
+    """The run lineage a restored checkpoint covers, for ``Sink.recover`` (``()``: a
+    fresh start). Metadata from before lineages were recorded covers its own run."""
+    if metadata is None:
+        return ()
+    if metadata.runs:
+        return tuple((r, c) for r, c in metadata.runs)
+    return ((metadata.job_id, metadata.checkpoint_id),)
+
+
+RESUME_MODES = ("auto", "never")
 
 
 GIL_SWITCH_INTERVAL_S = 0.001
@@ -134,12 +162,19 @@ def build_task(
 class LocalRunner:
     """Runs a job graph (``pyengine.api.JobGraph``) in this process."""
 
-    def __init__(self, graph: Any, env: Any, name: str, restore_from: Optional[str] = None) -> None:
+    def __init__(
+        self, graph: Any, env: Any, name: str, restore_from: Optional[str] = None, resume: str = "auto"
+    ) -> None:
         self.graph = graph
         self.env = env
         self.name = name
-        self.job_id = uuid.uuid4().hex
+        self.job_id = uuid.uuid4().hex  # this run's id
         self.restore_from = restore_from
+        self.resume = resume
+        self.lease: Optional[JobLease] = None
+        self.run_info: Optional[RunInfo] = None
+        self._own_directory = False  # this run made its job directory (not resumed)
+        self._attempted = False  # an attempt started: the run has left its mark
         self._tasks: List[StreamTask] = []
         self._failure: Optional[BaseException] = None
         self._failure_lock = threading.Lock()
@@ -271,65 +306,192 @@ class LocalRunner:
         finally:
             sys.setswitchinterval(interval)
 
-    def _run(self) -> JobResult:
+    # -- the run's identity: where it writes, what it restores, who else is there ---------
+
+    def _auto_resume(self) -> bool:
+        """``resume="auto"`` applies where a resumed run can deliver its output exactly:
+        durable checkpoint storage the user named, checkpoints on, and a sink whose
+        earlier output survives the process (a ``CollectSink``'s does not)."""
         env = self.env
-        started = time.monotonic()
-        storage = checkpoint_storage(self._storage_uri(), self.job_id)
+        return (
+            self.resume == "auto"
+            and self.restore_from is None
+            and bool(env.checkpoint_storage)
+            and env.checkpointing is not None
+            and not isinstance(self.graph.sink, CollectSink)
+        )
+
+    def _find_resumable(self, uri: str) -> Any:
+        """The latest run of the job with this name in this storage, when it did not
+        finish (Spark's rule for a reused ``checkpointLocation``); a live one is refused."""
+        jobs = [j for j in list_jobs(uri) if j.job_name == self.name]
+        if not jobs:
+            return None
+        job = jobs[-1]
+        run = job.last_run
+        if job.state == "RUNNING" and run is not None:
+            raise OutputInUseError(
+                f"job {self.name!r} is already running in checkpoint storage {uri} (run {run.run_id}, host "
+                f"{run.host}, pid {run.pid}); two runs must not share one job's checkpoints. Wait for it, stop it, "
+                f"or start a separate fresh run with execute({self.name!r}, resume='never').\n" + describe_jobs(jobs)
+            )
+        if job.finished:
+            return None
+        return job
+
+    def _open_run(self) -> Tuple[CheckpointStorage, Optional[CheckpointMetadata], Optional[str], Any]:
+        """Decides this run's job directory and restore point and takes the directory's
+        lease. A fresh run, or one restored from an explicit path, gets a directory of
+        its own (the restored checkpoint is left as it is, as in Flink's NO_CLAIM
+        restore); a resumed run continues in the directory of the run it resumes (the
+        last item returned: that directory's ``JobDirectory``)."""
+        uri = self._storage_uri()
+        restored: Optional[CheckpointMetadata] = None
+        path: Optional[str] = None
+        dir_id, lineage_id = self.job_id, self.job_id
+        resumed = None
+        if self.restore_from is not None:
+            restored, path = resolve_restore_path(self.restore_from, self.name)
+            self._check_restore(restored, path)
+            lineage_id = covered_by(restored)[0][0]
+        elif self._auto_resume():
+            resumed = self._find_resumable(uri)
+            if resumed is not None:
+                dir_id, lineage_id = resumed.dir_id, resumed.lineage_id
+        storage = checkpoint_storage(uri, dir_id)
         storage.probe()
-        timers = ThreadTimerService()
+        self.lease = JobLease(storage.uri_of(storage.root), self.name, lineage_id, self.job_id)
+        self.lease.acquire(restored_from=path)
+        self.run_info = RunInfo(self.name, self.job_id, lineage_id, covered_by(restored))
+        return storage, restored, path, resumed
+
+    def _resume(self, storage: CheckpointStorage, resumed: Any) -> Optional[CheckpointMetadata]:
+        """Adopts what the resumed run left in its directory (its completed checkpoints
+        within retention; the rest is deleted) and returns the checkpoint to restore."""
+        assert self.coordinator is not None
+        restored = self.coordinator.store.recover()
+        path = storage.uri_of(storage.checkpoint_dir(restored.checkpoint_id)) if restored else None
+        last = resumed.last_run.run_id if resumed.last_run else resumed.dir_id
+        log.warning(
+            "job %r: resuming run %s from %s (resume='auto'; pass resume='never' to start fresh)",
+            self.name,
+            last,
+            path or "its start: it completed no checkpoint",
+        )
+        if restored is not None:
+            self._check_restore(restored, path or "")
+            self.run_info = RunInfo(self.name, self.job_id, covered_by(restored)[0][0], covered_by(restored))
+            self.lease.record.restored_from = path  # type: ignore[union-attr]
+        return restored
+
+    def _close_run(self, status: str) -> None:
+        if status == "FINISHED":  # no checkpoint of a finished job is resumed: its inputs' copies go
+            for source in getattr(self.graph, "sources", []):
+                cleanup = getattr(source, "cleanup", None)
+                if cleanup is not None:
+                    cleanup()
+        try:
+            self.graph.sink.end_run(status)
+        finally:
+            if self.lease is not None:
+                if self._attempted or not self._own_directory:
+                    self.lease.release(status)
+                else:  # refused before it ran (a sink's output in use, say): leave no trace
+                    self.lease.release(status)
+                    fs, root = self.lease.fs, self.lease.root
+                    try:
+                        fs.delete_dir(root)
+                    except OSError:
+                        pass
+            local_root = getattr(self.env, "_local_root", None)
+            if local_root is not None:  # local copies serve restarts within this run only
+                shutil.rmtree(local_root, ignore_errors=True)
+                self.env._local_root = None
+
+    def _start_run(self, timers: Any) -> Tuple[CheckpointStorage, Optional[CheckpointMetadata]]:
+        """Opens the run, makes its coordinator, adopts a resumed directory, and tells
+        the sink who is writing; both runners start a run here."""
+        storage, restored, path, resumed = self._open_run()
+        self._own_directory = resumed is None
+        env = self.env
         self.coordinator = CheckpointCoordinator(
             self.job_id, env.checkpointing or _NO_CHECKPOINTS, storage, self, timers
         )
-        restored_meta: Optional[CheckpointMetadata] = None
-        if self.restore_from is not None:
-            restored_meta, path = resolve_restore_path(self.restore_from)
-            self._check_restore(restored_meta, path)
-            self.coordinator.note_restored_from(restored_meta, path)
+        if resumed is not None:
+            restored = self._resume(storage, resumed)
+            path = self.lease.record.restored_from if self.lease else None
+        self.coordinator.job_name = self.name
+        self.coordinator.lineage = list(covered_by(restored))
+        if restored is not None:
+            self.coordinator.note_restored_from(restored, path or "")
+        # Ids continue past every checkpoint directory a resumed run left (completed or
+        # not), so no new checkpoint reuses a directory name.
+        self.coordinator._next_id = max(self.coordinator._next_id, storage.max_checkpoint_id() + 1)
+        assert self.run_info is not None
+        self.graph.sink.begin_run(self.run_info)
+        for source in getattr(self.graph, "sources", []):
+            prepare = getattr(source, "prepare", None)
+            if prepare is not None:  # sources that need the driver first (a DataFrame's copy)
+                prepare(storage.uri_of(storage.root))
+        return storage, restored
+
+    def _run(self) -> JobResult:
+        env = self.env
+        started = time.monotonic()
+        timers = ThreadTimerService()
+        status, cause = "FAILED", None
         restarts = 0
-        executor = ThreadPoolExecutor(
-            max_workers=2 * env.parallelism * len(self.graph.vertices), thread_name_prefix="pyengine-async"
-        )
-        status, cause = "FINISHED", None
+        executor = None
+        storage = None
         try:
+            storage, restored_meta = self._start_run(timers)
+            executor = ThreadPoolExecutor(
+                max_workers=2 * env.parallelism * len(self.graph.vertices), thread_name_prefix="pyengine-async"
+            )
             while True:
                 self._failure = None
                 self._drained = set()
                 self._wake.clear()
                 restored = dict(restored_meta.operators) if restored_meta is not None else {}
-                restored_id = restored_meta.checkpoint_id if restored_meta is not None else 0
-                self.graph.sink.recover(restored_id)
+                self.graph.sink.recover(covered_by(restored_meta))
+                self._attempted = True
                 self._build(restarts, restored, executor, storage)
                 for t in self._tasks:
                     t.start()
                 outcome = self._supervise()
                 if outcome == "finished":
+                    status = "FINISHED"
                     break
                 for t in self._tasks:
                     t.cancel()
                 for t in self._tasks:
                     t.thread.join(timeout=30)
                 # Whatever was triggered meanwhile waits for acks of tasks that are gone.
-                self.coordinator.abort_pending_checkpoints(CheckpointFailureReason.JOB_FAILOVER_REGION)
+                self.coordinator.abort_pending_checkpoints(CheckpointFailureReason.JOB_FAILOVER_REGION)  # type: ignore[union-attr]
                 if outcome == "stopped":
                     status = "FINISHED"
                     break
                 cause = self._failure
                 if not self._restart(restarts):
-                    status = "FAILED"
                     break
                 restarts += 1
-                restored_meta = self.coordinator.restore_latest() or restored_meta
+                restored_meta = self.coordinator.restore_latest() or restored_meta  # type: ignore[union-attr]
         finally:
-            self.coordinator.shutdown()
+            if self.coordinator is not None:
+                self.coordinator.shutdown()
             timers.shutdown()
-            executor.shutdown(wait=True)
+            if executor is not None:
+                executor.shutdown(wait=True)
+            if self.lease is not None:
+                self._close_run("STOPPED" if self._stop_with_savepoint.is_set() else status)
         records = list(getattr(self.graph.sink, "records", []))
         return self._result(status, cause, restarts, records, storage, started)
 
     def _restart(self, restarts: int) -> bool:
-        """After a failed attempt: False when ``restart_attempts`` are spent, else log the
+        """After a failed attempt: False when ``restart_attempts`` are spent or the
+        failure is one no restart can fix (a ``NonRetryableError``), else log the
         restart and wait the restart delay (both runners fail over the same way)."""
-        if restarts >= self.env.restart_attempts:
+        if restarts >= self.env.restart_attempts or is_non_retryable(self._failure):
             return False
         self.restarts = restarts + 1
         log.warning(
