@@ -11,11 +11,13 @@ from typing import Any, Callable, Iterable, List, Optional
 
 import pyarrow as pa
 
+from ..errors import NonRetryableError
 from ..state import OperatorStateBackend, create_keyed_backend, key_group_range_for_subtask
 from ..storage.filesystem import CheckpointStorageLocation
 from ..storage.metadata import OperatorState, SubtaskState
 
 __all__ = [
+    "NaNKeyError",
     "FilterOperator",
     "FlatMapOperator",
     "KeyedProcessFunction",
@@ -276,17 +278,31 @@ class KeyedProcessOperator(KeyedOperator):
         try:
             for r in records:
                 key = select(r)
+                if key.__class__ is float and key != key:
+                    raise NaNKeyError(f"{self.where()}: the key of record {r!r} is NaN")
                 backend.set_current_key(key)
                 kctx.current_key = key
                 produced = fn.process_element(r, kctx)
                 if produced is not None:
                     out.extend(produced)
+        except NaNKeyError:
+            raise
         except Exception as exc:
             raise UserFunctionError(f"{self.where()}: {type(exc).__name__}: {exc}") from exc
         return out
 
     def close(self) -> None:
         self._call(self.fn.close)
+
+
+class NaNKeyError(NonRetryableError, ValueError):
+    """A record keyed by NaN. NaN equals nothing, itself included, so each such record
+    would get state of its own (4,000 NaN records, 4,000 states of one): refused, at
+    once and without restarts. Map NaN to a real key (None, or a sentinel) before
+    ``key_by``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"{message}; NaN cannot be a key (it equals nothing): map it to a key first, e.g. None")
 
 
 def key_selector(key: Any) -> Callable[[Any], Any]:
