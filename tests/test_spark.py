@@ -12,6 +12,7 @@ import pyarrow as pa
 import pytest
 
 import pyengine as pe
+import pyengine.spark
 from pyengine.state import ValueStateDescriptor
 
 pyspark = pytest.importorskip("pyspark", reason="the Spark runner needs pyspark (the test extra installs it)")
@@ -166,9 +167,9 @@ def test_storage_the_executors_cannot_reach_fails_clearly(tmp_path, spark) -> No
         restart_attempts=0,
     )
     env.from_collection(RECORDS).map(lambda r: r).sink_to(pe.sinks.FileSink(str(tmp_path / "out")))
-    result = env.execute("unreachable", runner=pe.runners.SparkRunner(spark))
-    assert result.status == "FAILED"
-    assert "not reachable from this executor" in str(result.cause)
+    with pytest.raises(pe.errors.JobFailedError, match="not reachable from this executor") as info:
+        env.execute("unreachable", runner=pe.runners.SparkRunner(spark))
+    assert info.value.result.status == "FAILED"
 
 
 def test_a_dataframe_is_a_replayable_source(tmp_path, spark) -> None:
@@ -189,6 +190,47 @@ def test_a_dataframe_is_a_replayable_source(tmp_path, spark) -> None:
     assert pairs(sink.read_committed()) == expected()
     with pytest.raises(TypeError, match="DataFrame"):
         env.from_dataframe([1, 2, 3])
+    # The copy lived in the job's checkpoint directory, and went when the job finished.
+    assert not list((tmp_path / "ckpt").glob("*/_sources/*"))
+
+
+def test_a_parquet_dataframe_is_read_in_place_and_a_streaming_one_is_refused(tmp_path, spark) -> None:
+    spark.createDataFrame([(i % 13, i) for i in range(N)], "user long, v long").write.parquet(str(tmp_path / "in"))
+    df = spark.read.parquet(str(tmp_path / "in"))
+    env = pe.StreamEnvironment(
+        parallelism=2, checkpointing=pe.CheckpointConfig(interval_ms=20), checkpoint_storage=str(tmp_path / "ckpt")
+    )
+    sink = pe.sinks.FileSink(str(tmp_path / "out"), format="parquet")
+    env.from_dataframe(df).key_by("user").process(Count()).uid("counter").sink_to(sink)
+    env.execute("in-place", runner=pe.runners.SparkRunner(spark))
+    assert pairs(sink.read_committed()) == expected()
+    assert not list((tmp_path / "ckpt").glob("**/_sources")), "a plain parquet scan was copied"
+    filtered = df.filter("v > 10")  # not a plain scan: copied, never read in place
+    src = pe.spark.DataFrameSource(filtered, "filtered")
+    src.prepare(str(tmp_path / "job"))
+    assert src.copied is not None
+    streaming = spark.readStream.format("rate").load()
+    with pytest.raises(TypeError, match="streaming"):
+        pe.StreamEnvironment().from_dataframe(streaming)
+
+
+class Poison(Exception):
+    """A user's own exception type: it must come back from the executor as itself."""
+
+
+def test_a_users_exception_comes_back_from_spark_as_itself_with_its_traceback(tmp_path, spark) -> None:
+    def poison(r: Any) -> Any:
+        if r["v"] == 100:
+            raise Poison(f"bad record {r['v']}")
+        return r
+
+    env = pe.StreamEnvironment(parallelism=1, restart_attempts=0)
+    env.from_collection(RECORDS).map(poison).sink_to(pe.sinks.FileSink(str(tmp_path / "out")))
+    with pytest.raises(pe.JobFailedError) as info:
+        env.execute("poison", runner=pe.runners.SparkRunner(spark))
+    cause = info.value.cause
+    assert type(cause) is Poison and str(cause) == "bad record 100"
+    assert "in poison" in "".join(getattr(cause, "__notes__", []))
 
 
 @pytest.mark.parametrize("seed", range(6))

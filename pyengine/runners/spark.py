@@ -27,14 +27,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
-from ..coordinator import CheckpointCoordinator, ExecutionAttempt, ThreadTimerService
+from ..coordinator import ExecutionAttempt, ThreadTimerService
 from ..io import CheckpointOptions, CheckpointType
 from ..runtime.task import Output
 from ..sinks import CollectSink
 from ..storage import checkpoint_storage
-from ..storage.metadata import CheckpointMetadata, OperatorState
+from ..storage.metadata import OperatorState
 from .control import ControlClient, ControlServer
-from .local import GIL_SWITCH_INTERVAL_S, LocalRunner, build_task
+from .local import GIL_SWITCH_INTERVAL_S, LocalRunner, build_task, covered_by
 from .result import JobResult
 
 __all__ = ["SparkRunner"]
@@ -115,7 +115,7 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
         failure.append(exc)
         try:
             with proxy._lock:
-                client.failed(f"{type(exc).__name__}: {exc}")
+                client.failed(_describe_failure(exc))
         except Exception:  # the driver is gone: nothing left to tell
             pass
 
@@ -209,18 +209,35 @@ class SparkRunner:
     ``runner="spark"`` for the active session (or a local one sized to the job)."""
 
     def __init__(self, spark: Any = None) -> None:
+        _require_pyspark()
         self.spark = spark
 
-    def run(self, graph: Any, env: Any, name: str, restore_from: Optional[str] = None) -> JobResult:
-        return _SparkJob(graph, env, name, restore_from, self.spark).run()
+    def job(
+        self, graph: Any, env: Any, name: str, restore_from: Optional[str] = None, resume: str = "auto"
+    ) -> _SparkJob:
+        """The job, ready to ``run()`` (``env.execute`` calls this)."""
+        return _SparkJob(graph, env, name, restore_from, self.spark, resume)
+
+    def run(
+        self, graph: Any, env: Any, name: str, restore_from: Optional[str] = None, resume: str = "auto"
+    ) -> JobResult:
+        return self.job(graph, env, name, restore_from, resume).run()
 
 
 class _SparkJob(LocalRunner):
     """One job on Spark. The coordination (checkpoints, final checkpoint, failover)
     is the embedded runner's; tasks are Spark tasks instead of threads."""
 
-    def __init__(self, graph: Any, env: Any, name: str, restore_from: Optional[str] = None, spark: Any = None) -> None:
-        super().__init__(graph, env, name, restore_from)
+    def __init__(
+        self,
+        graph: Any,
+        env: Any,
+        name: str,
+        restore_from: Optional[str] = None,
+        spark: Any = None,
+        resume: str = "auto",
+    ) -> None:
+        super().__init__(graph, env, name, restore_from, resume)
         if isinstance(graph.sink, CollectSink):
             raise ValueError(
                 "CollectSink keeps records in memory, which Spark executors do not share with the driver: "
@@ -281,7 +298,7 @@ class _SparkJob(LocalRunner):
 
     def _on_failed(self, attempt: ExecutionAttempt, message: str) -> None:
         if attempt.attempt == self._attempt_number:
-            self.fail_job(RuntimeError(message))
+            self.fail_job(_rebuild_failure(attempt, message))
 
     def _on_drained(self, attempt: ExecutionAttempt) -> None:
         if attempt.attempt == self._attempt_number:
@@ -329,7 +346,7 @@ class _SparkJob(LocalRunner):
                 sc.parallelize(range(count), count).barrier().mapPartitions(run).collect()
             except BaseException as exc:  # the stage failed or was cancelled
                 self._spark_error = exc
-                self.fail_job(RuntimeError(f"the Spark stage failed: {_python_cause(str(exc))}"))
+                self.fail_job(RuntimeError(f"the Spark stage failed: {_stage_failure(str(exc))}"))
             finally:
                 self._wake.set()
 
@@ -340,25 +357,24 @@ class _SparkJob(LocalRunner):
     def _run(self) -> JobResult:
         env = self.env
         started = time.monotonic()
-        storage = checkpoint_storage(self._storage_uri(), self.job_id)
-        storage.probe()
-        probe_path = f"{storage.root}/.pyengine-probe"
-        with storage.fs.open_output_stream(probe_path) as out:
-            out.write(b"written by the driver; every executor must read it")
-        timers = ThreadTimerService()
-        self.coordinator = CheckpointCoordinator(
-            self.job_id, env.checkpointing or _no_checkpoints(), storage, self, timers
-        )
-        restored_meta: Optional[CheckpointMetadata] = None
-        if self.restore_from is not None:
-            from .local import resolve_restore_path
-
-            restored_meta, path = resolve_restore_path(self.restore_from)
-            self._check_restore(restored_meta, path)
-            self.coordinator.note_restored_from(restored_meta, path)
+        # Spark first: a missing pyspark or too few slots is said before anything is written.
         spark = self._session()
         sc = spark.sparkContext
         self._check_slots(sc)
+        timers = ThreadTimerService()
+        try:
+            storage, restored_meta = self._start_run(timers)
+        except BaseException:
+            timers.shutdown()
+            if self.coordinator is not None:
+                self.coordinator.shutdown()
+            if self.lease is not None:
+                self._close_run("FAILED")
+            raise
+        probe_path = f"{storage.root}/.pyengine-probe"
+        with storage.fs.open_output_stream(probe_path) as out:
+            out.write(b"written by the driver; every executor must read it")
+        assert self.coordinator is not None
         self._control = ControlServer(
             self.coordinator,
             self._token,
@@ -371,7 +387,7 @@ class _SparkJob(LocalRunner):
             graph=self.graph,
             env=env,
             name=self.name,
-            job_id=self.job_id,
+            job_id=storage.job_id,  # the job directory: this run's own, or the one it resumes
             storage_uri=storage.uri,
             probe_path=probe_path,
             control=self._control.location,
@@ -379,7 +395,7 @@ class _SparkJob(LocalRunner):
             local=str(sc.master).startswith("local"),
         )
         self._check_picklable(_TaskSpec(restored={}, attempt=0, **spec_base))
-        restarts, status, cause = 0, "FINISHED", None
+        restarts, status, cause = 0, "FAILED", None
         try:
             while True:
                 self._failure = None
@@ -389,10 +405,12 @@ class _SparkJob(LocalRunner):
                 self._ending = False
                 self._wake.clear()
                 restored = dict(restored_meta.operators) if restored_meta is not None else {}
-                self.graph.sink.recover(restored_meta.checkpoint_id if restored_meta is not None else 0)
+                self.graph.sink.recover(covered_by(restored_meta))
+                self._attempted = True
                 self._submit(sc, _TaskSpec(restored=restored, attempt=self._attempt_number, **spec_base))
                 outcome = self._supervise_spark()
                 if outcome == "finished":
+                    status = "FINISHED"
                     break
                 for a in self._attempts():
                     self._send(a, {"cmd": "cancel"})
@@ -404,7 +422,6 @@ class _SparkJob(LocalRunner):
                 self.coordinator.abort_pending_checkpoints(CheckpointFailureReason.JOB_FAILOVER_REGION)
                 cause = self._failure
                 if not self._restart(restarts):
-                    status = "FAILED"
                     break
                 restarts += 1
                 self._attempt_number += 1
@@ -416,6 +433,7 @@ class _SparkJob(LocalRunner):
                 self._control.shutdown()
             if storage.fs.get_file_info(probe_path).is_file:
                 storage.fs.delete_file(probe_path)
+            self._close_run(status)
         return self._result(status, cause, restarts, [], storage, started)
 
     def _check_picklable(self, spec: _TaskSpec) -> None:
@@ -479,6 +497,88 @@ def _no_checkpoints() -> Any:
     from .local import _NO_CHECKPOINTS
 
     return _NO_CHECKPOINTS
+
+
+def _require_pyspark() -> None:
+    """The Spark runner needs pyspark, an optional dependency: say how to get it."""
+    try:
+        import pyspark  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            'the Spark runner needs pyspark, which is not installed: pip install "pyengine[spark]"'
+        ) from None
+
+
+_FAILURE_TAG = "pyengine-failure:"
+
+
+def _describe_failure(exc: BaseException) -> str:
+    """A task's failure as the driver rebuilds it: the user's exception (inside the
+    operator's ``UserFunctionError``) by type, message and traceback, as JSON text, so
+    that no pickle crosses the control plane."""
+    import json
+    import traceback
+
+    from ..errors import is_non_retryable
+    from ..runtime.operators import UserFunctionError
+
+    user = exc.__cause__ if isinstance(exc, UserFunctionError) and exc.__cause__ is not None else exc
+    body = {
+        "where": str(exc) if user is not exc else "",
+        "module": type(user).__module__,
+        "type": type(user).__qualname__,
+        "message": str(user),
+        "traceback": "".join(traceback.format_exception(user)),
+        "non_retryable": is_non_retryable(exc),
+    }
+    return _FAILURE_TAG + json.dumps(body)
+
+
+def _rebuild_failure(attempt: ExecutionAttempt, message: str) -> BaseException:
+    """The driver's copy of a task's failure (see ``_describe_failure``): the user's
+    exception type when the driver has it (a module it has imported already: nothing
+    is imported by name from a message), with the executor's traceback as a note."""
+    import json
+
+    from ..errors import NonRetryableError
+    from ..runtime.operators import UserFunctionError
+
+    if not message.startswith(_FAILURE_TAG):
+        return RuntimeError(f"{attempt}: {message}")
+    try:
+        body = json.loads(message[len(_FAILURE_TAG) :])
+        module, qualname, text = str(body["module"]), str(body["type"]), str(body["message"])
+    except (ValueError, KeyError, TypeError):
+        return RuntimeError(f"{attempt}: {message}")
+    cls: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        cls = getattr(cls, part, None)
+    user: BaseException
+    if isinstance(cls, type) and issubclass(cls, BaseException):
+        user = cls.__new__(cls)
+        user.args = (text,)
+    else:
+        kind: Any = NonRetryableError if body.get("non_retryable") else RuntimeError
+        user = kind(f"{module}.{qualname}: {text}")
+    note = f"raised on a Spark executor ({attempt}); its traceback there:\n{body.get('traceback', '')}"
+    notes: Any = user
+    notes.__notes__ = [*getattr(user, "__notes__", []), note]  # add_note, which Python 3.10 lacks
+    if user.__class__ is not UserFunctionError and body.get("where"):
+        wrapper = UserFunctionError(str(body["where"]))
+        wrapper.__cause__ = user
+        return wrapper
+    return user
+
+
+def _stage_failure(text: str) -> str:
+    """Why a Spark stage failed, in words: a Python worker that died is named as such
+    (its exception, if any, is lost with it), else the Python exception inside."""
+    if "Python worker exited unexpectedly" in text or ("crashed" in text and "worker" in text):
+        return (
+            "a Python worker crashed (it exited unexpectedly: killed, out of memory, or os._exit) "
+            f"while running the job's tasks [{_python_cause(text)}]"
+        )
+    return _python_cause(text)
 
 
 def _python_cause(text: str) -> str:
