@@ -15,6 +15,12 @@ covers, with the last checkpoint of that run it covers (the runs it was restored
 through, then this one). A sink uses it to tell the output a restored run must
 keep from what it must drop.
 
+Paths of files inside the job's directory are stored relative to the directory
+holding ``_metadata`` (``file``, ``../shared/delta-…``), so a copied checkpoint
+or savepoint reads its own files, never the original's, and keeps working when
+the original is gone. Paths outside it (a chain another job directory holds,
+after a restore from there) stay absolute.
+
 The checksum covers the canonical JSON of ``metadata``, so a damaged file is
 told apart from a valid one even when it still parses.
 """
@@ -22,6 +28,7 @@ told apart from a valid one even when it still parses.
 from __future__ import annotations
 
 import json
+import posixpath
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -37,6 +44,7 @@ __all__ = [
     "OperatorState",
     "SubtaskState",
     "load_metadata",
+    "relocatable",
 ]
 
 METADATA_FORMAT = "pyengine-checkpoint"
@@ -124,7 +132,7 @@ class CheckpointMetadata:
         }
 
     @classmethod
-    def from_json(cls, data: Any, *, where: str) -> CheckpointMetadata:
+    def from_json(cls, data: Any, *, where: str, base: Optional[str] = None) -> CheckpointMetadata:
         if not isinstance(data, dict) or data.get("format") != METADATA_FORMAT:
             raise MetadataError(f"{where} is not pyengine checkpoint metadata")
         version = data.get("version")
@@ -138,6 +146,7 @@ class CheckpointMetadata:
         ):
             raise MetadataError(f"{where} is damaged: its checksum does not match its content")
         try:
+            body = _paths(body, lambda p: _absolute(p, base, where))
             operators = {
                 uid: OperatorState(
                     parallelism=int(op["parallelism"]),
@@ -169,12 +178,14 @@ class CheckpointMetadata:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
-    def loads(cls, raw: bytes, *, where: str) -> CheckpointMetadata:
+    def loads(cls, raw: bytes, *, where: str, base: Optional[str] = None) -> CheckpointMetadata:
+        """``base``: the directory the file is in (path or URI), against which relative
+        paths resolve."""
         try:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise MetadataError(f"{where} is damaged: not valid JSON") from None
-        return cls.from_json(data, where=where)
+        return cls.from_json(data, where=where, base=base)
 
     def operator(self, uid: str) -> Optional[OperatorState]:
         return self.operators.get(uid)
@@ -194,7 +205,53 @@ def load_metadata(path: str) -> CheckpointMetadata:
             raw = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} is not a completed checkpoint: {prefix}{file_path} does not exist") from None
-    return CheckpointMetadata.loads(raw, where=prefix + file_path)
+    return CheckpointMetadata.loads(raw, where=prefix + file_path, base=prefix + file_path.rsplit("/", 1)[0])
+
+
+def relocatable(data: Dict[str, Any], base: str) -> Dict[str, Any]:
+    """``to_json()`` output with the paths inside ``base``'s parent (the job or
+    savepoint directory) made relative to ``base`` (the directory ``_metadata`` goes
+    in), and the checksum made anew over that."""
+    root = base.rstrip("/").rsplit("/", 1)[0] + "/"
+    if data.get("checksum") != checksum_hex(xxhash.xxh3_64_intdigest(_canonical(data.get("metadata")))):
+        return data  # not ours to vouch for: written as it is, and refused when read
+
+    def rel(path: str) -> str:
+        return posixpath.relpath(path, base) if path.startswith(root) else path
+
+    body = _paths(data["metadata"], rel)
+    return {**data, "metadata": body, "checksum": checksum_hex(xxhash.xxh3_64_intdigest(_canonical(body)))}
+
+
+def _is_relative(path: str) -> bool:
+    return not path.startswith("/") and "://" not in path
+
+
+def _absolute(path: str, base: Optional[str], where: str) -> str:
+    if not _is_relative(path):
+        return path
+    if base is None:
+        raise MetadataError(f"{where} holds the relative path {path!r} and no directory to resolve it against")
+    scheme, sep, rest = base.rpartition("://")
+    return f"{scheme}{sep}{posixpath.normpath(posixpath.join(rest, path))}"
+
+
+def _paths(body: Any, fix: Any) -> Any:
+    """``body`` with every file path (a ``path`` value, the entries of a ``shared``
+    list) passed through ``fix``."""
+    if isinstance(body, dict):
+        out = {}
+        for key, value in body.items():
+            if key == "path" and isinstance(value, str):
+                out[key] = fix(value)
+            elif key == "shared" and isinstance(value, list):
+                out[key] = [fix(v) if isinstance(v, str) else v for v in value]
+            else:
+                out[key] = _paths(value, fix)
+        return out
+    if isinstance(body, list):
+        return [_paths(v, fix) for v in body]
+    return body
 
 
 def _canonical(body: Any) -> bytes:

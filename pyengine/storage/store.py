@@ -114,7 +114,11 @@ class CompletedCheckpointStore:
         for checkpoint_id in reversed(self.storage.completed_checkpoint_ids()):
             path, raw = self.storage.read_metadata_bytes(checkpoint_id)
             try:
-                metadata = CheckpointMetadata.loads(raw, where=f"{path} (checkpoint {checkpoint_id})")
+                metadata = CheckpointMetadata.loads(
+                    raw,
+                    where=f"{path} (checkpoint {checkpoint_id})",
+                    base=self.storage.uri_of(self.storage.checkpoint_dir(checkpoint_id)),
+                )
             except MetadataError as exc:
                 log.warning("skipping checkpoint %s: %s", checkpoint_id, exc)
                 continue
