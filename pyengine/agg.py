@@ -3,7 +3,12 @@
 They run on whole Arrow batches: Arrow's hash aggregation reduces a batch to one
 row per key, and those partial results are merged into typed columnar keyed
 state with a few NumPy calls — no Python call per record. Each one names its
-output column (``alias=`` to choose another name)."""
+output column (``alias=`` to choose another name).
+
+``aggregate(..., emit="updates")`` (the default) emits the totals so far of every
+key a batch touched, with an int64 ``_seq`` column that grows from each row of a
+key to the next (the largest is the final value); ``emit="final"`` emits each key
+once, at the end of bounded input. See ``pyengine.runtime.aggregate``."""
 
 from __future__ import annotations
 

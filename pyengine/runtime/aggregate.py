@@ -3,13 +3,34 @@
 Per input batch, Arrow's hash aggregation reduces the rows to one partial
 result per key; the partials are merged into columnar keyed state (one int64 or
 float64 value state per accumulator) with ``get_many``/``update_many``, so the
-work per batch is a handful of vectorised calls whatever its length. The
-operator then emits one row per key the batch touched, holding that key's
-aggregates so far — the mini-batch form of an updating aggregate: the last row
-of a key is its final value.
+work per batch is a handful of vectorised calls whatever its length.
 
-Integer keys take that path. Other keys (strings, say) are merged one distinct
-key at a time through the same state: correct, and still no call per record."""
+What it emits (``emit=``):
+
+- ``"updates"`` (the default): per input batch, one row per key the batch
+  touched, holding that key's aggregates so far, and ``_seq`` (int64), which
+  grows from each row of a key to its next: the row of a key with the largest
+  ``_seq`` is its final value, an update stream a reader can collapse (see
+  ``KeyedStream.aggregate`` for the Spark recipe). ``_seq`` is the number of the
+  output batch in its subtask (every key is in one subtask, and in a batch at
+  most once), kept in operator state; a restore starts every subtask past the
+  largest number any subtask had reached, so it keeps growing per key across
+  failures and rescaling. It is not 1, 2, 3 per key: a per-key count would be
+  one more keyed merge per batch (measured: a quarter of ``count()``'s
+  throughput), where this costs nothing.
+- ``"final"``: nothing while input comes; at end of input (bounded input), one
+  row per key with its totals, no ``_seq``. Exactly once across failures: a flag
+  in operator state, checkpointed with the totals, records that the final rows
+  went out, so a restore from a checkpoint taken after them (the final
+  checkpoint, whose transaction holds them) does not send them again, and one
+  taken before sends them once.
+
+Integer keys take the columnar path. Other keys (strings, say) are merged one
+distinct key at a time through the same state: correct, and still no call per
+record.
+
+Records it cannot aggregate (a missing or non-numeric column, null keys) fail the
+job at once, as ``NonRetryableError``s: a restart would replay the same records."""
 
 from __future__ import annotations
 
@@ -19,29 +40,111 @@ import numpy as np
 import pyarrow as pa
 
 from ..agg import Aggregation
-from ..state import ValueStateDescriptor
-from .operators import KeyedOperator, UserFunctionError, batch_of
+from ..errors import NonRetryableError
+from ..state import ListStateDescriptor, ValueStateDescriptor
+from .operators import KeyedOperator, batch_of
+from .sources import ColumnNotFoundError, check_columns
 
-__all__ = ["AggregateOperator"]
+__all__ = ["EMIT_MODES", "SEQ_COLUMN", "AggregateInputError", "AggregateOperator", "check_aggregate"]
+
+EMIT_MODES = ("updates", "final")
+SEQ_COLUMN = "_seq"
 
 # Arrow's hash-aggregate function behind each accumulator.
 _ARROW_FN = {"n": "count", "sum": "sum", "min": "min", "max": "max"}
+_ADDED = ("rows", "n", "sum")  # accumulators merged by adding
+# per subtask: [final rows emitted (bool), the input schema the states were made for (IPC bytes),
+# output batches so far (the last _seq)]
+_PROGRESS = ListStateDescriptor("aggregate")
+
+
+class AggregateInputError(NonRetryableError, TypeError):
+    """Records ``aggregate`` cannot take: a non-numeric column to sum, null keys,
+    records that are not dicts. Replaying them would fail the same way, so the job
+    fails at once."""
+
+
+def _numeric(t: pa.DataType) -> bool:
+    return bool(pa.types.is_integer(t) or pa.types.is_boolean(t) or pa.types.is_floating(t) or pa.types.is_decimal(t))
+
+
+def check_aggregate(
+    schema: Optional[pa.Schema], key_column: str, aggregations: Sequence[Aggregation], emit: str
+) -> None:
+    """The checks ``KeyedStream.aggregate`` makes when the job is built: the emit mode,
+    output names, and, when the stream's schema is known, that every column exists
+    (``ColumnNotFoundError``) and every summed / compared column is numeric
+    (``AggregateInputError``), so that a misspelt column fails here, not after
+    ``restart_attempts`` restarts."""
+    if emit not in EMIT_MODES:
+        raise ValueError(f"aggregate emit must be one of {', '.join(map(repr, EMIT_MODES))}, got {emit!r}")
+    if emit == "updates":
+        taken = [a.output for a in aggregations if a.output == SEQ_COLUMN] + (
+            [key_column] if key_column == SEQ_COLUMN else []
+        )
+        if taken:
+            raise ValueError(
+                f"aggregate(emit='updates') adds the column {SEQ_COLUMN!r}: name the key or the output otherwise "
+                "(alias=...)"
+            )
+    check_columns(schema, [key_column], "aggregate (key)")
+    for a in aggregations:
+        if a.column is None:
+            continue
+        where = f"aggregate: pe.agg.{a.kind}({a.column!r})"
+        check_columns(schema, [a.column], where)
+        if schema is not None and a.kind != "count":
+            t = schema.field(a.column).type
+            if not _numeric(t):
+                raise AggregateInputError(f"{where} needs a numeric column, got {t}")
 
 
 class AggregateOperator(KeyedOperator):
-    def __init__(self, uid: str, name: str, key_column: str, aggregations: Sequence[Aggregation]) -> None:
+    """The operator behind ``KeyedStream.aggregate``; see the module docstring."""
+
+    def __init__(
+        self, uid: str, name: str, key_column: str, aggregations: Sequence[Aggregation], emit: str = "updates"
+    ) -> None:
         super().__init__(uid, name)
+        if emit not in EMIT_MODES:
+            raise ValueError(f"aggregate emit must be one of {', '.join(map(repr, EMIT_MODES))}, got {emit!r}")
         self.key_column = key_column
         self.aggregations = list(aggregations)
+        self.emit = emit
         # accumulator name -> (kind, column, value state); made at the first batch, when
-        # the column types are known (sum of an int column is int64, of a float column float64)
+        # the column types are known (sum of an int column is int64, of a float column
+        # float64), or at restore from the schema kept in operator state
         self._acc: Dict[str, Tuple[str, Optional[str], Any]] = {}
         self._types: Dict[str, pa.DataType] = {}
+        self._schema: Optional[pa.Schema] = None  # the key and aggregated columns of the input
+        self._emitted = False  # emit="final": the final rows went out
+        self._batches = 0  # emit="updates": output batches so far, the _seq of the last one
+        self._progress: Any = None
 
-    # -- accumulators --------------------------------------------------------------------
+    # -- state -----------------------------------------------------------------------------
+
+    def setup(self, ctx: Any, restored: Any) -> None:
+        super().setup(ctx, restored)
+        assert self.operator_state is not None
+        self._progress = self.operator_state.get_union_list_state(_PROGRESS)
+        entries = list(self._progress.get()) if restored is not None else []
+        # Every subtask sees the end of input before the same barrier, so the flags agree.
+        self._emitted = any(bool(e[0]) for e in entries)
+        self._batches = max((int(e[2]) for e in entries if len(e) > 2), default=0)
+        schemas = [e[1] for e in entries if e[1]]
+        if schemas:
+            self._make_states(pa.ipc.read_schema(pa.py_buffer(schemas[0])))
+
+    def snapshot(self, checkpoint_id: int, location: Any) -> Any:
+        schema = self._schema.serialize().to_pybytes() if self._schema is not None else b""
+        self._progress.update([[self._emitted, schema, self._batches]])
+        return super().snapshot(checkpoint_id, location)
+
+    # -- accumulators ------------------------------------------------------------------------
 
     def _needed(self) -> List[Tuple[str, Optional[str]]]:
-        """(kind, column) of every accumulator the aggregations need, each once."""
+        """(kind, column) of every accumulator the aggregations need, each once; a row
+        count or n(column) comes first (every key seen has an entry there)."""
         out: List[Tuple[str, Optional[str]]] = []
         for a in self.aggregations:
             parts: List[Tuple[str, Optional[str]]]
@@ -66,23 +169,32 @@ class AggregateOperator(KeyedOperator):
                 elif pa.types.is_floating(t) or pa.types.is_decimal(t):
                     arrow_type = pa.float64()
                 else:
-                    raise TypeError(f"{self.where()}: pe.agg.{kind}({column!r}) needs a numeric column, got {t}")
+                    raise AggregateInputError(
+                        f"{self.where()}: pe.agg.{kind}({column!r}) needs a numeric column, got {t}"
+                    )
             name = f"{kind}({column})" if column is not None else "count(*)"
             descriptor = ValueStateDescriptor(name, 0, arrow_type)
             self._acc[name] = (kind, column, self.backend.get_state(descriptor))
             self._types[name] = arrow_type
+        columns = [self.key_column] + [a.column for a in self.aggregations if a.column is not None]
+        self._schema = pa.schema([schema.field(c) for c in dict.fromkeys(columns)])
 
     # -- processing ----------------------------------------------------------------------
 
     def process(self, records: Any) -> Any:
         if not len(records):
             return []
-        batch = self._call(batch_of, records)
+        try:
+            batch = batch_of(records)
+        except (TypeError, pa.ArrowException) as exc:
+            raise AggregateInputError(f"{self.where()}: the records are not a table: {exc}") from exc
         names = batch.schema.names
         wanted = [self.key_column] + [a.column for a in self.aggregations if a.column is not None]
         missing = [c for c in wanted if c not in names]
         if missing:
-            raise UserFunctionError(f"{self.where()}: the records have no column {missing[0]!r} (columns: {names})")
+            raise ColumnNotFoundError(
+                f"{self.where()}: the records have no column {missing[0]!r} (columns: {', '.join(names)})"
+            )
         if not self._acc:
             self._make_states(batch.schema)
         spec: List[Tuple[Any, str]] = [([], "count_all")]
@@ -92,7 +204,7 @@ class AggregateOperator(KeyedOperator):
         grouped = pa.Table.from_batches([batch]).group_by(self.key_column, use_threads=False).aggregate(spec)
         keys = grouped.column(self.key_column)
         if keys.null_count:
-            raise UserFunctionError(f"{self.where()}: key column {self.key_column!r} has null keys")
+            raise AggregateInputError(f"{self.where()}: key column {self.key_column!r} has null keys")
         partial = {}
         for name, (kind, column, _) in self._acc.items():
             source = "count_all" if kind == "rows" else f"{column}_{_ARROW_FN[kind]}"
@@ -101,7 +213,51 @@ class AggregateOperator(KeyedOperator):
             totals = self._merge_columnar(keys.to_numpy().astype(np.int64, copy=False), partial)
         else:
             totals = self._merge_per_key(keys.to_pylist(), partial)
-        return self._output(keys, totals)
+        if self.emit == "final":
+            return []
+        self._batches += 1
+        return self._output(keys, totals, seq=self._batches)
+
+    def end_input(self) -> Any:
+        """emit="final": every key's totals, once (see the module docstring)."""
+        if self.emit != "final" or self._emitted:
+            return []
+        self._emitted = True
+        if not self._acc:
+            return []
+        assert self._schema is not None
+        key_type = self._schema.field(self.key_column).type
+        first = next(iter(self._acc))  # a row count or n(column): every key seen has an entry
+        keys: Any
+        integer = pa.types.is_integer(key_type)
+        keys = np.sort(np.fromiter(self.backend.keys(first), np.int64)) if integer else list(self.backend.keys(first))
+        if not len(keys):
+            return []
+        totals = self._totals_columnar(keys) if integer else self._totals_per_key(keys)
+        return self._output(pa.array(keys, type=key_type), totals)
+
+    def _totals_columnar(self, keys: np.ndarray) -> Dict[str, Tuple[np.ndarray, Any]]:
+        totals: Dict[str, Tuple[np.ndarray, Any]] = {}
+        states = list(self._acc.values())
+        split = states[0][2].split_keys(keys)
+        values = {name: state.get_many(keys, split)[1] for name, (_, _, state) in self._acc.items()}
+        for name, (kind, column, _) in self._acc.items():
+            totals[name] = (values[name], None if kind not in ("min", "max") else values[f"n({column})"] > 0)
+        return totals
+
+    def _totals_per_key(self, keys: List[Any]) -> Dict[str, Tuple[np.ndarray, Any]]:
+        out: Dict[str, List[Any]] = {name: [] for name in self._acc}
+        backend = self.backend
+        for key in keys:
+            backend.set_current_key(key)
+            for name, (_, _, state) in self._acc.items():
+                out[name].append(state.value())
+        totals: Dict[str, Tuple[np.ndarray, Any]] = {}
+        for name, (kind, column, _) in self._acc.items():
+            array = np.array(out[name], dtype=np.int64 if self._types[name] == pa.int64() else np.float64)
+            valid = None if kind not in ("min", "max") else np.array(out[f"n({column})"], np.int64) > 0
+            totals[name] = (array, valid)
+        return totals
 
     def _merge_columnar(self, keys: np.ndarray, partial: Dict[str, Any]) -> Dict[str, Tuple[np.ndarray, Any]]:
         """New totals (values, valid mask or None) per accumulator, written back to state."""
@@ -112,7 +268,7 @@ class AggregateOperator(KeyedOperator):
             dtype = np.int64 if self._types[name] == pa.int64() else np.float64
             p = partial[name]
             values = np.asarray(p.fill_null(0).to_numpy(zero_copy_only=False) if p.null_count else p.to_numpy(), dtype)
-            if kind in ("rows", "n", "sum"):
+            if kind in _ADDED:
                 totals[name] = (state.merge_many(keys, values, "add", split), None)
             elif not p.null_count:
                 totals[name] = (state.merge_many(keys, values, kind, split), None)
@@ -132,7 +288,7 @@ class AggregateOperator(KeyedOperator):
             seen_before: Dict[Optional[str], bool] = {}
             for name, (kind, column, state) in self._acc.items():
                 p = columns[name][i]
-                if kind in ("rows", "n", "sum"):
+                if kind in _ADDED:
                     old = state.value()
                     if kind == "n":  # n(column) comes before min/max(column): see _needed
                         seen_before[column] = old > 0
@@ -155,7 +311,9 @@ class AggregateOperator(KeyedOperator):
             totals[name] = (array, None if valid.all() else valid)
         return totals
 
-    def _output(self, keys: Any, totals: Dict[str, Tuple[np.ndarray, Any]]) -> pa.RecordBatch:
+    def _output(
+        self, keys: Any, totals: Dict[str, Tuple[np.ndarray, Any]], seq: Optional[int] = None
+    ) -> pa.RecordBatch:
         columns = [keys.combine_chunks() if isinstance(keys, pa.ChunkedArray) else keys]
         fields = [pa.field(self.key_column, keys.type)]
         for a in self.aggregations:
@@ -173,4 +331,7 @@ class AggregateOperator(KeyedOperator):
                 array = pa.array(values, mask=None if valid is None else ~valid)
             columns.append(array)
             fields.append(pa.field(a.output, array.type))
+        if seq is not None:
+            columns.append(pa.array(np.full(len(keys), seq, np.int64)))
+            fields.append(pa.field(SEQ_COLUMN, pa.int64()))
         return pa.RecordBatch.from_arrays(columns, schema=pa.schema(fields))

@@ -3,47 +3,179 @@ operator state, so a restore rewinds exactly to the checkpoint."""
 
 from __future__ import annotations
 
+import logging
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import pyarrow as pa
 
+from ..errors import NonRetryableError
 from ..state import ListStateDescriptor
 from ..storage.metadata import OperatorState
-from .operators import Operator, OperatorContext
+from .operators import Operator, OperatorContext, UserFunctionError
 
-__all__ = ["CollectionSource", "FileSource", "GeneratorSource", "Source", "SourceOperator"]
+__all__ = [
+    "CollectionSource",
+    "ColumnNotFoundError",
+    "FileSource",
+    "GeneratorSource",
+    "Source",
+    "SourceOperator",
+    "check_columns",
+    "refuse_wrong_collection",
+]
+
+log = logging.getLogger(__name__)
 
 _POSITION = ListStateDescriptor("position")
 
 
 class Source:
-    """A bounded, replayable input: ``read(subtask, parallelism, position, n)`` gives
-    up to ``n`` records from ``position`` of that subtask's split (fewer at its end)."""
+    """A bounded, replayable input, read split by split.
 
-    def read(self, subtask: int, parallelism: int, position: int, n: int) -> List[Any]:
+    ``read(subtask, parallelism, position, n)`` returns up to ``n`` records of the
+    split that subtask ``subtask`` of ``parallelism`` reads, starting at
+    ``position`` (the number of records of that split already read):
+
+    - a list of records or a ``pyarrow.RecordBatch``, possibly shorter than ``n`` or
+      empty: what is there now. A short or empty result does **not** end the split:
+      the source is polled again (after a short back-off when nothing came), so a
+      source that waits on something outside (a queue, a service) returns what it
+      has and lets checkpoints and other tasks go on meanwhile;
+    - ``None`` (``Source.END``): the split has ended; it is not read again.
+
+    ``read`` must be deterministic by position: the records from ``position`` on
+    are the same in every attempt, so that a restore, which rewinds each split to
+    its checkpointed position, replays exactly what the checkpoint had not covered.
+
+    ``schema`` is the ``pyarrow.Schema`` of the records when the source knows it
+    (Arrow sources), else None; with it, column names are checked when the job is
+    built (``key_by``, ``aggregate``) instead of failing at run time.
+
+    Ordering: records of one split reach the next operator in the order ``read``
+    returns them; records of different splits interleave. Each source says below
+    what that means for the order of one key's records downstream."""
+
+    END: Optional[Any] = None
+    """What ``read`` returns at the end of a split."""
+
+    schema: Optional[pa.Schema] = None
+
+    def read(self, subtask: int, parallelism: int, position: int, n: int) -> Any:
+        """Up to ``n`` records from ``position`` of the split; ``None`` at its end."""
         raise NotImplementedError
 
 
 class CollectionSource(Source):
-    """A list, or an Arrow table (read as batches): subtask ``i`` of ``p`` reads
-    elements (rows) ``i, i+p, i+2p, ...``."""
+    """A list of records, or an Arrow table (read as batches), read in its order by
+    one subtask.
+
+    Ordering: like Flink's ``fromCollection``, this source is not parallel: subtask
+    0 reads the whole collection, from first to last, and every other source subtask
+    ends at once. So whatever the parallelism, the records of one key reach a keyed
+    operator in the order of the collection (a hash exchange keeps the order of each
+    sender). The operators chained to the source before the first exchange run on
+    subtask 0 only: add ``.rebalance()`` after the source to spread stateless work
+    over every subtask (this gives up the order per key), or read files with
+    ``read_files``, which is parallel by split."""
 
     def __init__(self, records: Any) -> None:
+        refuse_wrong_collection(records)
         if isinstance(records, pa.RecordBatch):
             records = pa.Table.from_batches([records])
         self.records = records if isinstance(records, pa.Table) else list(records)
+        self.schema = self.records.schema if isinstance(self.records, pa.Table) else None
 
     def read(self, subtask: int, parallelism: int, position: int, n: int) -> Any:
-        start = subtask + position * parallelism
+        if subtask != 0:
+            if position:  # an older CollectionSource dealt rows round-robin to every subtask
+                raise NonRetryableError(
+                    f"from_collection: the checkpoint has read position {position} for source split {subtask} "
+                    "of a collection, which only split 0 reads now; it was written by an older pyengine "
+                    "that dealt a collection round-robin: run the job again without restoring it"
+                )
+            return None
         if isinstance(self.records, pa.Table):
-            stop = min(start + n * parallelism, self.records.num_rows)
-            if start >= stop:
-                return []
-            rows = self.records.take(np.arange(start, stop, parallelism))
-            return rows.combine_chunks().to_batches()[0]
-        return self.records[start : start + n * parallelism : parallelism]
+            if position >= self.records.num_rows:
+                return None
+            rows = self.records.slice(position, n)
+            batches = rows.to_batches()
+            return batches[0] if len(batches) == 1 else rows.combine_chunks().to_batches()[0]
+        if position >= len(self.records):
+            return None
+        return self.records[position : position + n]
+
+
+def refuse_wrong_collection(records: Any) -> None:
+    """``from_collection`` takes a list (any iterable) of records or an Arrow table.
+    A pandas, polars or Spark DataFrame, a dict or a string is iterable too, by
+    column names or characters, and would fail later with a confusing message or
+    none at all: refused here, naming the call that takes it. The check goes by the
+    type's module, so neither pandas nor pyspark is imported."""
+    t = type(records)
+    module = t.__module__ or ""
+    if module.startswith("pyspark.") and hasattr(records, "isStreaming"):
+        if records.isStreaming:
+            raise TypeError(
+                "from_collection takes a list of records or a pyarrow.Table, got a streaming Spark DataFrame "
+                "(spark.readStream): read the same input as a batch DataFrame (spark.read...) and pass it to "
+                "env.from_dataframe(df), or feed a running job from Structured Streaming's foreachBatch"
+            )
+        raise TypeError(
+            "from_collection takes a list of records or a pyarrow.Table, got a Spark DataFrame: "
+            "use env.from_dataframe(df)"
+        )
+    if module.startswith("pandas.") and t.__name__ == "DataFrame":
+        raise TypeError(
+            "from_collection takes a list of records or a pyarrow.Table, got a pandas DataFrame: "
+            "use env.from_collection(pa.Table.from_pandas(df))"
+        )
+    if module.startswith("polars.") and t.__name__ in ("DataFrame", "LazyFrame"):
+        call = "df.to_arrow()" if t.__name__ == "DataFrame" else "lf.collect().to_arrow()"
+        raise TypeError(
+            f"from_collection takes a list of records or a pyarrow.Table, got a polars {t.__name__}: "
+            f"use env.from_collection({call})"
+        )
+    if isinstance(records, (str, bytes, bytearray)):
+        raise TypeError(
+            f"from_collection takes a list of records or a pyarrow.Table, got a {t.__name__} "
+            f"(its characters would be the records): wrap it in a list, env.from_collection([value])"
+        )
+    if isinstance(records, Mapping):
+        raise TypeError(
+            "from_collection takes a list of records or a pyarrow.Table, got a mapping (its keys would be the "
+            "records): for columns use env.from_collection(pa.table(d)), for pairs list(d.items())"
+        )
+    if not isinstance(records, (pa.Table, pa.RecordBatch)) and not isinstance(records, Iterable):
+        raise TypeError(f"from_collection takes a list of records or a pyarrow.Table, got {t.__name__}")
+
+
+class ColumnNotFoundError(NonRetryableError, ValueError):
+    """A column a step needs is not in the records. Raised when the job is built if
+    the stream's schema is known, else at run time: either way no restart can fix
+    it, so the job fails at once."""
+
+
+def check_columns(schema: Optional[pa.Schema], columns: Sequence[str], where: str) -> None:
+    """Raises ``ColumnNotFoundError`` naming the first of ``columns`` that ``schema``
+    lacks, the columns there are, and the closest name; nothing when the schema is
+    unknown (None), as after a ``map``."""
+    if schema is None:
+        return
+    names = list(schema.names)
+    for column in columns:
+        if column not in names:
+            raise ColumnNotFoundError(_missing(column, names, where))
+
+
+def _missing(column: str, names: Sequence[str], where: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(column, list(names), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{where}: no column {column!r} in the records (columns: {', '.join(map(str, names))}){hint}"
 
 
 class FileSource(Source):
@@ -52,7 +184,14 @@ class FileSource(Source):
     The input is cut into splits, a parquet row group or a whole file of the other
     formats, sorted by path; subtask ``i`` of ``p`` reads splits ``i, i+p, ...`` one
     after the other, and its position is the number of rows it has read — so a
-    restore seeks to the file and row it had reached."""
+    restore seeks to the file and row it had reached. ``schema`` is the dataset's
+    (from file footers or the first file, not a scan).
+
+    Ordering: per split. The rows of one split (a row group, a file) reach the next
+    operator in file order, and one subtask's splits in path order; splits read by
+    different subtasks interleave. So one key's rows keep their file order downstream
+    when they are all in one split (or at parallelism 1); a key spread over several
+    files has no order across them, as with Flink's file source."""
 
     FORMATS = ("parquet", "csv", "json", "feather", "ipc", "arrow")
 
@@ -66,9 +205,7 @@ class FileSource(Source):
         except (FileNotFoundError, OSError, pa.ArrowInvalid) as exc:
             raise ValueError(f"read_files({path!r}): {exc}") from None
         if columns is not None:
-            unknown = [c for c in columns if c not in dataset.schema.names]
-            if unknown:
-                raise ValueError(f"read_files({path!r}): no column {unknown[0]!r} (columns: {dataset.schema.names})")
+            check_columns(dataset.schema, columns, f"read_files({path!r})")
         splits = []
         for fragment in sorted(dataset.get_fragments(), key=lambda f: f.path):
             if format == "parquet":
@@ -78,7 +215,8 @@ class FileSource(Source):
         if not splits:
             raise ValueError(f"read_files({path!r}): no {format} files there")
         self.path = path
-        self.schema = dataset.schema if columns is None else pa.schema([dataset.schema.field(c) for c in columns])
+        schema = dataset.schema
+        self.schema: pa.Schema = schema if columns is None else pa.schema([schema.field(c) for c in columns])
         self.columns = columns
         self._splits = splits
         self._readers: Dict[Tuple[int, int], _SplitReader] = {}
@@ -101,7 +239,7 @@ class FileSource(Source):
                 reader = _SplitReader(self._splits[subtask::parallelism], self.schema, self.columns, n, position)
                 self._readers[(subtask, parallelism)] = reader
         batch = reader.take(n)
-        return batch if batch.num_rows else []
+        return batch if batch.num_rows else None  # the reader has no more: the split ended
 
 
 class _SplitReader:
@@ -152,31 +290,55 @@ class _SplitReader:
 
 
 class GeneratorSource(Source):
-    """``count`` records ``fn(sequence_number)``, deterministic by construction."""
+    """``count`` records ``fn(sequence_number)``, deterministic by construction.
+
+    Ordering: parallel, like Flink's ``fromSequence``: subtask ``i`` of ``p`` makes
+    the records of sequence numbers ``i, i+p, i+2p, ...``, in increasing order, and
+    the subtasks interleave. A key's records keep the sequence order downstream only
+    when they all come from one subtask (at parallelism 1, say); otherwise use
+    ``from_collection``, which keeps its order per key at any parallelism."""
 
     def __init__(self, fn: Callable[[int], Any], count: int) -> None:
         self.fn = fn
         self.count = count
 
-    def read(self, subtask: int, parallelism: int, position: int, n: int) -> List[Any]:
+    def read(self, subtask: int, parallelism: int, position: int, n: int) -> Optional[List[Any]]:
         first = subtask + position * parallelism
+        if first >= self.count:
+            return None
         return [self.fn(i) for i in range(first, min(self.count, first + n * parallelism), parallelism)]
 
 
 class SourceOperator(Operator):
-    """The head of a source task: reads its splits, one after the other, from their positions.
+    """The head of a source task: reads its splits from their positions.
 
     A split is what subtask ``i`` of ``p`` read when the job first ran (``Source.read``
     with that ``i`` and ``p``); every split's position is in union list state, so a
     restore at another parallelism hands the splits round-robin to the new subtasks
     and each resumes exactly where its split stopped (as Flink's split enumerator
-    reassigns splits)."""
+    reassigns splits).
+
+    A split is read until it has nothing now, then the next one is tried; a split
+    ends only when ``read`` returns ``None``. When no split has anything, ``read``
+    waits ``idle_wait(seconds)`` before returning nothing: 1 ms, doubling up to
+    20 ms while it stays idle, so a source that is polled gives its core to the
+    other tasks instead of spinning. ``idle_wait`` is ``time.sleep`` unless the task
+    gives a wait that also wakes for its mailbox."""
+
+    MIN_IDLE_S = 0.001
+    MAX_IDLE_S = 0.02
+    WARN_IDLE_S = 60.0  # a source idle this long is told once how to end a split
 
     def __init__(self, uid: str, name: str, source: Source) -> None:
         super().__init__(uid, name)
         self.source = source
         self.splits: List[List[int]] = []  # [index, count, position, done]
         self.exhausted = False
+        self.idle_wait: Callable[[float], None] = time.sleep
+        self._turn = 0  # which of the splits not yet done is read next
+        self._idle_s = 0.0  # the current back-off; 0 while records come
+        self._idle_since: Optional[float] = None
+        self._warned = False
 
     def setup(self, ctx: OperatorContext, restored: Optional[OperatorState]) -> None:
         super().setup(ctx, restored)
@@ -198,18 +360,52 @@ class SourceOperator(Operator):
         return sum(split[2] for split in self.splits)
 
     def read(self, n: int) -> Any:
+        """Up to ``n`` records of the next split that has some; ``[]`` when none has
+        any now (after the idle wait) or every split has ended (``exhausted``)."""
         assert self.ctx is not None
-        for split in self.splits:
-            if split[3]:
-                continue
+        tried = 0
+        while True:
+            live = [split for split in self.splits if not split[3]]
+            if not live:
+                self.exhausted = True
+                return []
+            if tried >= len(live):
+                break
+            split = live[self._turn % len(live)]
             records = self._call(self.source.read, split[0], split[1], split[2], n)
-            split[2] += len(records)
-            if len(records) < n:
-                split[3] = 1
-            self.exhausted = all(s[3] for s in self.splits)
-            return records
-        self.exhausted = True
+            if records is None:
+                split[3] = 1  # the next split not done now has this turn
+                continue
+            if not hasattr(records, "__len__"):
+                raise UserFunctionError(
+                    f"{self.where()}: Source.read must return a list, a pyarrow.RecordBatch or None (end of split), "
+                    f"got {type(records).__name__}"
+                )
+            if len(records):
+                split[2] += len(records)
+                self._idle_s, self._idle_since = 0.0, None
+                return records
+            self._turn += 1
+            tried += 1
+        self._idle()
         return []
+
+    def _idle(self) -> None:
+        """No split has records now: wait, longer while it lasts (see the class docstring)."""
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        elif not self._warned and now - self._idle_since >= self.WARN_IDLE_S:
+            self._warned = True
+            log.warning(
+                "%s: source %s has returned no records for %.0f s; if its split has ended, read must return "
+                "None (an empty read means 'nothing now' and is polled again)",
+                self.where(),
+                type(self.source).__name__,
+                now - self._idle_since,
+            )
+        self._idle_s = min(self.MAX_IDLE_S, max(self.MIN_IDLE_S, self._idle_s * 2))
+        self.idle_wait(self._idle_s)
 
     def snapshot(self, checkpoint_id: int, location: Any) -> Any:
         assert self.ctx is not None
