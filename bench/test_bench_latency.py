@@ -45,7 +45,7 @@ class PacedSource(Source):
         first = subtask + position * parallelism
         seq = np.arange(first, min(total, first + n * parallelism), parallelism, dtype=np.int64)
         if not len(seq):
-            return []
+            return None  # the end of this split
         due = self.start + seq / RATE
         wait = due[-1] - time.time()
         if wait > 0:

@@ -160,12 +160,16 @@ class StreamEnvironment:
         if not isinstance(source, Source):
             raise TypeError(f"from_source takes a pyengine Source, got {source!r}")
         stream = DataStream(self, [_Step("op", name, lambda uid, n, _c: SourceOperator(uid, n, source))])
+        stream._schema = getattr(source, "schema", None)  # known for Arrow sources: columns checked at build
         self._streams.append(stream)
         self._sources.append(source)
         return stream
 
     def from_collection(self, records: Iterable[Any], name: str = "collection") -> DataStream:
-        """A list of records, or a ``pyarrow.Table`` (then the stream carries Arrow batches)."""
+        """A list of records, or a ``pyarrow.Table`` (then the stream carries Arrow batches),
+        read in its order by one subtask, so each key's records keep that order at any
+        parallelism (as Flink's ``fromCollection``; see ``CollectionSource``). A pandas or
+        Spark DataFrame is refused, naming the call that takes it."""
         return self.from_source(CollectionSource(records), name)
 
     def read_files(
@@ -354,12 +358,15 @@ class DataStream:
         self._env = env
         self._steps = steps
         self._sink: Optional[Sink] = None
+        self._schema: Any = None  # the records' pyarrow.Schema while a step keeps it known
 
     def _then(self, step: _Step) -> DataStream:
         self._steps.append(step)
         return self
 
-    def _op(self, name: str, factory: Callable[[str, str, bool], Operator]) -> DataStream:
+    def _op(self, name: str, factory: Callable[[str, str, bool], Operator], keeps_schema: bool = False) -> DataStream:
+        if not keeps_schema:
+            self._schema = None
         return self._then(_Step("op", f"{len(self._steps)}-{name}", factory))
 
     def uid(self, uid: str) -> DataStream:
@@ -379,7 +386,7 @@ class DataStream:
         return self._op("map", lambda uid, n, _c: MapOperator(uid, n, fn))
 
     def filter(self, fn: Callable[[Any], bool]) -> DataStream:
-        return self._op("filter", lambda uid, n, _c: FilterOperator(uid, n, fn))
+        return self._op("filter", lambda uid, n, _c: FilterOperator(uid, n, fn), keeps_schema=True)
 
     def flat_map(self, fn: Callable[[Any], Iterable[Any]]) -> DataStream:
         return self._op("flat_map", lambda uid, n, _c: FlatMapOperator(uid, n, fn))
@@ -394,6 +401,10 @@ class DataStream:
         return self._then(_Step("exchange", "broadcast", exchange="broadcast"))
 
     def key_by(self, key: Any) -> KeyedStream:
+        if isinstance(key, str):
+            from .runtime.sources import check_columns
+
+            check_columns(self._schema, [key], f"key_by({key!r})")
         select = key_selector(key)
         self._then(_Step("exchange", "hash", exchange="hash", key=select))
         return KeyedStream(self, select)
@@ -411,9 +422,24 @@ class KeyedStream:
         self._stream = stream
         self._select = select
 
-    def aggregate(self, *aggregations: Aggregation) -> DataStream:
-        """Keyed count / sum / min / max / mean on whole Arrow batches (``pe.agg``):
-        emits, per input batch, one row per key it touched with that key's totals so far."""
+    def aggregate(self, *aggregations: Aggregation, emit: str = "updates") -> DataStream:
+        """Keyed count / sum / min / max / mean on whole Arrow batches (``pe.agg``).
+
+        ``emit="updates"`` (the default): per input batch, one row per key it touched
+        with that key's totals so far and ``_seq`` (int64), which grows from each row
+        of a key to the next, across failures and rescaling (not 1, 2, 3: see
+        ``pyengine.runtime.aggregate``): the row with the largest ``_seq`` is the key's
+        final value. To collapse such an output in Spark::
+
+            from pyspark.sql import Window, functions as F
+            latest = Window.partitionBy("k").orderBy(F.col("_seq").desc())
+            final = updates.withColumn("_r", F.row_number().over(latest)).filter("_r = 1").drop("_r", "_seq")
+
+        ``emit="final"``: one row per key with its totals, at the end of (bounded)
+        input, exactly once across failures; no ``_seq``.
+
+        Columns are checked now when the stream's schema is known (Arrow sources, up
+        to a ``map``): a missing one raises ``ColumnNotFoundError``."""
         column = getattr(self._select, "column", None)
         if not isinstance(column, str):
             raise TypeError("aggregate needs the stream keyed by a column name: key_by('column'), not a function")
@@ -427,7 +453,10 @@ class KeyedStream:
         if clashes:
             raise ValueError(f"aggregate output columns must be unique and differ from the key; repeated: {clashes}")
         aggs = list(aggregations)
-        return self._stream._op("aggregate", lambda uid, n, _c: AggregateOperator(uid, n, column, aggs))
+        from .runtime.aggregate import check_aggregate
+
+        check_aggregate(self._stream._schema, column, aggs, emit)
+        return self._stream._op("aggregate", lambda uid, n, _c: AggregateOperator(uid, n, column, aggs, emit))
 
     def process(self, fn: KeyedProcessFunction) -> DataStream:
         if not isinstance(fn, KeyedProcessFunction):

@@ -190,8 +190,11 @@ def _checkpoint_table(out: TextIO, stats: Any) -> None:
 def _check(out: TextIO, sink: Any, table: pa.Table, users: int, fail: bool, restarts: int) -> bool:
     final: Dict[int, tuple] = {}
     rows: List[Dict[str, Any]] = sink.read_committed()
-    for r in rows:  # an updating stream: a user's last row holds the final totals
-        final[r["user"]] = (r["clicks"], r["sum_dwell_ms"], r["max_dwell_ms"])
+    latest: Dict[int, int] = {}
+    for r in rows:  # an update stream: a user's row with the largest _seq holds the final totals
+        if r["_seq"] >= latest.get(r["user"], -1):
+            latest[r["user"]] = r["_seq"]
+            final[r["user"]] = (r["clicks"], r["sum_dwell_ms"], r["max_dwell_ms"])
     want = expected_totals(table, users)
     wrong = [u for u in want if final.get(u) != want[u]]
     extra = [u for u in final if u not in want]

@@ -9,12 +9,18 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["JobFailedError", "NonRetryableError", "OutputInUseError"]
+__all__ = ["ColumnNotFoundError", "JobFailedError", "NonRetryableError", "OutputInUseError"]
 
 
 class NonRetryableError(Exception):
     """A failure that a restart cannot fix (a misspelt column, a record a sink refuses
     by its type, a directory another job writes): the job fails without restarting."""
+
+
+class ColumnNotFoundError(NonRetryableError, ValueError):
+    """A column a step needs is not in the records. Raised when the job is built if
+    the stream's schema is known, else at run time: either way no restart can fix
+    it, so the job fails at once."""
 
 
 class OutputInUseError(NonRetryableError):

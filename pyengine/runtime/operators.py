@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, List, Optional
 
 import pyarrow as pa
 
-from ..errors import NonRetryableError
+from ..errors import ColumnNotFoundError, NonRetryableError
 from ..state import OperatorStateBackend, create_keyed_backend, key_group_range_for_subtask
 from ..storage.filesystem import CheckpointStorageLocation
 from ..storage.metadata import OperatorState, SubtaskState
@@ -316,7 +316,7 @@ def key_selector(key: Any) -> Callable[[Any], Any]:
             try:
                 return record[name]
             except (KeyError, IndexError, TypeError):
-                raise KeyError(f"key_by({name!r}): record {record!r} has no field {name!r}") from None
+                raise ColumnNotFoundError(f"key_by({name!r}): record {record!r} has no field {name!r}") from None
 
         select.column = name  # type: ignore[attr-defined]  # lets Arrow batches be partitioned by column
         return select

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
 
-from ..errors import NonRetryableError
+from ..errors import ColumnNotFoundError, NonRetryableError
 from ..state import ListStateDescriptor
 from ..storage.metadata import OperatorState
 from .operators import Operator, OperatorContext, UserFunctionError
@@ -150,12 +150,6 @@ def refuse_wrong_collection(records: Any) -> None:
         )
     if not isinstance(records, (pa.Table, pa.RecordBatch)) and not isinstance(records, Iterable):
         raise TypeError(f"from_collection takes a list of records or a pyarrow.Table, got {t.__name__}")
-
-
-class ColumnNotFoundError(NonRetryableError, ValueError):
-    """A column a step needs is not in the records. Raised when the job is built if
-    the stream's schema is known, else at run time: either way no restart can fix
-    it, so the job fails at once."""
 
 
 def check_columns(schema: Optional[pa.Schema], columns: Sequence[str], where: str) -> None:

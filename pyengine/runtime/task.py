@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from .._native import int_key_group
 from ..coordinator import ExecutionAttempt, SubtaskMetrics, TaskStateSnapshot
+from ..errors import ColumnNotFoundError
 from ..io import CheckpointBarrier, CheckpointedInputGate, CheckpointOptions, EndOfPartition
 from ..sinks import FINAL, Sink
 from ..state import ListStateDescriptor, subtask_for_key_group
@@ -258,7 +259,9 @@ def _split_by_key(batch: pa.RecordBatch, column: str, n: int, max_parallelism: i
     """The rows of ``batch`` for each of ``n`` subtasks, by the key group of ``column``
     (the same assignment as for single records, vectorised for integer keys)."""
     if column not in batch.schema.names:
-        raise KeyError(f"key_by({column!r}): the batch has no column {column!r} (columns: {batch.schema.names})")
+        raise ColumnNotFoundError(
+            f"key_by({column!r}): the batch has no column {column!r} (columns: {batch.schema.names})"
+        )
     keys = batch.column(column)
     if keys.null_count == 0 and pa.types.is_integer(keys.type):
         groups = key_groups_of_int64(keys.to_numpy().astype(np.int64, copy=False), max_parallelism)
@@ -598,7 +601,17 @@ class StreamTask:
             self._drained_reported = True
             self.on_drained(self.attempt)
 
+    def _wait_mailbox(self, seconds: float) -> None:
+        """A source with nothing to read waits here: a checkpoint trigger or a
+        notification ends the wait at once instead of after it."""
+        try:
+            action = self.mailbox.get(timeout=seconds)
+        except queue.Empty:
+            return
+        action()
+
     def _run_source(self, source: SourceOperator) -> None:
+        source.idle_wait = self._wait_mailbox
         while True:
             self._check_cancelled()
             self._drain_mailbox()
