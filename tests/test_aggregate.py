@@ -3,7 +3,6 @@ the update stream's ``_seq`` and ``emit="final"`` (issue 11, "an update stream w
 
 from __future__ import annotations
 
-import inspect
 import threading
 from collections import defaultdict
 from typing import Any, Dict, List
@@ -16,14 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pyengine as pe
-from pyengine.api import KeyedStream
 from pyengine.errors import is_non_retryable
-
-# emit= is wired in api.py by the patch /tmp/api-helper4.patch; until it is applied the
-# tests of emit="final" are skipped.
-needs_emit = pytest.mark.skipif(
-    "emit" not in inspect.signature(KeyedStream.aggregate).parameters, reason="api.py without aggregate(emit=)"
-)
 
 AGGS = (pe.agg.count(), pe.agg.sum("v"), pe.agg.min("v"), pe.agg.max("v"), pe.agg.mean("v"), pe.agg.count("v"))
 
@@ -253,7 +245,6 @@ def test_updates_carry_a_seq_that_grows_per_key_in_the_order_they_are_emitted() 
     assert_close(final_rows(result.records), reference(table.to_pylist()))
 
 
-@needs_emit
 @pytest.mark.parametrize("parallelism", [1, 2])
 def test_emit_final_gives_each_key_once_with_its_totals(parallelism) -> None:
     rng = np.random.default_rng(6)
@@ -266,7 +257,6 @@ def test_emit_final_gives_each_key_once_with_its_totals(parallelism) -> None:
     assert_close({r["k"]: {c: r[c] for c in r if c != "k"} for r in result.records}, reference(table.to_pylist()))
 
 
-@needs_emit
 def test_emit_final_of_string_keys_and_only_nulls() -> None:
     rows = [{"k": k, "v": v} for k, v in [("a", 1.5), ("b", None), ("a", None), ("ç", -2.0), ("b", None)]]
     table = pa.Table.from_pylist(rows, schema=pa.schema([("k", pa.string()), ("v", pa.float64())]))
@@ -277,7 +267,6 @@ def test_emit_final_of_string_keys_and_only_nulls() -> None:
     assert_close(got, reference(rows))  # "b" saw only nulls: min/max/mean null, sum 0
 
 
-@needs_emit
 def test_emit_final_is_exactly_once_across_a_failure_mid_way(tmp_path) -> None:
     rng = np.random.default_rng(8)
     table = pa.table({"k": rng.integers(0, 50, 20_000), "v": rng.integers(0, 100, 20_000)})
@@ -329,7 +318,6 @@ class FailsOnceAfterTheFinalRows(pe.sinks.CollectSink):
         super().commit(subtask, checkpoint_id)
 
 
-@needs_emit
 def test_emit_final_does_not_send_the_final_rows_again_after_a_restore_past_them(tmp_path) -> None:
     rng = np.random.default_rng(9)
     table = pa.table({"k": rng.integers(0, 20, 3000), "v": rng.integers(0, 100, 3000)})
