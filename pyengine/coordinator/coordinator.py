@@ -12,19 +12,21 @@ holding its lock; and it never reads a clock itself (``TimerService``).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import enum
 import logging
+import posixpath
 import random
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional, Protocol, Sequence, Set, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 from ..io.events import CheckpointFailureReason, CheckpointOptions, CheckpointType
-from ..storage.filesystem import CheckpointStorage, CheckpointStorageLocation, checkpoint_storage
-from ..storage.handles import StateHandle
+from ..storage.filesystem import CheckpointStorage, CheckpointStorageLocation, checkpoint_storage, resolve
+from ..storage.handles import KeyGroupsStateHandle, StateHandle, StreamStateHandle
 from ..storage.metadata import CheckpointMetadata, OperatorState, SubtaskState
-from ..storage.store import CompletedCheckpointStore, discard_unreferenced
+from ..storage.store import CompletedCheckpointStore, discard_unreferenced, owns_path, shared_files, stream_paths_of
 from .config import CheckpointConfig
 from .stats import CheckpointStatsTracker, SubtaskMetrics
 from .timers import Cancellable, TimerService
@@ -192,7 +194,14 @@ class CheckpointCoordinator:
     """Triggers, tracks, completes and aborts the checkpoints of one job.
 
     Restarts keep the same coordinator (ids keep increasing, statistics carry
-    over); ``restore_latest`` tells it which checkpoint the new attempt starts from."""
+    over); ``restore_latest`` tells it which checkpoint the new attempt starts from,
+    and ``recover`` adopts what a dead run left in the same job directory.
+
+    State files are deleted only through the completed store's registry, which
+    counts the references of retained *and* pending checkpoints (acknowledgements
+    register theirs as they arrive), and only inside this job's own directory; a
+    checkpoint whose state refers to a file already deleted is aborted, never
+    completed (see ``pyengine.storage.store``)."""
 
     def __init__(
         self,
@@ -221,6 +230,7 @@ class CheckpointCoordinator:
         self._scheduler: Optional[Cancellable] = None
         self._pause_timer: Optional[Cancellable] = None
         self._periodic = False
+        self._executing = False  # _execute_queued is running (a failed start re-enters it)
         self._last_completion_ms: Optional[int] = None
         self._consecutive_failures = 0
         self._shutdown = False
@@ -243,13 +253,26 @@ class CheckpointCoordinator:
             self._scheduler = self.timers.schedule(delay, self._on_scheduler_tick)
 
     def stop_checkpoint_scheduler(self, abort_pending: bool = True) -> None:
+        """Stops periodic checkpoints. Queued periodic requests fail with
+        PERIODIC_SCHEDULER_SHUTDOWN (none may start later, when a pending checkpoint
+        ends); with ``abort_pending``, as Flink's, the other queued requests and every
+        pending checkpoint fail with CHECKPOINT_COORDINATOR_SUSPEND."""
         with self._lock:
             self._periodic = False
             if self._scheduler is not None:
                 self._scheduler.cancel()
                 self._scheduler = None
+            self._fail_queued(lambda r: r.periodic, CheckpointFailureReason.PERIODIC_SCHEDULER_SHUTDOWN)
             if abort_pending:
+                self._fail_queued(lambda r: True, CheckpointFailureReason.CHECKPOINT_COORDINATOR_SUSPEND)
                 self.abort_pending_checkpoints(CheckpointFailureReason.CHECKPOINT_COORDINATOR_SUSPEND)
+
+    def _fail_queued(self, which: Callable[[_Request], bool], reason: CheckpointFailureReason) -> None:
+        failed = [r for r in self._queue if which(r)]
+        if failed:
+            self._queue = deque(r for r in self._queue if not which(r))
+            for request in failed:
+                request.future.set_exception(CheckpointException(reason))
 
     @property
     def is_periodic_checkpointing_started(self) -> bool:
@@ -267,7 +290,10 @@ class CheckpointCoordinator:
             if not self._periodic:
                 return
             self._scheduler = self.timers.schedule(self.config.interval_ms, self._on_scheduler_tick)
-            self._request(CheckpointType.CHECKPOINT, periodic=True, target=None)
+            try:
+                self._request(CheckpointType.CHECKPOINT, periodic=True, target=None)
+            except Exception:  # the timer thread must survive anything: the next tick tries again
+                log.exception("periodic checkpoint request failed")
 
     # -- triggering ----------------------------------------------------------------------------
 
@@ -283,8 +309,12 @@ class CheckpointCoordinator:
             return self._request(CheckpointType.CHECKPOINT, periodic=periodic, target=None, aligned=aligned)
 
     def trigger_savepoint(self, target_dir: str) -> concurrent.futures.Future[CheckpointMetadata]:
-        """A savepoint into ``target_dir``: never subsumed, never counted against
-        ``max_concurrent`` or held back by ``min_pause``."""
+        """A savepoint into ``target_dir``: never subsumed, never held back by
+        ``min_pause``, and in an aligned job never counted against ``max_concurrent``.
+        In an unaligned job it queues behind running checkpoints and holds new ones
+        back while it runs, as in Flink: a savepoint is aligned, and an unaligned
+        barrier overtaking its barrier would cancel it at the gate. Its state is copied
+        into ``target_dir``, so it lives on whatever happens to the job's directory."""
         if not isinstance(target_dir, str) or not target_dir:
             raise ValueError(f"a savepoint needs a target directory, got {target_dir!r}")
         with self._lock:
@@ -296,6 +326,9 @@ class CheckpointCoordinator:
         future: concurrent.futures.Future[CheckpointMetadata] = concurrent.futures.Future()
         if self._shutdown:
             future.set_exception(CheckpointException(CheckpointFailureReason.CHECKPOINT_COORDINATOR_SHUTDOWN))
+            return future
+        if periodic and not self._periodic:
+            future.set_exception(CheckpointException(CheckpointFailureReason.PERIODIC_SCHEDULER_SHUTDOWN))
             return future
         if periodic and any(r.periodic for r in self._queue):
             # One queued periodic request is enough: the next tick would only pile up.
@@ -314,24 +347,36 @@ class CheckpointCoordinator:
 
     def _execute_queued(self) -> None:
         """Starts queued requests that the rules allow now; arranges a retry when
-        only the minimum pause holds them back."""
-        while self._queue:
-            request = self._queue[0]
-            if not request.checkpoint_type.is_savepoint:
-                if self._num_pending_checkpoints() >= self.config.max_concurrent:
-                    return  # retried when a pending checkpoint ends
-                wait = self._pause_left_ms()
-                if wait > 0:
-                    if self._pause_timer is None:
-                        self._pause_timer = self.timers.schedule(wait, self._on_pause_over)
-                    return
-            self._queue.popleft()
-            self._start(request)
+        only the minimum pause holds them back. Not re-entrant: a start that fails
+        ends in _abort, which calls this again; the running loop goes on instead."""
+        if self._executing:
+            return
+        self._executing = True
+        try:
+            while self._queue:
+                request = self._queue[0]
+                savepoint = request.checkpoint_type.is_savepoint
+                if not savepoint or self.config.unaligned:
+                    if self._num_pending_checkpoints() >= self.config.max_concurrent:
+                        return  # retried when a pending checkpoint ends
+                if not savepoint:
+                    wait = self._pause_left_ms()
+                    if wait > 0:
+                        if self._pause_timer is None:
+                            self._pause_timer = self.timers.schedule(wait, self._on_pause_over)
+                        return
+                self._queue.popleft()
+                self._start(request)
+        finally:
+            self._executing = False
 
     def _on_pause_over(self) -> None:
         with self._lock:
             self._pause_timer = None
-            self._execute_queued()
+            try:
+                self._execute_queued()
+            except Exception:  # the timer thread must survive anything
+                log.exception("starting a queued checkpoint failed")
 
     def _pause_left_ms(self) -> float:
         if self._last_completion_ms is None or self.config.min_pause_ms == 0:
@@ -339,29 +384,40 @@ class CheckpointCoordinator:
         return self._last_completion_ms + self.config.min_pause_ms - self.timers.now_ms()
 
     def _num_pending_checkpoints(self) -> int:
+        """What counts against ``max_concurrent``: the pending checkpoints, and in an
+        unaligned job the pending savepoints too (nothing may run beside those)."""
+        if self.config.unaligned:
+            return len(self._pending)
         return sum(1 for p in self._pending.values() if not p.is_savepoint)
 
     def _start(self, request: _Request) -> None:
+        if request.periodic and not self._periodic:
+            request.future.set_exception(CheckpointException(CheckpointFailureReason.PERIODIC_SCHEDULER_SHUTDOWN))
+            return
         if not self.gateway.all_running():
             request.future.set_exception(CheckpointException(CheckpointFailureReason.NOT_ALL_REQUIRED_TASKS_RUNNING))
             return
         checkpoint_id = self._next_id
         self._next_id += 1
         now = self.timers.now_ms()
-        storage = self.storage
-        if request.target is not None:
-            try:
+        savepoint = request.checkpoint_type.is_savepoint
+        try:
+            storage = self.storage
+            if request.target is not None:
                 storage = checkpoint_storage(request.target, f"savepoint-{self.job_id[:8]}-{checkpoint_id}")
-            except OSError as exc:
-                request.future.set_exception(CheckpointException(CheckpointFailureReason.IO_EXCEPTION, str(exc)))
-                return
+            location = storage.location(checkpoint_id)
+        except Exception as exc:
+            # A storage failure fails this request only: the caller may be the timer
+            # thread (which must live on) or a task whose acknowledgement started it.
+            cause = CheckpointException(CheckpointFailureReason.TRIGGER_CHECKPOINT_FAILURE, f"{exc!r}")
+            log.warning("could not create the location of checkpoint %s: %s", checkpoint_id, exc)
+            self.stats.report_pending(checkpoint_id, now, "savepoint" if savepoint else "checkpoint", 0)
+            self.stats.report_failed(checkpoint_id, now, str(cause))
+            request.future.set_exception(cause)
+            self._count_failure(cause, savepoint)
+            return
         pending = PendingCheckpoint(
-            checkpoint_id,
-            now,
-            request.checkpoint_type,
-            self.gateway.tasks_to_ack(),
-            storage.location(checkpoint_id),
-            storage,
+            checkpoint_id, now, request.checkpoint_type, self.gateway.tasks_to_ack(), location, storage
         )
         pending.future = request.future
         self._pending[checkpoint_id] = pending
@@ -372,8 +428,11 @@ class CheckpointCoordinator:
         # savepoints are always aligned, and so is a checkpoint requested aligned
         unaligned = self.config.unaligned and not pending.is_savepoint and not request.aligned
         options = CheckpointOptions(request.checkpoint_type, unaligned=unaligned)
-        for task in self.gateway.tasks_to_trigger():
-            self.gateway.trigger(task, checkpoint_id, now, options)
+        try:
+            for task in self.gateway.tasks_to_trigger():
+                self.gateway.trigger(task, checkpoint_id, now, options)
+        except Exception as exc:
+            self._abort(pending, CheckpointException(CheckpointFailureReason.TRIGGER_CHECKPOINT_FAILURE, f"{exc!r}"))
 
     def _expire(self, checkpoint_id: int) -> None:
         with self._lock:
@@ -391,7 +450,10 @@ class CheckpointCoordinator:
         metrics: Optional[SubtaskMetrics] = None,
     ) -> AckResult:
         """An acknowledgement; completes the checkpoint when it is the last one.
-        State that cannot be used (unknown task, gone checkpoint) is deleted."""
+        Its files are registered as in use by the pending checkpoint at once, so no
+        discarding deletes them before it completes or fails. State that cannot be
+        used (unknown task, gone checkpoint) is deleted - only what this job's
+        storage owns (see ``_discard``)."""
         state = state or TaskStateSnapshot()
         with self._lock:
             pending = self._pending.get(checkpoint_id)
@@ -400,15 +462,20 @@ class CheckpointCoordinator:
                     log.info("late acknowledgement of checkpoint %s from %s: discarding its state", checkpoint_id, task)
                 else:
                     log.warning("acknowledgement of unknown checkpoint %s from %s: discarding", checkpoint_id, task)
-                self._discard(state.handles())
+                self._discard(state.handles(), checkpoint_id)
                 return AckResult.DISCARDED
             result = pending.acknowledge_task(task, state)
             if result is AckResult.SUCCESS:
+                paths = stream_paths_of(state.handles())
+                self.store.registry.register_pending(checkpoint_id, paths)
                 self.stats.report_ack(checkpoint_id, str(task), metrics or SubtaskMetrics(), self.timers.now_ms())
-                if pending.fully_acknowledged:
+                gone = self._deleted(paths)
+                if gone is not None:
+                    self._abort(pending, self._unrestorable(task, gone))
+                elif pending.fully_acknowledged:
                     self.complete_pending_checkpoint(pending)
             elif result in (AckResult.UNKNOWN, AckResult.DISCARDED):
-                self._discard(state.handles())
+                self._discard(state.handles(), checkpoint_id)
             return result
 
     def receive_decline_message(
@@ -421,7 +488,7 @@ class CheckpointCoordinator:
         """A task could not take the checkpoint: it fails."""
         with self._lock:
             if state is not None:
-                self._discard(state.handles())
+                self._discard(state.handles(), checkpoint_id)
             pending = self._pending.get(checkpoint_id)
             if pending is None:
                 return
@@ -431,15 +498,47 @@ class CheckpointCoordinator:
             detail = f"declined by {task}" + (f": {cause}" if cause is not None else "")
             self._abort(pending, CheckpointException(reason, detail))
 
+    def _deleted(self, paths: List[str]) -> Optional[str]:
+        """The first of ``paths`` that was already deleted, if any."""
+        registry = self.store.registry
+        return next((p for p in paths if registry.was_deleted(p)), None)
+
+    @staticmethod
+    def _unrestorable(task: object, path: str) -> CheckpointException:
+        return CheckpointException(
+            CheckpointFailureReason.FINALIZE_CHECKPOINT_FAILURE,
+            f"the state of {task} uses {path}, which was already deleted: completed, this checkpoint "
+            "could not be restored",
+        )
+
     # -- completion and abortion -------------------------------------------------------------
 
     def complete_pending_checkpoint(self, pending: PendingCheckpoint) -> None:
-        """All acks are in: ``_metadata`` makes it exist; then subsume, retain, notify."""
+        """All acks are in: ``_metadata`` makes it exist; then subsume, retain, notify.
+
+        Refused with a CheckpointException (FINALIZE_CHECKPOINT_FAILURE), changing
+        nothing, for a checkpoint that is not pending here or still waits for an
+        acknowledgement: it would complete without that task's state."""
         with self._lock:
             checkpoint_id = pending.checkpoint_id
+            if self._pending.get(checkpoint_id) is not pending or pending.disposed:
+                raise CheckpointException(
+                    CheckpointFailureReason.FINALIZE_CHECKPOINT_FAILURE, f"checkpoint {checkpoint_id} is not pending"
+                )
+            if pending.not_yet_acknowledged:
+                waiting = ", ".join(sorted(str(t) for t in pending.not_yet_acknowledged))
+                raise CheckpointException(
+                    CheckpointFailureReason.FINALIZE_CHECKPOINT_FAILURE,
+                    f"checkpoint {checkpoint_id} still waits for the acknowledgements of {waiting}",
+                )
+            gone = self._deleted(stream_paths_of(pending.handles()))
+            if gone is not None:
+                self._abort(pending, self._unrestorable("a task", gone))
+                return
             metadata = self._metadata_of(pending)
             try:
                 if pending.is_savepoint:
+                    metadata = self._self_contained(metadata, pending.location)
                     pending.storage.write_metadata(checkpoint_id, metadata.to_json())
                 else:
                     self.store.complete(metadata)
@@ -451,6 +550,9 @@ class CheckpointCoordinator:
             pending.disposed = True
             if pending.timeout is not None:
                 pending.timeout.cancel()
+            if pending.is_savepoint:
+                self._release_savepoint_sources(pending)
+            self.store.registry.release_pending(checkpoint_id)  # what it keeps is registered as retained
             now = self.timers.now_ms()
             self.stats.report_completed(checkpoint_id, now, path)
             if not pending.is_savepoint:
@@ -463,6 +565,57 @@ class CheckpointCoordinator:
                 self.gateway.notify_complete(task, checkpoint_id)
             pending.future.set_result(metadata)
             self._execute_queued()
+
+    def _self_contained(self, metadata: CheckpointMetadata, location: CheckpointStorageLocation) -> CheckpointMetadata:
+        """The savepoint's metadata with every state file it uses copied into its own
+        directory: tasks write a savepoint's state where they write checkpoints (the
+        job's ``chk-<n>/`` and ``shared/``), which retention and recovery clean up."""
+        root = location.storage.uri_of(location.storage.root) + "/"
+        copies: Dict[str, StreamStateHandle] = {}
+
+        def moved(stream: StateHandle) -> StateHandle:
+            if not isinstance(stream, StreamStateHandle) or stream.path.startswith(root):
+                return stream
+            if stream.path not in copies:
+                src_fs, src_path, _ = resolve(stream.path)
+                name = posixpath.basename(src_path)
+                while any(c.path.endswith("/" + name) for c in copies.values()):
+                    name = "_" + name
+                target = f"{location.directory}/{name}"
+                with src_fs.open_input_stream(src_path) as src, location.storage.fs.open_output_stream(target) as out:
+                    while chunk := src.read(1 << 22):
+                        out.write(chunk)
+                copies[stream.path] = StreamStateHandle(location.storage.uri_of(target), stream.size, stream.checksum)
+            return copies[stream.path]
+
+        def relocated(handle: StateHandle) -> StateHandle:
+            if isinstance(handle, KeyGroupsStateHandle):
+                return dataclasses.replace(handle, stream=moved(handle.stream), shared=())
+            return moved(handle)
+
+        operators = {
+            uid: OperatorState(
+                op.parallelism,
+                op.max_parallelism,
+                {
+                    i: SubtaskState([relocated(h) for h in sub.keyed], [relocated(h) for h in sub.operator])
+                    for i, sub in op.subtasks.items()
+                },
+            )
+            for uid, op in metadata.operators.items()
+        }
+        return dataclasses.replace(metadata, operators=operators, shared=[])
+
+    def _release_savepoint_sources(self, pending: PendingCheckpoint) -> None:
+        """After a savepoint completed (self-contained): the files its tasks wrote into
+        the job's ``shared/`` are held until a newer checkpoint completes (tasks build
+        their next deltas on the savepoint's chain, as on a checkpoint's); its
+        ``chk-<n>/`` in the job's directory is no longer needed."""
+        original = self._metadata_of(pending)
+        own = [p for p in shared_files(original) if owns_path(self.storage, p)]
+        self.store.anchor(pending.checkpoint_id, own)
+        if pending.storage is not self.storage:
+            self.storage.delete_dir(self.storage.checkpoint_dir(pending.checkpoint_id))
 
     def _metadata_of(self, pending: PendingCheckpoint) -> CheckpointMetadata:
         parallelism = self.gateway.operator_parallelism()
@@ -490,41 +643,69 @@ class CheckpointCoordinator:
         if pending.timeout is not None:
             pending.timeout.cancel()
         self._recent.append(checkpoint_id)
-        self._discard(pending.handles())
+        self.store.registry.release_pending(checkpoint_id)
+        self._discard(pending.handles(), checkpoint_id)
         try:
             pending.location.dispose()
+            if pending.storage is not self.storage:  # a savepoint's tasks wrote into the job's directory
+                self.storage.delete_dir(self.storage.checkpoint_dir(checkpoint_id))
         except OSError as exc:
             log.warning("could not delete the location of failed checkpoint %s: %s", checkpoint_id, exc)
         self.stats.report_failed(checkpoint_id, self.timers.now_ms(), str(cause))
         for task in self.gateway.tasks_to_ack():
             self.gateway.notify_aborted(task, checkpoint_id)
         pending.future.set_exception(cause)
-        if cause.reason not in _NOT_COUNTED and not pending.is_savepoint:
-            self._consecutive_failures += 1
-            if self._consecutive_failures > self.config.tolerable_failures:
-                self._consecutive_failures = 0
-                self.gateway.fail_job(
-                    CheckpointException(
-                        cause.reason,
-                        f"exceeded tolerable_failures={self.config.tolerable_failures}: {cause}",
-                    )
-                )
+        self._count_failure(cause, pending.is_savepoint)
         if not self._shutdown:
             self._execute_queued()
 
+    def _count_failure(self, cause: CheckpointException, savepoint: bool) -> None:
+        """Counts a failed checkpoint against ``tolerable_failures``; past it, the job fails."""
+        if cause.reason in _NOT_COUNTED or savepoint:
+            return
+        self._consecutive_failures += 1
+        if self._consecutive_failures > self.config.tolerable_failures:
+            self._consecutive_failures = 0
+            self.gateway.fail_job(
+                CheckpointException(
+                    cause.reason,
+                    f"exceeded tolerable_failures={self.config.tolerable_failures}: {cause}",
+                )
+            )
+
     def abort_pending_checkpoints(self, reason: CheckpointFailureReason) -> None:
-        """Aborts every pending checkpoint, for example on failover."""
+        """Aborts every pending checkpoint, for example on failover; with
+        CHECKPOINT_SUBSUMED, the savepoints stay (a savepoint is never subsumed)."""
         with self._lock:
             for pending in list(self._pending.values()):
+                if reason is CheckpointFailureReason.CHECKPOINT_SUBSUMED and pending.is_savepoint:
+                    continue
                 self._abort(pending, CheckpointException(reason))
 
-    def _discard(self, handles: List[StateHandle]) -> None:
+    def _discard(self, handles: List[StateHandle], checkpoint_id: Optional[int]) -> None:
+        """Deletes the files of state no checkpoint will use: only files of this job's
+        ``shared/`` that nothing uses, and files directly in ``chk-<checkpoint_id>/``
+        unless that checkpoint is retained - never anything else an acknowledgement
+        names (a forged one could name any path)."""
+        if checkpoint_id is not None and any(m.checkpoint_id == checkpoint_id for m in self.store.checkpoints):
+            checkpoint_id = None
         try:
-            discard_unreferenced(handles, self.store.registry)
+            discard_unreferenced(handles, self.store.registry, storage=self.storage, checkpoint_id=checkpoint_id)
         except OSError as exc:
             log.warning("could not delete discarded state: %s", exc)
 
     # -- restore and shutdown ----------------------------------------------------------------
+
+    def recover(self) -> Optional[CheckpointMetadata]:
+        """For a run that continues in the job directory a dead run left: the store
+        adopts the checkpoints retention and restorability need and deletes the rest
+        (``CompletedCheckpointStore.recover``), and new checkpoint ids start past every
+        ``chk-<n>`` found there, completed or not, so none is reused. Returns the
+        checkpoint to restore, or None."""
+        with self._lock:
+            latest = self.store.recover()
+            self._next_id = max(self._next_id, self.store.highest_checkpoint_id + 1)
+            return latest
 
     def restore_latest(self) -> Optional[CheckpointMetadata]:
         """The checkpoint a (re)started job resumes from: the latest completed one."""

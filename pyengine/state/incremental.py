@@ -1,29 +1,50 @@
 """The incremental keyed state backend: the heap backend plus a log of what changed.
 
-A checkpoint writes only the entries changed since the last *completed*
-checkpoint, as a delta file under ``shared/`` (an upsert per changed entry, a
-tombstone per deleted one), and references the files that came before it: a
-chain of one full base and its deltas, applied in order on restore. Every
-``max_chain`` deltas the next checkpoint writes a full base instead (a
-materialisation, done by the asynchronous part like any write), so restore never
-replays an unbounded chain.
+A checkpoint writes only the entries changed since the snapshot of its *base*
+(the chain of a checkpoint known to have completed), as a delta file under
+``shared/`` (an upsert per changed entry, a tombstone per deleted one), and
+references the files that came before it: a chain of one full base and its
+deltas, applied in order on restore. Every ``max_chain`` deltas the next
+checkpoint writes a full base instead (a materialisation, done by the
+asynchronous part like any write), so restore never replays an unbounded chain.
 
-Deltas build on the chain of the last checkpoint known to have completed
-(``notify_checkpoint_complete``), so the changes of a checkpoint that failed are
-simply part of the next delta. Files are shared between checkpoints: the
-completed-checkpoint store counts references to them (``_metadata`` lists them)
-and deletes each when the last retained checkpoint using it is discarded.
+The completed-checkpoint store deletes a shared file once no retained checkpoint
+(and no pending one that acknowledged it) uses it, so a delta may build only on
+files that will outlive it. The base therefore moves by these rules, whatever
+order barriers and notifications arrive in (an unaligned barrier is handled
+straight from the gate, before the mailbox delivers the notification of the
+checkpoint before it):
+
+* ``notify_checkpoint_complete(C)`` makes C's chain the base only when no snapshot
+  newer than C is still pending here. A newer pending snapshot P was built on the
+  old base; when P completes, the store discards C and with it C's files that P
+  does not use, so C's chain may not be built on. C is remembered and becomes the
+  base once the newer snapshots are aborted, or the newer one becomes it on its
+  own notification. The base never moves backwards.
+* Once a snapshot on the current base is full (a materialisation), every later
+  snapshot on that base is full too, until the base moves: when the full one
+  completes, the store deletes the old chain, which no later delta may then use.
+* The first snapshot after a restore is full unless every file of the restored
+  chain lives in this job's own ``shared/`` directory (a failover in the same
+  directory): a new run's checkpoints never depend on another run's directory
+  (Flink's NO_CLAIM restore).
+
+Deltas cover every change since the base's snapshot (the change logs of all the
+snapshots taken since, those that failed included), so nothing is lost when the
+base stays behind.
 """
 
 from __future__ import annotations
 
+import threading
 import uuid
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from ..snapshot.format import TOMBSTONE, ColumnarChanges, write_keyed_state
 from ..snapshot.strategies import SnapshotResult, column_of
 from ..storage.filesystem import INLINE_THRESHOLD, CheckpointStorageLocation
-from ..storage.handles import KeyGroupsStateHandle
+from ..storage.handles import KeyGroupsStateHandle, StreamStateHandle
+from ..storage.store import owns_path
 from .columnar import ColumnarValueTable
 from .heap import HeapKeyedStateBackend
 
@@ -49,9 +70,15 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
         if type(max_chain) is not int or max_chain < 0:
             raise ValueError(f"max_chain must be an int >= 0, got {max_chain!r}")
         self.max_chain = max_chain
-        self._confirmed: List[KeyGroupsStateHandle] = []  # the chain of the last completed checkpoint
-        self._unconfirmed: List[Tuple[int, Taken]] = []  # change sets of snapshots not yet completed
+        self._base: List[KeyGroupsStateHandle] = []  # the chain later deltas build on
+        self._base_id = 0  # the checkpoint whose chain the base is (0: none, or restored)
+        self._log: List[Tuple[int, Taken]] = []  # change logs of the snapshots taken since the base's
+        self._pending: Set[int] = set()  # snapshots taken here, neither completed nor aborted
+        self._aborted: Set[int] = set()  # aborted checkpoints newer than the base
+        self._confirmed = 0  # the newest completed checkpoint, waiting to become the base
+        self._materialising = False  # a full snapshot was taken on this base: later ones are full too
         self._results: Dict[int, List[KeyGroupsStateHandle]] = {}  # chains written, by checkpoint
+        self._results_lock = threading.Lock()  # snapshot threads write _results
 
     def _track(self, table: Any) -> Any:
         if isinstance(table, ColumnarValueTable):
@@ -75,7 +102,8 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
         """Synchronous part: freezes state (copy-on-write) and takes the change log;
         the asynchronous part writes a delta on the last completed chain, or a full base."""
         names = sorted(self._tables)
-        full = not self._confirmed or len(self._confirmed) > self.max_chain
+        full = self._materialising or not self._base or len(self._base) > self.max_chain or not self._base_in(location)
+        self._materialising = full
         touched: Optional[Changes] = None
         with self._freeze_lock:
             tables = [self._track(self._tables[n]) for n in names]
@@ -86,21 +114,23 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
                 else:
                     taken[name] = table.changes
                     table.changes = [set() for _ in table.groups]
-            self._unconfirmed.append((checkpoint_id, taken))
+            self._log.append((checkpoint_id, taken))
+            if checkpoint_id not in self._aborted:
+                self._pending.add(checkpoint_id)
             if full:
                 frozen = [t.freeze() for t in tables]
-            elif len(self._unconfirmed) == 1:
-                # The usual case: the previous checkpoint completed, so the delta is
-                # exactly this change log. Columnar tables took the entries already.
+            elif len(self._log) == 1:
+                # The usual case: the base is the previous snapshot's chain, so the delta
+                # is exactly this change log. Columnar tables took the entries already.
                 touched = {n: c for n, c in taken.items() if not isinstance(c, ColumnarChanges)}
                 frozen = []
                 for n, t in zip(names, tables, strict=True):
                     change_log = taken[n]
                     columnar = isinstance(t, ColumnarValueTable) and isinstance(change_log, ColumnarChanges)
                     frozen.append(t.freeze_taken(change_log) if columnar else t.freeze())
-            else:  # earlier checkpoints still pending: the delta covers their changes too
+            else:  # snapshots since the base's: the delta covers their changes too
                 touched = {name: [set() for _ in self.key_group_range] for name in names}
-                for _, changes in self._unconfirmed:
+                for _, changes in self._log:
                     for name, per_group in changes.items():
                         if name in touched:
                             for i, keys in enumerate(_key_sets(per_group)):
@@ -119,7 +149,7 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
             backend=self,
             checkpoint_id=checkpoint_id,
             location=location,
-            base=[] if full else list(self._confirmed),
+            base=[] if full else list(self._base),
             columns=[column_of(t.descriptor) for t in tables],
             names=names,
             frozen=frozen,
@@ -127,22 +157,73 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
             release=release,
         )
 
+    def _base_in(self, location: CheckpointStorageLocation) -> bool:
+        """Whether every file of the base lives in the ``shared/`` directory of the
+        storage this snapshot writes to (inline state lives in ``_metadata``)."""
+        return all(
+            not isinstance(h.stream, StreamStateHandle) or owns_path(location.storage, h.stream.path)
+            for h in self._base
+        )
+
     def _written(self, checkpoint_id: int, chain: List[KeyGroupsStateHandle]) -> None:
-        self._results[checkpoint_id] = chain
+        with self._results_lock:
+            if checkpoint_id > self._base_id:
+                self._results[checkpoint_id] = chain
 
     def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
-        """The chain written for ``checkpoint_id`` is now the base of later deltas."""
-        chain = self._results.get(checkpoint_id)
-        if chain is None:
-            return  # not ours, or an older checkpoint than one already confirmed
-        self._prune_local(checkpoint_id)
-        self._confirmed = chain
-        self._results = {c: h for c, h in self._results.items() if c > checkpoint_id}
-        self._unconfirmed = [(c, ch) for c, ch in self._unconfirmed if c > checkpoint_id]
+        """Checkpoint ``checkpoint_id`` completed: snapshots older than it are over
+        (completed or subsumed), and its chain becomes the base once no newer
+        snapshot of this backend is pending (see the module docstring)."""
+        if checkpoint_id <= self._base_id:
+            return  # the base never moves backwards
+        self._pending = {c for c in self._pending if c > checkpoint_id}
+        with self._results_lock:
+            known = checkpoint_id in self._results
+        if known:
+            self._confirmed = max(self._confirmed, checkpoint_id)
+        elif checkpoint_id > self._confirmed:
+            # Completed without a chain of ours (never seen here): the checkpoints it
+            # subsumed, and their files, may be gone, so no delta builds on anything
+            # older. Full snapshots until a newer one of ours completes.
+            self._confirmed = 0
+            self._materialising = True
+        self._move_base()
 
     def notify_checkpoint_aborted(self, checkpoint_id: int) -> None:
         """Its changes stay in the log and go into the next delta."""
-        self._results.pop(checkpoint_id, None)
+        if checkpoint_id <= self._base_id:
+            return
+        self._pending.discard(checkpoint_id)
+        self._aborted.add(checkpoint_id)
+        with self._results_lock:
+            self._results.pop(checkpoint_id, None)
+        self._move_base()
+
+    def _move_base(self) -> None:
+        """Moves the base to the confirmed checkpoint's chain, if no newer snapshot
+        is pending (one that, completing, would discard that chain's newest files)."""
+        confirmed = self._confirmed
+        if confirmed <= self._base_id or any(c > confirmed for c in self._pending):
+            return
+        with self._results_lock:
+            chain = self._results.get(confirmed)
+            if chain is None:
+                return
+            self._results = {c: h for c, h in list(self._results.items()) if c > confirmed}
+        self._prune_local(confirmed)
+        self._base = chain
+        self._base_id = confirmed
+        self._materialising = False
+        self._log = [(c, t) for c, t in self._log if c > confirmed]
+        self._aborted = {c for c in self._aborted if c > confirmed}
+
+    def _prune_local(self, checkpoint_id: int) -> None:
+        """Local copies are kept for the new base and the snapshots newer than it."""
+        if self._local is None or checkpoint_id not in self._local_results:
+            return
+        recorded = [(c, h) for c, h in list(self._local_results.items()) if c >= checkpoint_id]
+        self._local.keep_only([h for _, hs in recorded for h in hs])
+        self._local_results = dict(recorded)
 
     def restore(self, handles: Any, *, allow_pickle: Any = ()) -> None:
         super().restore(handles, allow_pickle=allow_pickle)
@@ -157,9 +238,15 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
             and (h.key_group_start, h.key_group_end) == (self.key_group_range.start, self.key_group_range.end)
             for h in handles
         )
-        self._confirmed = handles if reusable else []
-        self._unconfirmed = []
-        self._results = {}
+        self._base = handles if reusable else []
+        self._base_id = 0
+        self._log = []
+        self._pending = set()
+        self._aborted = set()
+        self._confirmed = 0
+        self._materialising = False
+        with self._results_lock:
+            self._results = {}
 
 
 class IncrementalSnapshot:

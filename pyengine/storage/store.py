@@ -1,40 +1,79 @@
 """Completed checkpoints: the retained ones, their discarding, and recovery after a crash.
 
-Rules, as Flink's CompletedCheckpointStore and SharedStateRegistry:
+Rules, as Flink's CompletedCheckpointStore and SharedStateRegistry, made strict:
 
 * A checkpoint is added only after its ``_metadata`` is written; only then are
   older checkpoints beyond ``retained`` discarded. Nothing completed is deleted
   before a newer checkpoint is complete.
-* Files in ``shared/`` are reference-counted by the retained checkpoints that use
-  them and deleted when the last of those is discarded. On recovery the counts are
-  rebuilt from the retained checkpoints' metadata, and shared files none of them
-  uses (left by checkpoints that never completed) are deleted: no orphans.
+* A state file is deleted only when nothing that may still be restored or may
+  still complete uses it: the registry counts the references of the retained
+  checkpoints *and* of the pending ones (registered as their acknowledgements
+  arrive), so discarding a subsumed checkpoint never takes a file that a pending
+  checkpoint built on. Every file it deletes is remembered (a bounded record), so
+  a checkpoint that refers to one is aborted instead of completing unrestorable.
+* The coordinator deletes only inside its own job's directory: files of ``shared/``
+  and of the failed checkpoint's own ``chk-<n>/``, never ``_metadata``, never a
+  path that leaves the directory, whatever a (possibly forged) acknowledgement says.
+* On recovery the store adopts what a dead run left in the same directory:
+  the newest ``retained`` restorable checkpoints (a damaged one is skipped, with a
+  warning, for the previous intact one), and deletes the rest - older checkpoints,
+  ``chk-<n>`` directories without ``_metadata`` and shared files nothing uses.
 * Savepoints are never discarded by the store.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from typing import Dict, Iterable, List, Optional
+import posixpath
+import re
+from collections import Counter, OrderedDict
+from typing import Dict, Iterable, List, Optional, Set
 
-from .filesystem import CheckpointStorage, delete_state_file
+import pyarrow.fs as pafs
+
+from .filesystem import METADATA_FILE, CheckpointStorage, StorageError, delete_state_file, resolve
 from .handles import KeyGroupsStateHandle, StateHandle, StreamStateHandle
 from .metadata import CheckpointMetadata, MetadataError
 
-__all__ = ["CompletedCheckpointStore", "SharedStateRegistry", "discard_unreferenced", "shared_files"]
+__all__ = [
+    "CompletedCheckpointStore",
+    "SharedStateRegistry",
+    "discard_unreferenced",
+    "owns_path",
+    "shared_files",
+    "stream_paths",
+    "stream_paths_of",
+]
 
 log = logging.getLogger(__name__)
 
+# How many deleted paths the registry remembers: a pending checkpoint refers to files
+# of the last few checkpoints, so this covers thousands of checkpoints of history
+# at any parallelism one machine runs, in a few MB at most.
+DELETED_MEMORY = 10_000
+_CHK_DIR = re.compile(r"^chk-(\d+)$")
+
 
 class SharedStateRegistry:
-    """Reference counts of shared state files across retained checkpoints."""
+    """Which state files checkpoints use, so that none is deleted while something
+    that may be restored, or may still complete, uses it.
 
-    def __init__(self) -> None:
+    References come in two kinds: those of retained completed checkpoints (and of
+    savepoints' files in the job's directory, held until a newer checkpoint
+    completes), registered with ``register``, and those of pending checkpoints,
+    added per acknowledgement with ``register_pending``. A file is in use while
+    either kind refers to it."""
+
+    def __init__(self, deleted_memory: int = DELETED_MEMORY) -> None:
         self._counts: Counter[str] = Counter()
         self._by_checkpoint: Dict[int, List[str]] = {}
+        self._pending_counts: Counter[str] = Counter()
+        self._pending: Dict[int, Set[str]] = {}
+        self._deleted: OrderedDict[str, None] = OrderedDict()
+        self._deleted_memory = deleted_memory
 
     def register(self, checkpoint_id: int, paths: Iterable[str]) -> None:
+        """References of a completed checkpoint (registering one twice is a no-op)."""
         if checkpoint_id in self._by_checkpoint:
             return
         unique = sorted(set(paths))
@@ -42,21 +81,56 @@ class SharedStateRegistry:
         self._counts.update(unique)
 
     def unregister(self, checkpoint_id: int) -> List[str]:
-        """Drops a checkpoint's references; returns the files no retained checkpoint uses any more."""
+        """Drops a completed checkpoint's references; returns the files nothing uses any more."""
         unused = []
         for path in self._by_checkpoint.pop(checkpoint_id, []):
             self._counts[path] -= 1
             if self._counts[path] <= 0:
                 del self._counts[path]
-                unused.append(path)
+                if not self._pending_counts[path]:
+                    unused.append(path)
         return unused
 
+    def register_pending(self, checkpoint_id: int, paths: Iterable[str]) -> None:
+        """References of a pending checkpoint, as its acknowledgements bring them."""
+        mine = self._pending.setdefault(checkpoint_id, set())
+        new = set(paths) - mine
+        mine |= new
+        self._pending_counts.update(new)
+
+    def release_pending(self, checkpoint_id: int) -> List[str]:
+        """Drops a pending checkpoint's references (it completed, and ``register``
+        holds what it keeps; or it failed); returns the files nothing uses any more."""
+        unused = []
+        for path in self._pending.pop(checkpoint_id, set()):
+            self._pending_counts[path] -= 1
+            if self._pending_counts[path] <= 0:
+                del self._pending_counts[path]
+                if not self._counts[path]:
+                    unused.append(path)
+        return sorted(unused)
+
     def is_used(self, path: str) -> bool:
-        return path in self._counts
+        return self._counts[path] > 0 or self._pending_counts[path] > 0
+
+    def record_deleted(self, path: str) -> None:
+        """Remembers a deleted file, so a checkpoint that refers to it never completes."""
+        self._deleted[path] = None
+        self._deleted.move_to_end(path)
+        while len(self._deleted) > self._deleted_memory:
+            self._deleted.popitem(last=False)
+
+    def was_deleted(self, path: str) -> bool:
+        return path in self._deleted
 
     @property
     def referenced(self) -> List[str]:
-        return sorted(self._counts)
+        """Files the retained checkpoints use."""
+        return sorted(p for p, n in self._counts.items() if n > 0)
+
+    @property
+    def pending_ids(self) -> List[int]:
+        return sorted(self._pending)
 
 
 class CompletedCheckpointStore:
@@ -69,6 +143,8 @@ class CompletedCheckpointStore:
         self.retained = retained
         self.registry = SharedStateRegistry()
         self._checkpoints: List[CheckpointMetadata] = []
+        self._anchors: List[int] = []  # savepoints whose job-directory files are held
+        self.highest_checkpoint_id = 0  # the highest chk-<n> recover() found, completed or not
 
     @property
     def checkpoints(self) -> List[CheckpointMetadata]:
@@ -93,6 +169,9 @@ class CompletedCheckpointStore:
             self._checkpoints.remove(oldest)
             self._discard(oldest)
             discarded.append(oldest)
+        for savepoint_id in [a for a in self._anchors if a < metadata.checkpoint_id]:
+            self._anchors.remove(savepoint_id)
+            self._delete_shared(self.registry.unregister(savepoint_id))
         return discarded
 
     def complete(self, metadata: CheckpointMetadata) -> List[CheckpointMetadata]:
@@ -100,41 +179,87 @@ class CompletedCheckpointStore:
         self.storage.write_metadata(metadata.checkpoint_id, metadata.to_json())
         return self.add(metadata)
 
+    def anchor(self, savepoint_id: int, paths: Iterable[str]) -> None:
+        """Holds a completed savepoint's files in the job's ``shared/`` until a newer
+        checkpoint completes: tasks that heard of the savepoint build their next
+        deltas on its chain, so those files must live as a retained checkpoint's do."""
+        self.registry.register(savepoint_id, paths)
+        self._anchors.append(savepoint_id)
+
     def _discard(self, metadata: CheckpointMetadata) -> None:
-        for path in self.registry.unregister(metadata.checkpoint_id):
-            delete_state_file(path)
+        self._delete_shared(self.registry.unregister(metadata.checkpoint_id))
         self.storage.delete_dir(self.storage.checkpoint_dir(metadata.checkpoint_id))
 
+    def _delete_shared(self, paths: Iterable[str]) -> None:
+        for path in paths:
+            if owns_path(self.storage, path):  # a file of another directory is never ours to delete
+                delete_state_file(path)
+                self.registry.record_deleted(path)
+
     def recover(self) -> Optional[CheckpointMetadata]:
-        """After a crash: loads the completed checkpoints found in storage (skipping
-        damaged ones, with a warning), keeps the newest ``retained``, rebuilds the
-        shared-state references and deletes shared files nothing uses. Returns the
-        latest usable checkpoint, or None."""
-        good: List[CheckpointMetadata] = []
-        for checkpoint_id in reversed(self.storage.completed_checkpoint_ids()):
-            path, raw = self.storage.read_metadata_bytes(checkpoint_id)
+        """Adopts what a run before this one left in the job's directory: loads the
+        completed checkpoints, keeps the newest ``retained`` restorable ones (a damaged
+        ``_metadata`` or a missing state file: skipped with a warning, the previous
+        intact checkpoint is used), rebuilds the shared-file references and deletes
+        the rest - older checkpoints, ``chk-<n>`` directories without ``_metadata``
+        (aborted or half-written), damaged checkpoints, and shared files nothing uses.
+        Sets ``highest_checkpoint_id`` to the highest checkpoint id found (completed
+        or not), past which new ids must start. Returns the latest usable checkpoint."""
+        storage = self.storage
+        directories = _checkpoint_directories(storage)
+        self.highest_checkpoint_id = max(directories, default=0)
+        kept: List[CheckpointMetadata] = []
+        doomed: List[int] = []
+        unreadable = False  # an I/O error: some file may be in use by what could not be read
+        for checkpoint_id in sorted(directories, reverse=True):
+            if not directories[checkpoint_id]:
+                doomed.append(checkpoint_id)  # never completed: nothing can restore it
+                continue
             try:
+                path, raw = storage.read_metadata_bytes(checkpoint_id)
                 metadata = CheckpointMetadata.loads(
                     raw,
-                    where=f"{path} (checkpoint {checkpoint_id})",
-                    base=self.storage.uri_of(self.storage.checkpoint_dir(checkpoint_id)),
+                    where=f"{storage.uri_of(path)} (checkpoint {checkpoint_id})",
+                    base=storage.uri_of(storage.checkpoint_dir(checkpoint_id)),  # relative paths resolve here
                 )
             except MetadataError as exc:
-                log.warning("skipping checkpoint %s: %s", checkpoint_id, exc)
+                log.warning("checkpoint %s is damaged and cannot be restored; deleting it: %s", checkpoint_id, exc)
+                doomed.append(checkpoint_id)
                 continue
-            if len(good) < self.retained or metadata.type != "checkpoint":
-                good.append(metadata)
-            else:
-                # Retention holds after a crash too; what it drops must not keep shared files alive.
-                self.storage.delete_dir(self.storage.checkpoint_dir(checkpoint_id))
-        self._checkpoints = sorted(good, key=lambda m: m.checkpoint_id)
+            except OSError as exc:
+                log.warning("skipping checkpoint %s: cannot read its _metadata: %s", checkpoint_id, exc)
+                unreadable = True
+                continue
+            if metadata.type != "checkpoint":
+                kept.append(metadata)  # a savepoint written here: the store never discards those
+                continue
+            if sum(1 for m in kept if m.type == "checkpoint") >= self.retained:
+                doomed.append(checkpoint_id)  # retention holds after a crash too
+                continue
+            missing = _missing_files(metadata)
+            if missing:
+                log.warning(
+                    "checkpoint %s cannot be restored: its state file %s is missing; deleting it",
+                    checkpoint_id,
+                    missing,
+                )
+                doomed.append(checkpoint_id)
+                continue
+            kept.append(metadata)
+        self._checkpoints = sorted(kept, key=lambda m: m.checkpoint_id)
+        self._anchors = []
         self.registry = SharedStateRegistry()
         for metadata in self._checkpoints:
             self.registry.register(metadata.checkpoint_id, shared_files(metadata))
-        for path in self.storage.list_files(self.storage.shared_dir):
-            uri = self.storage.uri_of(path)
-            if not self.registry.is_used(uri):
-                delete_state_file(uri)
+        for checkpoint_id in doomed:
+            storage.delete_dir(storage.checkpoint_dir(checkpoint_id))
+        if unreadable:
+            log.warning("not deleting unused shared files: a checkpoint's _metadata could not be read")
+        else:
+            for path in storage.list_files(storage.shared_dir):
+                uri = storage.uri_of(path)
+                if not self.registry.is_used(uri):
+                    delete_state_file(uri)
         return self.latest()
 
     def shutdown(self, discard_all: bool = False) -> None:
@@ -144,6 +269,32 @@ class CompletedCheckpointStore:
             for metadata in list(self._checkpoints):
                 self._checkpoints.remove(metadata)
                 self._discard(metadata)
+            for savepoint_id in self._anchors:
+                self._delete_shared(self.registry.unregister(savepoint_id))
+            self._anchors = []
+
+
+def _checkpoint_directories(storage: CheckpointStorage) -> Dict[int, bool]:
+    """Every ``chk-<n>`` directory of the job: id -> whether its ``_metadata`` exists."""
+    found = {}
+    for info in storage.fs.get_file_info(pafs.FileSelector(storage.root, allow_not_found=True)):
+        m = _CHK_DIR.match(info.base_name)
+        if m and info.type == pafs.FileType.Directory:
+            meta = storage.fs.get_file_info(f"{info.path}/{METADATA_FILE}")
+            found[int(m.group(1))] = meta.type == pafs.FileType.File
+    return found
+
+
+def _missing_files(metadata: CheckpointMetadata) -> Optional[str]:
+    """The first state file a checkpoint uses that does not exist (None when all do)."""
+    for path in stream_paths(metadata):
+        try:
+            fs, fs_path, _ = resolve(path)
+            if fs.get_file_info(fs_path).type != pafs.FileType.File:
+                return path
+        except (StorageError, OSError):
+            return path
+    return None
 
 
 def shared_files(metadata: CheckpointMetadata) -> List[str]:
@@ -157,20 +308,57 @@ def shared_files(metadata: CheckpointMetadata) -> List[str]:
     return sorted(paths)
 
 
-def discard_unreferenced(handles: Iterable[StateHandle], registry: SharedStateRegistry) -> None:
-    """Deletes the files of a failed checkpoint's handles that no retained checkpoint
-    uses (the chain it built on stays)."""
-    for handle in handles:
-        stream = getattr(handle, "stream", handle)
-        if isinstance(stream, StreamStateHandle) and not registry.is_used(stream.path):
-            delete_state_file(stream.path)
+def owns_path(storage: CheckpointStorage, path: str, checkpoint_id: Optional[int] = None) -> bool:
+    """Whether ``path`` (a state handle's URI) is a file this job's checkpoint storage
+    may delete: directly in its ``shared/`` directory, or, with ``checkpoint_id``,
+    directly in that checkpoint's ``chk-<n>/`` - never ``_metadata``, never a path that
+    is not in its plain form (``..``, ``//``), never another filesystem's or directory's."""
+    if not isinstance(path, str):
+        return False
+    try:
+        _, fs_path, prefix = resolve(path)
+    except StorageError:
+        return False
+    if prefix != storage.prefix or posixpath.normpath(fs_path) != fs_path:
+        return False
+    directory, name = posixpath.split(fs_path)
+    if not name or name == METADATA_FILE:
+        return False
+    if directory == storage.shared_dir:
+        return True
+    return checkpoint_id is not None and directory == storage.checkpoint_dir(checkpoint_id)
 
 
-def stream_paths(metadata: CheckpointMetadata) -> List[str]:
-    """Every state file a checkpoint's handles point to (for tools and tests)."""
+def discard_unreferenced(
+    handles: Iterable[StateHandle],
+    registry: SharedStateRegistry,
+    *,
+    storage: Optional[CheckpointStorage] = None,
+    checkpoint_id: Optional[int] = None,
+) -> None:
+    """Deletes the files of a failed checkpoint's handles that nothing uses (the
+    chain it built on stays). With ``storage``, only files that storage owns for
+    ``checkpoint_id`` (see ``owns_path``); the coordinator always passes it."""
+    for path in stream_paths_of(handles):
+        if registry.is_used(path):
+            continue
+        if storage is not None and not owns_path(storage, path, checkpoint_id):
+            log.warning("not deleting %s: not a state file of %s", path, storage)
+            continue
+        delete_state_file(path)
+        registry.record_deleted(path)
+
+
+def stream_paths_of(handles: Iterable[StateHandle]) -> List[str]:
+    """The files behind some handles (inline state has none)."""
     paths = []
-    for handle in metadata.handles():
+    for handle in handles:
         stream = getattr(handle, "stream", handle)
         if isinstance(stream, StreamStateHandle):
             paths.append(stream.path)
     return paths
+
+
+def stream_paths(metadata: CheckpointMetadata) -> List[str]:
+    """Every state file a checkpoint's handles point to (for tools and tests)."""
+    return stream_paths_of(metadata.handles())

@@ -1,0 +1,332 @@
+"""The coordinator's edge rules (issue 12, from Flink 1.11's coordinator tests):
+storage failures at trigger time, stopping the scheduler, savepoints in unaligned
+jobs, refusing to complete or subsume what must not be, and deleting only the
+job's own files whatever an acknowledgement names."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any, Dict, List, Tuple
+
+import pytest
+
+from pyengine.coordinator import (
+    AckResult,
+    CheckpointConfig,
+    CheckpointCoordinator,
+    CheckpointException,
+    ExecutionAttempt,
+    ManualTimerService,
+    TaskStateSnapshot,
+)
+from pyengine.coordinator.timers import ThreadTimerService
+from pyengine.io import CheckpointFailureReason
+from pyengine.storage import checkpoint_storage
+from pyengine.storage.filesystem import resolve
+from pyengine.storage.handles import KeyGroupsStateHandle, StreamStateHandle
+from pyengine.storage.metadata import SubtaskState
+
+TASKS = [ExecutionAttempt("source", 0), ExecutionAttempt("sink", 0)]
+
+
+class Gateway:
+    def __init__(self) -> None:
+        self.triggered: List[Tuple[int, bool]] = []  # (checkpoint id, unaligned)
+        self.completed: List[int] = []
+        self.aborted: List[int] = []
+        self.failures: List[BaseException] = []
+
+    def tasks_to_trigger(self) -> List[ExecutionAttempt]:
+        return TASKS[:1]
+
+    def tasks_to_ack(self) -> List[ExecutionAttempt]:
+        return TASKS
+
+    def all_running(self) -> bool:
+        return True
+
+    def operator_parallelism(self) -> Dict[str, Tuple[int, int]]:
+        return {"op": (1, 128)}
+
+    def trigger(self, task: Any, checkpoint_id: int, timestamp: int, options: Any) -> None:
+        self.triggered.append((checkpoint_id, options.unaligned))
+
+    def notify_complete(self, task: Any, checkpoint_id: int) -> None:
+        if task is TASKS[0]:
+            self.completed.append(checkpoint_id)
+
+    def notify_aborted(self, task: Any, checkpoint_id: int) -> None:
+        if task is TASKS[0]:
+            self.aborted.append(checkpoint_id)
+
+    def fail_job(self, cause: BaseException) -> None:
+        self.failures.append(cause)
+
+    @property
+    def ids(self) -> List[int]:
+        return [c for c, _ in self.triggered]
+
+
+@pytest.fixture
+def make(tmp_path):
+    def make(timers: Any = None, **config: Any) -> Tuple[CheckpointCoordinator, Gateway, Any, Any]:
+        storage = checkpoint_storage(str(tmp_path / "ckpt"), "job")
+        gateway = Gateway()
+        timers = timers or ManualTimerService()
+        coordinator = CheckpointCoordinator(
+            "job", CheckpointConfig(**config), storage, gateway, timers, rng=random.Random(3)
+        )
+        return coordinator, gateway, timers, storage
+
+    return make
+
+
+def ack_all(coordinator: CheckpointCoordinator, checkpoint_id: int) -> None:
+    for task in TASKS:
+        coordinator.receive_acknowledge_message(checkpoint_id, task)
+
+
+def reason_of(future: Any) -> CheckpointFailureReason:
+    with pytest.raises(CheckpointException) as info:
+        future.result(0)
+    return info.value.reason
+
+
+def failing_locations(storage: Any, *bad_ids: int) -> None:
+    """Creating these checkpoints' locations fails, as a full or unreachable disk would."""
+    location = storage.location
+
+    def broken(checkpoint_id: int) -> Any:
+        if checkpoint_id in bad_ids:
+            raise OSError(f"no space left creating chk-{checkpoint_id}")
+        return location(checkpoint_id)
+
+    storage.location = broken
+
+
+# -- a storage failure while creating a checkpoint's location --------------------------------
+
+
+def test_a_location_failure_fails_the_request_and_not_the_caller(make) -> None:
+    coordinator, gateway, _timers, storage = make(tolerable_failures=5)
+    failing_locations(storage, 1)
+    future = coordinator.trigger_checkpoint()  # must not raise
+    assert reason_of(future) is CheckpointFailureReason.TRIGGER_CHECKPOINT_FAILURE
+    assert "no space left" in str(future.exception())
+    assert gateway.triggered == [] and coordinator.pending_checkpoints == {}
+    assert coordinator.stats.counts["failed"] == 1
+    second = coordinator.trigger_checkpoint()  # the next one goes ahead
+    ack_all(coordinator, 2)
+    assert second.result(0).checkpoint_id == 2
+
+
+def test_a_location_failure_on_a_periodic_tick_keeps_the_scheduler_going(make) -> None:
+    coordinator, gateway, timers, storage = make(interval_ms=100, tolerable_failures=5)
+    failing_locations(storage, 1)
+    coordinator.start_checkpoint_scheduler()
+    timers.advance(101)  # the first tick fails creating chk-1: nothing may escape the timer
+    assert gateway.ids == []
+    timers.advance(100)
+    assert gateway.ids == [2]
+    ack_all(coordinator, 2)
+    timers.advance(100)
+    assert gateway.ids == [2, 3]
+
+
+def test_a_location_failure_on_the_timer_thread_does_not_kill_it(make) -> None:
+    timers = ThreadTimerService()
+    try:
+        coordinator, gateway, _, storage = make(timers, interval_ms=5, tolerable_failures=100)
+        failing_locations(storage, 1)
+        coordinator.start_checkpoint_scheduler()
+        deadline = time.monotonic() + 10
+        while not gateway.ids and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert gateway.ids and gateway.ids[0] == 2, "no periodic checkpoint after the failed one"
+        coordinator.shutdown()
+    finally:
+        timers.shutdown()
+
+
+def test_a_queued_request_whose_location_fails_fails_alone(make) -> None:
+    """The queued request starts inside another task's acknowledgement: the failure
+    must come back in the request's own future, not in that acknowledgement."""
+    coordinator, gateway, _timers, storage = make(max_concurrent=1, tolerable_failures=5)
+    coordinator.trigger_checkpoint()
+    queued = coordinator.trigger_checkpoint()
+    failing_locations(storage, 2)
+    ack_all(coordinator, 1)  # completes 1, starts the queued request: must not raise
+    assert reason_of(queued) is CheckpointFailureReason.TRIGGER_CHECKPOINT_FAILURE
+    assert gateway.ids == [1] and coordinator.num_queued_requests == 0
+
+
+def test_trigger_failures_count_against_tolerable_failures(make) -> None:
+    coordinator, gateway, _timers, storage = make(tolerable_failures=1)
+    failing_locations(storage, 1, 2)
+    coordinator.trigger_checkpoint()
+    assert gateway.failures == []
+    coordinator.trigger_checkpoint()
+    assert len(gateway.failures) == 1 and "tolerable_failures=1" in str(gateway.failures[0])
+
+
+# -- stopping the periodic scheduler ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("abort_pending", [True, False])
+def test_stopping_the_scheduler_fails_queued_periodic_requests(make, abort_pending) -> None:
+    coordinator, gateway, timers, _storage = make(interval_ms=100, max_concurrent=1)
+    coordinator.start_checkpoint_scheduler()
+    timers.advance(101)
+    assert gateway.ids == [1]
+    timers.advance(100)  # the next tick queues behind checkpoint 1
+    assert coordinator.num_queued_requests == 1
+    queued = coordinator._queue[0].future
+    coordinator.stop_checkpoint_scheduler(abort_pending=abort_pending)
+    assert reason_of(queued) is CheckpointFailureReason.PERIODIC_SCHEDULER_SHUTDOWN
+    if not abort_pending:
+        ack_all(coordinator, 1)  # checkpoint 1 ends: nothing queued may start now
+    assert gateway.ids == [1] and coordinator.num_queued_requests == 0
+    timers.advance(1000)
+    assert gateway.ids == [1]
+
+
+def test_a_periodic_request_while_the_scheduler_is_stopped_fails(make) -> None:
+    coordinator, gateway, _timers, _storage = make()
+    future = coordinator.trigger_checkpoint(periodic=True)
+    assert reason_of(future) is CheckpointFailureReason.PERIODIC_SCHEDULER_SHUTDOWN
+    assert gateway.ids == []
+    manual = coordinator.trigger_checkpoint()  # a manual request is not the scheduler's
+    ack_all(coordinator, 1)
+    assert manual.result(0).checkpoint_id == 1
+
+
+def test_stopping_with_abort_fails_queued_manual_requests_as_suspended(make) -> None:
+    coordinator, gateway, _timers, _storage = make(max_concurrent=1)
+    pending = coordinator.trigger_checkpoint()
+    queued = coordinator.trigger_checkpoint()
+    coordinator.stop_checkpoint_scheduler()
+    assert reason_of(pending) is CheckpointFailureReason.CHECKPOINT_COORDINATOR_SUSPEND
+    assert reason_of(queued) is CheckpointFailureReason.CHECKPOINT_COORDINATOR_SUSPEND
+    assert gateway.ids == [1]  # the abort of 1 did not start the queued one
+    assert gateway.failures == []
+
+
+# -- savepoints in an unaligned job ------------------------------------------------------------
+
+
+def test_an_unaligned_jobs_savepoint_queues_behind_checkpoints_and_holds_new_ones_back(make, tmp_path) -> None:
+    coordinator, gateway, _timers, _storage = make(unaligned=True, max_concurrent=1)
+    coordinator.trigger_checkpoint()
+    savepoint = coordinator.trigger_savepoint(str(tmp_path / "sp"))
+    assert gateway.ids == [1], "a savepoint ran beside an unaligned checkpoint"
+    later = coordinator.trigger_checkpoint()
+    ack_all(coordinator, 1)
+    assert gateway.triggered[-1] == (2, False)  # the savepoint, first in the queue, aligned
+    assert gateway.ids == [1, 2], "a checkpoint ran beside the savepoint"
+    ack_all(coordinator, 2)
+    assert savepoint.result(0).type == "savepoint"
+    assert gateway.triggered[-1] == (3, True)
+    ack_all(coordinator, 3)
+    assert later.result(0).checkpoint_id == 3
+
+
+def test_an_aligned_jobs_savepoint_still_runs_beside_a_checkpoint(make, tmp_path) -> None:
+    coordinator, gateway, _timers, _storage = make(max_concurrent=1)
+    coordinator.trigger_checkpoint()
+    coordinator.trigger_savepoint(str(tmp_path / "sp"))
+    assert gateway.ids == [1, 2]
+
+
+# -- refusing to complete or subsume ---------------------------------------------------------
+
+
+def test_completing_a_checkpoint_that_misses_acknowledgements_is_refused(make) -> None:
+    coordinator, gateway, _timers, storage = make()
+    future = coordinator.trigger_checkpoint()
+    coordinator.receive_acknowledge_message(1, TASKS[0])
+    pending = coordinator.pending_checkpoints[1]
+    with pytest.raises(CheckpointException, match="sink#0") as info:
+        coordinator.complete_pending_checkpoint(pending)
+    assert info.value.reason is CheckpointFailureReason.FINALIZE_CHECKPOINT_FAILURE
+    assert 1 in coordinator.pending_checkpoints and not future.done()
+    assert storage.completed_checkpoint_ids() == [] and gateway.completed == []
+    coordinator.receive_acknowledge_message(1, TASKS[1])
+    assert future.result(0).checkpoint_id == 1
+    with pytest.raises(CheckpointException, match="not pending"):
+        coordinator.complete_pending_checkpoint(pending)  # and not twice
+
+
+def test_aborting_as_subsumed_leaves_savepoints(make, tmp_path) -> None:
+    coordinator, _gateway, _timers, _storage = make(max_concurrent=2)
+    checkpoint = coordinator.trigger_checkpoint()
+    savepoint = coordinator.trigger_savepoint(str(tmp_path / "sp"))
+    coordinator.abort_pending_checkpoints(CheckpointFailureReason.CHECKPOINT_SUBSUMED)
+    assert reason_of(checkpoint) is CheckpointFailureReason.CHECKPOINT_SUBSUMED
+    assert list(coordinator.pending_checkpoints) == [2] and not savepoint.done()
+    ack_all(coordinator, 2)
+    assert savepoint.result(0).type == "savepoint"
+
+
+# -- forged acknowledgements: only the job's own files are deleted ------------------------------
+
+
+def _file(path: Any) -> StreamStateHandle:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"precious")
+    return StreamStateHandle(str(path), 8, "xxh3:0000000000000000")
+
+
+def _exists(handle: StreamStateHandle) -> bool:
+    fs, p, _ = resolve(handle.path)
+    return fs.get_file_info(p).type.name == "File"
+
+
+def _forged(*handles: StreamStateHandle) -> TaskStateSnapshot:
+    keyed = [KeyGroupsStateHandle(h, 0, 127, backend="incremental") for h in handles]
+    return TaskStateSnapshot({"op": SubtaskState(keyed=keyed, operator=list(handles))})
+
+
+def test_a_forged_acknowledgement_cannot_delete_files_outside_the_jobs_directory(make, tmp_path) -> None:
+    coordinator, _gateway, _timers, storage = make()
+    outside = _file(tmp_path / "elsewhere" / "victim")
+    sibling = _file(tmp_path / "ckpt" / "other-job" / "shared" / "victim")
+    escape = StreamStateHandle(f"{storage.shared_dir}/../../elsewhere/victim", 8, "xxh3:0")
+    job_file = _file(tmp_path / "ckpt" / "job" / "_job.json")  # the job directory's own records
+    taskowned = _file(tmp_path / "ckpt" / "job" / "taskowned" / "x")
+    forged = _forged(outside, sibling, escape, job_file, taskowned)
+    assert coordinator.receive_acknowledge_message(99, TASKS[0], forged) is AckResult.DISCARDED
+    coordinator.receive_decline_message(98, TASKS[0], state=forged)
+    for handle in (outside, sibling, job_file, taskowned):
+        assert _exists(handle), f"{handle.path} was deleted"
+
+
+def test_a_forged_acknowledgement_cannot_delete_a_retained_or_pending_checkpoints_files(make, tmp_path) -> None:
+    coordinator, _gateway, _timers, storage = make(max_concurrent=2)
+    coordinator.trigger_checkpoint()
+    retained_file = _file(tmp_path / "ckpt" / "job" / "chk-1" / "state")
+    retained_shared = _file(tmp_path / "ckpt" / "job" / "shared" / "base-1")
+    coordinator.receive_acknowledge_message(1, TASKS[0], _forged(retained_shared, retained_file))
+    coordinator.receive_acknowledge_message(1, TASKS[1])
+    metadata_file = StreamStateHandle(f"{storage.checkpoint_dir(1)}/_metadata", 1, "xxh3:0")
+    coordinator.trigger_checkpoint()
+    pending_shared = _file(tmp_path / "ckpt" / "job" / "shared" / "delta-2")
+    coordinator.receive_acknowledge_message(2, TASKS[0], _forged(pending_shared))
+    for checkpoint_id in (1, 5):  # the retained checkpoint's own id, and an unknown one
+        forged = _forged(retained_file, retained_shared, metadata_file, pending_shared)
+        assert coordinator.receive_acknowledge_message(checkpoint_id, TASKS[0], forged) is AckResult.DISCARDED
+    old_attempt = ExecutionAttempt("sink", 0, attempt=9)  # an unknown attempt, on the pending checkpoint
+    assert coordinator.receive_acknowledge_message(2, old_attempt, _forged(pending_shared)) is AckResult.UNKNOWN
+    for handle in (retained_file, retained_shared, metadata_file, pending_shared):
+        assert _exists(handle), f"{handle.path} was deleted"
+    assert storage.completed_checkpoint_ids() == [1]
+
+
+def test_a_late_acknowledgements_own_files_are_still_deleted(make, tmp_path) -> None:
+    coordinator, _gateway, timers, _storage = make(timeout_ms=10, tolerable_failures=5)
+    coordinator.trigger_checkpoint()
+    timers.advance(10)  # checkpoint 1 expires
+    own = _file(tmp_path / "ckpt" / "job" / "chk-1" / "late")
+    new_shared = _file(tmp_path / "ckpt" / "job" / "shared" / "delta-late")
+    assert coordinator.receive_acknowledge_message(1, TASKS[0], _forged(own, new_shared)) is AckResult.DISCARDED
+    assert not _exists(own) and not _exists(new_shared)
