@@ -67,6 +67,27 @@ class FailOnce:
         return record
 
 
+def _unchanged(record: Any) -> Any:
+    return record
+
+
+class ExitAfterACheckpoint:
+    """Kills its Python worker at one record, once a checkpoint has completed."""
+
+    def __init__(self, storage: str, at: int) -> None:
+        self.storage, self.at = storage, at
+
+    def __call__(self, record: Any) -> Any:
+        if record["v"] == self.at:
+            import time
+
+            deadline = time.time() + 30
+            while time.time() < deadline and not any("_metadata" in f for _, _, f in os.walk(self.storage)):
+                time.sleep(0.01)
+            os._exit(3)
+        return record
+
+
 class Count(pe.KeyedProcessFunction):
     def open(self, ctx: Any) -> None:
         self.count = ctx.get_state(COUNT)
@@ -131,6 +152,17 @@ def test_a_failed_task_restarts_the_stage_and_the_output_stays_exact(tmp_path, s
     assert result.status == "FINISHED", result.cause
     assert os.path.exists(tmp_path / "failed-once"), "the failure was never injected"
     assert result.restarts == 1
+    assert pairs(sink.read_committed()) == expected()
+
+
+def test_a_crashed_python_worker_is_named_and_running_the_job_again_resumes_it(tmp_path, spark) -> None:
+    env, _ = job(tmp_path, step=ExitAfterACheckpoint(str(tmp_path / "ckpt"), N // 2))
+    env.restart_attempts = 0
+    with pytest.raises(pe.JobFailedError, match="Python worker crashed"):
+        env.execute("crashing", runner=pe.runners.SparkRunner(spark))
+    env, sink = job(tmp_path, step=_unchanged)  # the same job, storage and output: resume="auto"
+    result = env.execute("crashing", runner=pe.runners.SparkRunner(spark))
+    assert result.checkpoints.counts["restored"] == 1
     assert pairs(sink.read_committed()) == expected()
 
 

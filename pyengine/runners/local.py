@@ -288,9 +288,15 @@ class LocalRunner:
         known = set(self.graph.state_uids())
         unknown = sorted(set(metadata.operators) - known)
         if unknown:
+            how = (
+                f"this run resumes the unfinished job {self.name!r} (resume='auto'); to start it fresh instead, "
+                "execute(..., resume='never')"
+                if self.restore_from is None
+                else "give the operators the uids they had (.uid(...)), or restore another checkpoint"
+            )
             raise ValueError(
                 f"cannot restore from {path}: it has state for operators {unknown} that this job does not have "
-                f"(operators are matched by uid; this job's: {sorted(known)})"
+                f"(operators are matched by uid; this job's: {sorted(known)}); {how}"
             )
 
     def run(self) -> JobResult:

@@ -346,7 +346,13 @@ class _SparkJob(LocalRunner):
                 sc.parallelize(range(count), count).barrier().mapPartitions(run).collect()
             except BaseException as exc:  # the stage failed or was cancelled
                 self._spark_error = exc
-                self.fail_job(RuntimeError(f"the Spark stage failed: {_stage_failure(str(exc))}"))
+                failure = RuntimeError(f"the Spark stage failed: {_stage_failure(str(exc))}")
+                if _worker_crashed(str(exc)):
+                    # The root cause, though its peers (their channels cut) may have told first.
+                    with self._failure_lock:
+                        failure.__context__ = self._failure
+                        self._failure = failure
+                self.fail_job(failure)
             finally:
                 self._wake.set()
 
@@ -570,10 +576,14 @@ def _rebuild_failure(attempt: ExecutionAttempt, message: str) -> BaseException:
     return user
 
 
+def _worker_crashed(text: str) -> bool:
+    return "Python worker exited unexpectedly" in text or ("crashed" in text and "worker" in text)
+
+
 def _stage_failure(text: str) -> str:
     """Why a Spark stage failed, in words: a Python worker that died is named as such
     (its exception, if any, is lost with it), else the Python exception inside."""
-    if "Python worker exited unexpectedly" in text or ("crashed" in text and "worker" in text):
+    if _worker_crashed(text):
         return (
             "a Python worker crashed (it exited unexpectedly: killed, out of memory, or os._exit) "
             f"while running the job's tasks [{_python_cause(text)}]"
