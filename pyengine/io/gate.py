@@ -14,6 +14,7 @@ import abc
 from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 from ._config import DEFAULT_CAPACITY, Callbacks, GateConfig
+from .native import NativeCheckpointedInputGate
 from .reference import ReferenceCheckpointedInputGate
 
 __all__ = ["CheckpointedInputGate", "IMPLEMENTATIONS"]
@@ -66,8 +67,6 @@ class CheckpointedInputGate(abc.ABC):
         )
         callbacks = Callbacks.bind(listener)
         if implementation == "native":
-            from .native import NativeCheckpointedInputGate
-
             return NativeCheckpointedInputGate(config, callbacks)  # type: ignore[return-value]
         if implementation == "reference":
             return ReferenceCheckpointedInputGate(config, callbacks)  # type: ignore[return-value]
@@ -129,4 +128,5 @@ class CheckpointedInputGate(abc.ABC):
     bytes_processed_during_alignment: int
 
 
+CheckpointedInputGate.register(NativeCheckpointedInputGate)
 CheckpointedInputGate.register(ReferenceCheckpointedInputGate)

@@ -1,4 +1,7 @@
-"""The native gate, bound to this package's event and error classes."""
+"""The native gate, bound to this package's event and error classes.
+
+``gate`` imports this module and registers the class as a ``CheckpointedInputGate``;
+this module imports nothing above it (no import cycle)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,6 @@ from .events import (
     CheckpointType,
     EndOfPartition,
 )
-from .gate import CheckpointedInputGate
 
 __all__ = ["NativeCheckpointedInputGate"]
 
@@ -43,6 +45,3 @@ class NativeCheckpointedInputGate(_native.InputGate):
             f"<NativeCheckpointedInputGate channels={self.num_channels} "
             f"latest_checkpoint={self.latest_checkpoint_id} blocked={len(self.blocked_channels)}>"
         )
-
-
-CheckpointedInputGate.register(NativeCheckpointedInputGate)

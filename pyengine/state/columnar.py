@@ -22,11 +22,16 @@ from .keygroups import key_groups_of_int64
 if TYPE_CHECKING:
     from ..snapshot.format import ColumnarChanges
 
-__all__ = ["ColumnarValueState", "ColumnarValueTable", "KeySplit", "columnar_dtype"]
+__all__ = ["ColumnarValueState", "ColumnarValueTable", "KeySplit", "NoCurrentKeyError", "columnar_dtype"]
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _MISSING = object()
 _MERGED_NATIVELY = (np.dtype(np.int64), np.dtype(np.float64))  # merge_groups: every key group in one C call
+
+
+class NoCurrentKeyError(RuntimeError):
+    """Keyed state was used before ``set_current_key``. Defined here, below ``heap``
+    (which re-exports it), so that ``heap`` -> ``columnar`` is the only direction."""
 
 
 def columnar_dtype(descriptor: StateDescriptor) -> Optional[np.dtype]:
@@ -142,8 +147,6 @@ class ColumnarValueState:
         b = self._backend
         key = b._key
         if b._key_index < 0:
-            from .heap import NoCurrentKeyError
-
             raise NoCurrentKeyError(f"state {self.name!r} was used before set_current_key()")
         if type(key) is not int or not _INT64_MIN <= key <= _INT64_MAX:
             self._fallback = self._backend._columnar_to_dict(self.name)

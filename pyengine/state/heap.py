@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from .._native import int_key_group as _int_key_group
+from .columnar import NoCurrentKeyError
 from .descriptors import (
     AggregatingStateDescriptor,
     ListStateDescriptor,
@@ -38,10 +39,6 @@ __all__ = ["HeapKeyedStateBackend", "NoCurrentKeyError", "StateTable"]
 
 _ABSENT = object()
 _ATOMIC = (int, float, str, bytes, bool, type(None))
-
-
-class NoCurrentKeyError(RuntimeError):
-    """Keyed state was used before ``set_current_key``."""
 
 
 def _is_immutable(value: Any) -> bool:
