@@ -18,7 +18,15 @@ from pyengine.io import (
     CheckpointType,
     EndOfPartition,
 )
-from pyengine.runners.flight import RemoteChannel, decode_event, encode_event, serve
+from pyengine.runners.flight import (
+    ChannelServer,
+    JobTls,
+    RemoteChannel,
+    call_options,
+    decode_event,
+    encode_event,
+    serve,
+)
 from pyengine.runtime.task import END_OF_DATA
 from pyengine.testing import RecordingListener
 
@@ -60,6 +68,10 @@ def test_events_round_trip_through_their_metadata_encoding() -> None:
         assert decode_event(encode_event(e)) == e
     with pytest.raises(ValueError, match="corrupt"):
         decode_event(b"{not json")
+    with pytest.raises(ValueError, match="corrupt"):
+        decode_event(b"[" * 3000)
+    with pytest.raises(ValueError, match="at most 4096"):
+        decode_event(b" " * 5000)
     with pytest.raises(TypeError):
         encode_event("data")
 
@@ -100,15 +112,115 @@ def test_a_stream_with_a_wrong_or_missing_token_is_refused(endpoint) -> None:
     gate, server, _ = endpoint
     client = flight.FlightClient(server.location)
     schema = pa.schema([("k", pa.int64())])
-    for command in (b'{"token": "guess", "channel": 0}', b'{"channel": 0}', b"garbage"):
+    descriptor = flight.FlightDescriptor.for_command(b'{"channel": 0}')
+    for options in (call_options("guess"), None, flight.FlightCallOptions(headers=[(b"x-pyengine-token", b"")])):
         with pytest.raises(flight.FlightUnauthenticatedError, match="token"):
-            writer, _ = client.do_put(flight.FlightDescriptor.for_command(command), schema)
+            writer, _ = client.do_put(descriptor, schema, options=options)
             writer.write_batch(pa.record_batch({"k": [1]}))
             writer.close()
+    with pytest.raises(flight.FlightUnauthenticatedError, match="token"):  # the old way: token in the command
+        writer, _ = client.do_put(
+            flight.FlightDescriptor.for_command(f'{{"token": "{TOKEN}", "channel": 0}}'.encode()), schema
+        )
+        writer.write_batch(pa.record_batch({"k": [1]}))
+        writer.close()
     assert gate.queued(0) == 0
     with pytest.raises(PermissionError, match="token"):
         RemoteChannel(server.location, 0, "wrong")
+    assert server.auth.refused == 5
     client.close()
+
+
+def test_a_stream_naming_no_channel_or_a_channel_not_there_is_refused_plainly(endpoint) -> None:
+    gate, server, _ = endpoint
+    client = flight.FlightClient(server.location)
+    schema = pa.schema([("k", pa.int64())])
+    for command, message in (
+        (b"garbage", "must name its channel"),
+        (b'{"channel": "0"}', "must name its channel"),
+        (b"[" * 200, "must name its channel"),
+        (b'{"channel": 7}', "no channel 7"),
+    ):
+        with pytest.raises(flight.FlightServerError, match=message) as refused:
+            writer, _ = client.do_put(flight.FlightDescriptor.for_command(command), schema, options=call_options(TOKEN))
+            writer.write_batch(pa.record_batch({"k": [1]}))
+            writer.close()
+        assert "Traceback" not in str(refused.value)
+    assert gate.queued(0) == 0
+    client.close()
+
+
+def test_a_large_batch_is_sent_in_slices_and_a_batch_over_the_gate_s_bound_is_refused() -> None:
+    gate = CheckpointedInputGate(1, RecordingListener(), capacity=64)
+    server = ChannelServer(gate, TOKEN, max_batch_bytes=64 * 1024)
+    threading.Thread(target=server.serve, daemon=True).start()
+    big = pa.record_batch({"i": list(range(20_000))})  # 160 KB
+    out = RemoteChannel(server.location, 0, TOKEN, split_batch_bytes=32 * 1024)
+    assert out.put(0, big, timeout=5) and out.flush(timeout=10)
+    got: List[int] = []
+    while len(got) < big.num_rows:
+        item = gate.next(timeout=5)
+        assert item is not None
+        assert item[1].nbytes <= 32 * 1024
+        got.extend(item[1].column(0).to_pylist())
+    assert got == list(range(20_000))
+    out.close()
+    # a sender that does not split (a broken or hostile token holder) is refused, plainly
+    unsplit = RemoteChannel(server.location, 0, TOKEN, split_batch_bytes=1 << 30)
+    unsplit.put(0, big, timeout=5)
+    unsplit.put(0, EndOfPartition(), timeout=5)  # ends the stream: the sender hears the server's verdict
+    unsplit.flush(timeout=10)
+    with pytest.raises(
+        ConnectionError, match=r"a batch of \d+ bytes on channel 0 \(this gate takes at most 65536\)"
+    ) as refused:
+        unsplit.put(0, [1], timeout=5)
+    assert "Traceback" not in str(refused.value.__cause__)
+    unsplit.close()
+    assert gate.queued(0) == 0
+    server.shutdown()
+
+
+def test_a_channel_over_tls_on_loopback_delivers_exactly_and_a_plain_client_is_refused() -> None:
+    tls = JobTls.generate("job-1")
+    gate = CheckpointedInputGate(1, RecordingListener(), capacity=64)
+    server, _ = serve(gate, TOKEN, tls=tls)
+    assert server.location.startswith("grpc+tls://127.0.0.1:")
+    out = RemoteChannel(server.location, 0, TOKEN, tls=tls)
+    batch = pa.record_batch({"k": [1, 2, 3], "s": ["a", "b", None]})
+    for item in ([{"user": 1}, ("t", 2)], batch, CheckpointBarrier(4, 9, CheckpointOptions()), EndOfPartition()):
+        assert out.put(0, item, timeout=5)
+    got = [item for _, item in drain(gate)]
+    assert got[0] == [{"user": 1}, ("t", 2)] and got[1].equals(batch)
+    assert got[2] == CheckpointBarrier(4, 9, CheckpointOptions()) and isinstance(got[3], EndOfPartition)
+    out.close()
+    with pytest.raises(ValueError, match="speaks TLS"):
+        RemoteChannel(server.location, 0, TOKEN)
+    plain = flight.FlightClient(f"grpc://127.0.0.1:{server.port}")
+    stranger = flight.FlightClient(server.location, **JobTls.generate("job-2").client_options())
+    for intruder in (plain, stranger):
+        with pytest.raises(flight.FlightUnavailableError):
+            list(intruder.do_action(flight.Action("hello", b""), options=call_options(TOKEN)))
+        intruder.close()
+    server.shutdown()
+
+
+def test_off_loopback_a_channel_server_needs_the_job_s_certificate() -> None:
+    gate = CheckpointedInputGate(1, RecordingListener(), capacity=8)
+    with pytest.raises(ValueError, match="in clear"):
+        ChannelServer(gate, TOKEN, "executor-3.example")
+    tls = JobTls.generate()
+    server = ChannelServer(gate, TOKEN, "executor-3.example", tls=tls)  # listens on every interface
+    threading.Thread(target=server.serve, daemon=True).start()
+    assert server.location == f"grpc+tls://executor-3.example:{server.port}"
+    out = RemoteChannel(f"grpc+tls://127.0.0.1:{server.port}", 0, TOKEN, tls=tls)
+    assert out.put(0, [1, 2], timeout=5)
+    got = gate.next(timeout=5)
+    assert got is not None and got[1] == [1, 2]
+    out.close()
+    server.shutdown()
+    trusted = ChannelServer(gate, TOKEN, "executor-3.example", plaintext=True)
+    assert trusted.tls is None and trusted.location.startswith("grpc://")
+    trusted.shutdown()
 
 
 def test_a_full_gate_holds_the_sender_back_and_loses_nothing(endpoint) -> None:

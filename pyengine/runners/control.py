@@ -5,16 +5,24 @@ registers (its attempt and the address of its own ``ChannelServer``), then
 long-polls for its commands — trigger a checkpoint, a checkpoint completed or
 was aborted, end, cancel — and reports acknowledgements (its state handles and
 metrics), declines, its end of input and its failure. Every call is a Flight
-action whose JSON body carries the job's secret token; a call without the right
-one is refused before it reaches the coordinator. Nothing is ever unpickled:
-state handles travel as the same JSON as in ``_metadata``.
+action with a JSON body. Nothing is ever unpickled: state handles travel as the
+same JSON as in ``_metadata``.
+
+The driver is the one process every task reaches, so it is guarded as the channel
+servers are (``flight.py`` says how, and what must be reachable): the job's token
+travels in a call header and is checked before the handler runs, so a call without
+it never has its body copied or parsed; a body over ``max_message_bytes`` is refused
+before it is parsed; a malformed one (bad JSON, JSON nested past Python's recursion
+limit, missing fields) gets one plain sentence, never a traceback; off loopback the
+server speaks mutual TLS with the job's certificate, which it makes when not given
+one and exposes as ``ControlServer.tls`` for the tasks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import json
+import logging
 import threading
 from collections import defaultdict, deque
 from typing import Any, Callable, Deque, Dict, List, Optional
@@ -24,8 +32,13 @@ import pyarrow.flight as flight
 from ..coordinator import ExecutionAttempt, SubtaskMetrics, TaskStateSnapshot
 from ..storage.handles import handle_from_json
 from ..storage.metadata import SubtaskState
+from .flight import MAX_CONTROL_MESSAGE_BYTES, GuardedServer, JobTls, authenticated, call_options, connect
 
 __all__ = ["ControlClient", "ControlServer", "attempt_from_json", "attempt_to_json"]
+
+log = logging.getLogger(__name__)
+
+_CALLS = frozenset({"register", "poll", "ack", "decline", "drained", "failed"})
 
 
 def attempt_to_json(attempt: ExecutionAttempt) -> Dict[str, Any]:
@@ -55,10 +68,16 @@ def _snapshot_from_json(data: Dict[str, Any], where: str) -> TaskStateSnapshot:
     )
 
 
-class ControlServer(flight.FlightServerBase):
+class ControlServer(GuardedServer):
     """The driver's end. ``coordinator`` receives acks and declines; the runner's
     callbacks hear of registrations, drained tasks and failures; ``send`` queues a
-    command for a task."""
+    command for a task.
+
+    Advertised as ``host``: on loopback it speaks plain gRPC unless ``tls`` is given;
+    on any other host it listens on every interface over mutual TLS, with ``tls`` or
+    else a certificate it makes for this run (``self.tls``: every task needs it, with
+    the token, to connect), unless ``plaintext=True`` says the network is trusted.
+    Every executor must reach this host at ``self.port``."""
 
     def __init__(
         self,
@@ -70,13 +89,13 @@ class ControlServer(flight.FlightServerBase):
         on_failed: Callable[[ExecutionAttempt, str], None],
         host: str = "127.0.0.1",
         port: int = 0,
+        tls: Optional[JobTls] = None,
+        plaintext: bool = False,
+        max_message_bytes: int = MAX_CONTROL_MESSAGE_BYTES,
     ) -> None:
-        from .flight import _bind_address
-
-        super().__init__(f"grpc://{_bind_address(host)}:{port}")  # advertised as ``host``
-        self.host = host
+        super().__init__(token, host, port, tls=tls, plaintext=plaintext, make_tls=True, what="the control server")
         self.coordinator = coordinator
-        self._token = token.encode()
+        self.max_message_bytes = max_message_bytes
         self._on_register = on_register
         self._on_drained = on_drained
         self._on_failed = on_failed
@@ -84,10 +103,6 @@ class ControlServer(flight.FlightServerBase):
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self.serve, name="pyengine-control", daemon=True)
         self._thread.start()
-
-    @property
-    def location(self) -> str:
-        return f"grpc://{self.host}:{self.port}"
 
     def send(self, attempt: ExecutionAttempt, command: Dict[str, Any]) -> None:
         """Queues ``command`` for ``attempt``'s next poll (never blocks)."""
@@ -100,20 +115,34 @@ class ControlServer(flight.FlightServerBase):
             self._commands.pop(attempt, None)
 
     def do_action(self, context: Any, action: flight.Action) -> Any:
+        authenticated(context)  # TokenCheck let it in: the body is the job's own task's
+        kind = action.type[:40]
+        if kind not in _CALLS:  # before the body is looked at
+            raise flight.FlightServerError(f"pyengine: the control server has no call {kind!r}")
+        size = action.body.size
+        if size > self.max_message_bytes:  # refused before it is copied into Python or parsed
+            raise flight.FlightServerError(
+                f"pyengine: a {kind!r} call of {size} bytes (the driver takes at most {self.max_message_bytes})"
+            )
         try:
             body = json.loads(action.body.to_pybytes())
-            token = str(body.pop("token")).encode()
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise flight.FlightUnauthenticatedError("pyengine: a control call needs a token") from None
-        if not hmac.compare_digest(token, self._token):
-            raise flight.FlightUnauthenticatedError("pyengine: wrong job token for the control endpoint")
-        try:
+            if not isinstance(body, dict):
+                raise TypeError("the body is not a JSON object")
             attempt = attempt_from_json(body["attempt"])
-            result = self._dispatch(action.type, attempt, body)
+            result = self._dispatch(kind, attempt, body)
         except flight.FlightError:
             raise
-        except (KeyError, TypeError, ValueError) as exc:
-            raise flight.FlightServerError(f"pyengine: bad {action.type!r} call: {exc!r}") from None
+        except RecursionError:
+            raise flight.FlightServerError(f"pyengine: bad {kind!r} call: JSON nested too deeply") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise flight.FlightServerError(
+                f"pyengine: bad {kind!r} call: {type(exc).__name__}: {str(exc)[:200]}"
+            ) from None
+        except Exception as exc:  # the driver's own trouble: logged here, named there, no traceback sent
+            log.exception("the control server failed on a %r call", kind)
+            raise flight.FlightServerError(
+                f"pyengine: the driver failed on a {kind!r} call: {type(exc).__name__}: {str(exc)[:200]}"
+            ) from None
         return [json.dumps(result).encode()] if result is not None else []
 
     def _dispatch(self, kind: str, attempt: ExecutionAttempt, body: Dict[str, Any]) -> Any:
@@ -145,22 +174,24 @@ class ControlServer(flight.FlightServerBase):
         if kind == "failed":
             self._on_failed(attempt, str(body.get("message", "task failed")))
             return None
-        raise flight.FlightServerError(f"pyengine: unknown control call {kind!r}")
+        raise flight.FlightServerError(f"pyengine: the control server has no call {kind!r}")
 
 
 class ControlClient:
-    """A task's end: the same calls, with the job token on each."""
+    """A task's end: the same calls, with the job token in each call's header, over
+    TLS with the job's certificate (``tls``) when the driver's location is ``grpc+tls``."""
 
-    def __init__(self, location: str, token: str, attempt: ExecutionAttempt) -> None:
+    def __init__(self, location: str, token: str, attempt: ExecutionAttempt, tls: Optional[JobTls] = None) -> None:
         self.location = location
         self.attempt = attempt
-        self._token = token
-        self._client = flight.FlightClient(location)
+        self._options = call_options(token)
+        self._client = connect(location, tls)
 
     def _call(self, kind: str, **body: Any) -> Any:
-        body.update(token=self._token, attempt=attempt_to_json(self.attempt))
+        body.update(attempt=attempt_to_json(self.attempt))
         try:
-            results = list(self._client.do_action(flight.Action(kind, json.dumps(body).encode())))
+            action = flight.Action(kind, json.dumps(body).encode())
+            results = list(self._client.do_action(action, options=self._options))
         except flight.FlightUnauthenticatedError as exc:
             raise PermissionError(f"the control endpoint {self.location} refused {kind!r}: {exc}") from None
         return json.loads(results[0].body.to_pybytes()) if results else None

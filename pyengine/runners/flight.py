@@ -13,18 +13,48 @@ opens one ``DoPut`` stream per channel (``RemoteChannel``) and writes, in order:
 The server pushes every item into the gate with ``put``: a full channel ring
 stops the handler reading, Flight's flow control stops the sender — that is the
 backpressure across the network, as the bounded rings are within a process.
-Every stream carries the job's secret token; one without it is refused before
-anything reaches the gate.
+
+Who may talk to a server, and how much (shared with the control plane,
+``control.py``):
+
+- Every call carries the job's secret token in a call header (``x-pyengine-token``),
+  checked by a server middleware (``TokenCheck``) when the call starts, before any
+  handler runs: a stream without it is refused before a byte of it is read, and
+  the refusal is one plain sentence — no traceback, no path.
+- Messages are bounded: a channel refuses a batch over ``MAX_BATCH_BYTES`` and an
+  event over ``MAX_EVENT_BYTES`` (senders split larger Arrow batches first), the
+  control server a message over ``MAX_CONTROL_MESSAGE_BYTES``, each before decoding it.
+- Off loopback, servers speak TLS by default with the job's own certificate
+  (``JobTls``, made by the driver for each run): the token never crosses the network
+  in clear, and, since both ends present that certificate (mutual TLS), a peer
+  without it is turned away during the handshake, before gRPC reads any message.
+
+One limit Flight sets and pyarrow cannot change: gRPC receives a unary request
+(``DoAction``, ``GetFlightInfo``, ...) whole before any handler or middleware runs,
+and Arrow lifts gRPC's receive limit. So on plain loopback a local process can
+still make a server's gRPC layer hold one large request for the moment it takes to
+refuse it (Python never sees it); over TLS such a peer never gets past the handshake.
+
+What must be reachable when the runner leaves one machine: every executor must
+reach the driver's control port, and every executor must reach the channel port
+of each executor running a downstream task. Both ports are ephemeral (chosen by
+the OS, advertised through the control plane), so the network between the driver
+and the executors must allow TCP to their ephemeral ports. Servers off loopback
+listen on every interface.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import hmac
+import ipaddress
 import json
+import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -32,7 +62,37 @@ import pyarrow.flight as flight
 from ..io import CancelCheckpointMarker, CheckpointBarrier, CheckpointOptions, CheckpointType, EndOfPartition
 from ..state.serializers import SafeSerializer
 
-__all__ = ["ChannelServer", "RemoteChannel", "decode_event", "encode_event"]
+__all__ = [
+    "MAX_BATCH_BYTES",
+    "MAX_CONTROL_MESSAGE_BYTES",
+    "MAX_EVENT_BYTES",
+    "TOKEN_HEADER",
+    "ChannelServer",
+    "GuardedServer",
+    "JobTls",
+    "RemoteChannel",
+    "TokenCheck",
+    "decode_event",
+    "encode_event",
+]
+
+log = logging.getLogger(__name__)
+
+TOKEN_HEADER = "x-pyengine-token"
+# The name both ends put in and check against the job's certificate. Executors'
+# addresses are not known when the driver makes it, so clients verify this name
+# (``override_hostname``) instead of the address they dial; ``.invalid`` never resolves.
+TLS_SERVER_NAME = "pyengine.invalid"
+# Control messages are small JSON: an acknowledgement holds state handles (inline
+# state up to 20 KiB each, as hex) and batch indexes. 16 MiB is far above any real
+# one and far below what would hurt the driver to parse.
+MAX_CONTROL_MESSAGE_BYTES = 16 << 20
+# A batch a receiver accepts. Senders split Arrow batches above SPLIT_BATCH_BYTES,
+# so only a broken or hostile sender meets this.
+MAX_BATCH_BYTES = 256 << 20
+SPLIT_BATCH_BYTES = 64 << 20
+MAX_EVENT_BYTES = 4096  # an event's JSON is under 200 bytes
+REFUSED = "pyengine: refused: this endpoint takes calls only with the job's token"
 
 _ROWS_SCHEMA = pa.schema([("rows", pa.binary())], metadata={b"pyengine": b"rows"})
 _SAFE = SafeSerializer()
@@ -64,6 +124,8 @@ def encode_event(event: Any) -> bytes:
 def decode_event(raw: bytes) -> Any:
     from ..runtime.task import END_OF_DATA
 
+    if len(raw) > MAX_EVENT_BYTES:  # refused before parsing: events are tiny
+        raise ValueError(f"a channel event of {len(raw)} bytes (at most {MAX_EVENT_BYTES})")
     try:
         body = json.loads(raw)
         kind = body["e"]
@@ -76,52 +138,311 @@ def decode_event(raw: bytes) -> Any:
             return EndOfPartition()
         if kind == "eod":
             return END_OF_DATA
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"corrupt channel event {raw[:80]!r}: {exc}") from None
-    raise ValueError(f"unknown channel event {kind!r}")
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise ValueError(f"corrupt channel event {raw[:80]!r}: {type(exc).__name__}") from None
+    raise ValueError(f"unknown channel event {str(kind)[:40]!r}")
 
 
 CONNECT_TIMEOUT_S = 10.0  # how long a new channel waits for its server to accept
 
 
-def _descriptor(token: str, channel: int) -> flight.FlightDescriptor:
-    return flight.FlightDescriptor.for_command(json.dumps({"token": token, "channel": channel}).encode())
+# -- who may call: the token, checked before a handler runs ---------------------------------
 
 
-class ChannelServer(flight.FlightServerBase):
-    """A task's input gate, served: upstream subtasks ``DoPut`` their channels here."""
+class _Authenticated(flight.ServerMiddleware):
+    """Marks a call whose token ``TokenCheck`` accepted; handlers look for it."""
 
-    def __init__(self, gate: Any, token: str, host: str = "127.0.0.1", port: int = 0) -> None:
-        # Listens on every interface unless the address it advertises is the loopback one.
-        super().__init__(f"grpc://{_bind_address(host)}:{port}")
-        self.gate = gate
+
+class TokenCheck(flight.ServerMiddlewareFactory):
+    """Refuses any call without the job's token in its ``x-pyengine-token`` header.
+
+    It runs when a call starts, before the handler and before a stream's first
+    message is read, so an unauthenticated peer costs a header comparison: nothing
+    of its body is copied into Python or parsed (issue 12: one unauthenticated
+    128 MiB call used to cost the driver ~900 MB and 5 s of GIL time). The refusal
+    is one fixed sentence, so it tells a prober nothing (no traceback, no path)."""
+
+    KEY = "pyengine-auth"
+
+    def __init__(self, token: str, what: str) -> None:
+        super().__init__()
         self._token = token.encode()
+        self._what = what
+        self._lock = threading.Lock()
+        self.refused = 0  # how many calls were turned away (for the log, and tests)
+
+    def start_call(self, info: Any, headers: Dict[str, List[Any]]) -> Optional[flight.ServerMiddleware]:
+        try:
+            values = headers.get(TOKEN_HEADER) or []
+            given = values[0] if len(values) == 1 else b""
+            if isinstance(given, str):
+                given = given.encode("utf-8", "replace")
+            if isinstance(given, bytes) and given and hmac.compare_digest(given, self._token):
+                return _Authenticated()
+        except Exception:  # whatever went wrong, the caller hears only the plain refusal
+            pass
+        with self._lock:
+            self.refused += 1
+            n = self.refused
+        if n & (n - 1) == 0:  # the 1st, 2nd, 4th, ... refusal: seen, but a flood does not flood the log
+            log.warning("%s refused %d call(s) without the job's token", self._what, n)
+        raise flight.FlightUnauthenticatedError(REFUSED)
+
+
+def authenticated(context: Any) -> None:
+    """Raises the plain refusal unless ``TokenCheck`` let this call in: a handler's
+    own guard, should a server ever be made without the middleware."""
+    if context.get_middleware(TokenCheck.KEY) is None:
+        raise flight.FlightUnauthenticatedError(REFUSED)
+
+
+def call_options(token: str) -> flight.FlightCallOptions:
+    """What a client sends with every call: the token, in its header."""
+    return flight.FlightCallOptions(headers=[(TOKEN_HEADER.encode(), token.encode())])
+
+
+# -- the network: TLS off loopback ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class JobTls:
+    """A job's own TLS identity: one self-signed certificate and its private key.
+
+    The driver makes one per run (``generate``) and hands it to every task with the
+    job's token, in the task's spec; every server presents it, every client trusts
+    only it and presents it too (mutual TLS), so only holders of the run's spec can
+    connect at all. Clients check the name ``TLS_SERVER_NAME`` rather than the address
+    they dial, since executors' addresses are not known when it is made. The key is
+    as secret as the token and travels the same way: Spark ships task closures in
+    clear unless ``spark.authenticate`` and ``spark.network.crypto.enabled`` are on.
+    Plain bytes, so it pickles with the spec."""
+
+    cert_pem: bytes
+    key_pem: bytes
+    server_name: str = TLS_SERVER_NAME
+
+    def __repr__(self) -> str:  # never the key, in a log or a traceback
+        return f"JobTls(server_name={self.server_name!r})"
+
+    @classmethod
+    def generate(cls, job: str = "") -> JobTls:
+        """A new key (EC P-256) and certificate. Needs ``cryptography`` (on the driver only).
+
+        Valid for ten years: the key lives only as long as the run and is never reused,
+        so an expiry would protect nothing and could stop a long streaming job's
+        reconnections after a restart."""
+        try:
+            from cryptography import x509
+            from cryptography.hazmat.primitives import hashes, serialization
+            from cryptography.hazmat.primitives.asymmetric import ec
+            from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+        except ImportError:
+            raise RuntimeError(
+                "the Spark runner off loopback secures its connections with a per-job TLS certificate, "
+                'which needs the cryptography package: pip install "pyengine[spark]"'
+            ) from None
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"pyengine job {job}"[:64].strip())])
+        now = datetime.datetime.now(datetime.timezone.utc)
+        usage = x509.KeyUsage(
+            digital_signature=True,
+            content_commitment=False,
+            key_encipherment=False,
+            data_encipherment=False,
+            key_agreement=False,
+            key_cert_sign=True,  # it is its own (and the job's only) trust anchor
+            crl_sign=False,
+            encipher_only=False,
+            decipher_only=False,
+        )
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))  # executors' clocks may lag
+            .not_valid_after(now + datetime.timedelta(days=3650))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(TLS_SERVER_NAME)]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(usage, critical=True)
+            .add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
+            )
+            .sign(key, hashes.SHA256())
+        )
+        return cls(
+            cert.public_bytes(serialization.Encoding.PEM),
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            ),
+        )
+
+    def server_options(self) -> Dict[str, Any]:
+        """``FlightServerBase`` arguments: present the certificate, demand it of clients."""
+        return {
+            "tls_certificates": [flight.CertKeyPair(self.cert_pem, self.key_pem)],
+            "verify_client": True,
+            "root_certificates": self.cert_pem,
+        }
+
+    def client_options(self) -> Dict[str, Any]:
+        """``FlightClient`` arguments: trust only the job's certificate, and present it."""
+        return {
+            "tls_root_certs": self.cert_pem,
+            "cert_chain": self.cert_pem,
+            "private_key": self.key_pem,
+            "override_hostname": self.server_name,
+        }
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _bind_address(host: str) -> str:
+    return host if is_loopback(host) else "0.0.0.0"
+
+
+def server_tls(host: str, tls: Optional[JobTls], plaintext: bool, *, make: bool, what: str) -> Optional[JobTls]:
+    """The TLS a server advertising ``host`` uses: ``tls`` if given (on loopback too);
+    none on loopback, where nothing crosses a network; off loopback, none only if
+    ``plaintext`` says so, else a new certificate when the server may ``make`` one
+    (the driver's), else an error: a plain server there would take the token in clear."""
+    if tls is not None:
+        return tls
+    if is_loopback(host) or plaintext:
+        return None
+    if make:
+        return JobTls.generate()
+    raise ValueError(
+        f"{what} would listen on {host!r} over plain gRPC, sending the job's token in clear: "
+        "pass the job's JobTls (the driver's ControlServer.tls), or plaintext=True on a network you trust"
+    )
+
+
+class GuardedServer(flight.FlightServerBase):
+    """A Flight server of the job: calls only with its token (``TokenCheck``), TLS off
+    loopback (``server_tls``), and one plain sentence for any call it does not serve —
+    pyarrow's own answer to those is a Python traceback.
+
+    It listens on ``host`` if that is a loopback address, else on every interface,
+    and advertises ``host`` in ``location``."""
+
+    def __init__(
+        self, token: str, host: str, port: int, *, tls: Optional[JobTls], plaintext: bool, make_tls: bool, what: str
+    ) -> None:
+        self.tls = server_tls(host, tls, plaintext, make=make_tls, what=what)
+        self.auth = TokenCheck(token, what)
+        self.what = what
+        scheme = "grpc+tls" if self.tls is not None else "grpc"
+        super().__init__(
+            f"{scheme}://{_bind_address(host)}:{port}",
+            middleware={TokenCheck.KEY: self.auth},
+            **(self.tls.server_options() if self.tls is not None else {}),
+        )
         self.host = host
-        self.closed = threading.Event()
-        self.error: Optional[BaseException] = None
 
     @property
     def location(self) -> str:
-        return f"grpc://{self.host}:{self.port}"
+        return f"{'grpc+tls' if self.tls is not None else 'grpc'}://{self.host}:{self.port}"
 
-    def _authorize(self, descriptor: flight.FlightDescriptor) -> int:
+    def _unserved(self, context: Any, method: str) -> Any:
+        authenticated(context)
+        raise flight.FlightServerError(f"pyengine: {self.what} does not serve {method}")
+
+    def list_flights(self, context: Any, criteria: Any) -> Any:
+        return self._unserved(context, "ListFlights")
+
+    def get_flight_info(self, context: Any, descriptor: Any) -> Any:
+        return self._unserved(context, "GetFlightInfo")
+
+    def get_schema(self, context: Any, descriptor: Any) -> Any:
+        # An empty schema, not an error: pyarrow sends any exception raised here with its
+        # Python traceback (it converts Flight errors for the other methods, not this one).
+        authenticated(context)
+        return flight.SchemaResult(pa.schema([]))
+
+    def do_get(self, context: Any, ticket: Any) -> Any:
+        return self._unserved(context, "DoGet")
+
+    def do_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+        self._unserved(context, "DoPut")
+
+    def do_exchange(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+        self._unserved(context, "DoExchange")
+
+    def list_actions(self, context: Any) -> Any:
+        return self._unserved(context, "ListActions")
+
+    def do_action(self, context: Any, action: Any) -> Any:
+        return self._unserved(context, "DoAction")
+
+
+def connect(location: str, tls: Optional[JobTls]) -> flight.FlightClient:
+    """A Flight client for ``location``: over TLS with the job's certificate when the
+    location says ``grpc+tls``, which it refuses to reach without one."""
+    if location.startswith("grpc+tls://"):
+        if tls is None:
+            raise ValueError(f"{location} speaks TLS: pass the job's JobTls to reach it")
+        return flight.FlightClient(location, **tls.client_options())
+    return flight.FlightClient(location)
+
+
+def _channel_descriptor(channel: int) -> flight.FlightDescriptor:
+    return flight.FlightDescriptor.for_command(json.dumps({"channel": channel}).encode())
+
+
+class ChannelServer(GuardedServer):
+    """A task's input gate, served: upstream subtasks ``DoPut`` their channels here.
+
+    On loopback it speaks plain gRPC unless ``tls`` is given; advertising any other
+    ``host`` it listens on every interface and needs the job's ``tls`` (or an explicit
+    ``plaintext=True``). It refuses a batch over ``max_batch_bytes`` before decoding
+    it, and a call without the token before reading it (``TokenCheck``)."""
+
+    def __init__(
+        self,
+        gate: Any,
+        token: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        tls: Optional[JobTls] = None,
+        plaintext: bool = False,
+        max_batch_bytes: int = MAX_BATCH_BYTES,
+    ) -> None:
+        super().__init__(token, host, port, tls=tls, plaintext=plaintext, make_tls=False, what="a channel server")
+        self.gate = gate
+        self.max_batch_bytes = max_batch_bytes
+        self.closed = threading.Event()
+        self.error: Optional[BaseException] = None
+
+    def _channel(self, descriptor: flight.FlightDescriptor) -> int:
         try:
-            request = json.loads(descriptor.command)
-            token, channel = str(request["token"]).encode(), int(request["channel"])
-        except (ValueError, KeyError, TypeError):
-            raise flight.FlightUnauthenticatedError("pyengine: a channel stream needs a token and a channel") from None
-        if not hmac.compare_digest(token, self._token):
-            raise flight.FlightUnauthenticatedError("pyengine: wrong job token for this channel")
+            command = descriptor.command
+            if command is None or len(command) > 256:
+                raise ValueError("no channel")
+            channel = json.loads(command)["channel"]
+            if type(channel) is not int:
+                raise TypeError("not a number")
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+            raise flight.FlightServerError("pyengine: a channel stream must name its channel") from None
         if not 0 <= channel < self.gate.num_channels:
             raise flight.FlightServerError(f"pyengine: no channel {channel} at this gate")
         return channel
 
     def do_action(self, context: Any, action: flight.Action) -> Any:
-        """``hello``: a sender checks its token before it sends anything."""
+        """``hello``: a sender's first call, to learn its token is good before it sends anything."""
+        authenticated(context)
         if action.type != "hello":
-            raise flight.FlightServerError(f"pyengine: unknown action {action.type!r}")
-        if not hmac.compare_digest(action.body.to_pybytes(), self._token):
-            raise flight.FlightUnauthenticatedError("pyengine: wrong job token for this channel")
+            raise flight.FlightServerError(f"pyengine: {self.what} has no action {action.type[:40]!r}")
         return []
 
     def _put(self, channel: int, item: Any) -> None:
@@ -131,25 +452,56 @@ class ChannelServer(flight.FlightServerBase):
                 raise flight.FlightCancelledError("pyengine: the receiving task is gone")
 
     def do_put(self, context: Any, descriptor: flight.FlightDescriptor, reader: Any, writer: Any) -> None:
-        channel = self._authorize(descriptor)
-        rows = reader.schema.metadata is not None and reader.schema.metadata.get(b"pyengine") == b"rows"
+        authenticated(context)
+        channel = self._channel(descriptor)
+        try:
+            self._receive(channel, reader)
+        except flight.FlightError:
+            raise
+        except Exception as exc:  # a token holder's bad data: named, without a traceback
+            raise flight.FlightServerError(
+                f"pyengine: bad data on channel {channel}: {type(exc).__name__}: {str(exc)[:200]}"
+            ) from None
+
+    def _receive(self, channel: int, reader: Any) -> None:
+        metadata = reader.schema.metadata
+        rows = metadata is not None and metadata.get(b"pyengine") == b"rows"
         while True:
             try:
                 chunk = reader.read_chunk()
             except StopIteration:
                 return
-            if chunk.data is not None and chunk.data.num_rows:
+            data, app_metadata = chunk.data, chunk.app_metadata
+            if data is not None and data.num_rows:
+                if data.nbytes > self.max_batch_bytes:  # refused before it is decoded or queued
+                    raise flight.FlightServerError(
+                        f"pyengine: a batch of {data.nbytes} bytes on channel {channel} "
+                        f"(this gate takes at most {self.max_batch_bytes})"
+                    )
                 if rows:
-                    for payload in chunk.data.column(0).to_pylist():
+                    for payload in data.column(0).to_pylist():
                         self._put(channel, _SAFE.loads(payload))
                 else:
-                    self._put(channel, chunk.data)
-            if chunk.app_metadata is not None:
-                self._put(channel, decode_event(chunk.app_metadata.to_pybytes()))
+                    self._put(channel, data)
+            if app_metadata is not None:
+                if app_metadata.size > MAX_EVENT_BYTES:
+                    raise flight.FlightServerError(f"pyengine: an event of {app_metadata.size} bytes")
+                self._put(channel, decode_event(app_metadata.to_pybytes()))
 
     def shutdown(self) -> None:
         self.closed.set()
         super().shutdown()
+
+
+def _split(batch: pa.RecordBatch, limit: int) -> Iterator[pa.RecordBatch]:
+    """``batch`` in row slices of at most ``limit`` bytes each (zero-copy), in order,
+    so a large batch from a source never meets the receiver's bound."""
+    if batch.nbytes <= limit or batch.num_rows <= 1:
+        yield batch
+        return
+    half = batch.num_rows // 2
+    yield from _split(batch.slice(0, half), limit)
+    yield from _split(batch.slice(half), limit)
 
 
 class RemoteChannel:
@@ -159,22 +511,38 @@ class RemoteChannel:
     whether the item fitted in the bounded send queue, ``put`` waits for room. A
     sender thread writes the queue to the Flight stream, in order. An unaligned
     barrier (``push_overtaking``) jumps the queue, and what it overtook is returned,
-    to be persisted with the checkpoint."""
+    to be persisted with the checkpoint.
 
-    def __init__(self, location: str, channel: int, token: str, capacity: int = 8) -> None:
+    The token goes in each call's header; ``tls`` (the job's ``JobTls``) is needed to
+    reach a ``grpc+tls://`` location. Arrow batches over ``split_batch_bytes`` are sent
+    as row slices, so they stay under the receiver's bound."""
+
+    def __init__(
+        self,
+        location: str,
+        channel: int,
+        token: str,
+        capacity: int = 8,
+        *,
+        tls: Optional[JobTls] = None,
+        split_batch_bytes: int = SPLIT_BATCH_BYTES,
+    ) -> None:
         self.location = location
         self.channel = channel
         self.capacity = capacity
-        self._token = token
-        self._client = flight.FlightClient(location)
+        self.split_batch_bytes = split_batch_bytes
+        self._options = call_options(token)
+        self._client = connect(location, tls)
         try:  # refused here, before any data moves, if the token is wrong
-            self._hello(token)
+            self._hello()
         except flight.FlightUnauthenticatedError as exc:
             self._client.close()
             raise PermissionError(f"channel {channel} to {location}: {exc}") from None
         except flight.FlightUnavailableError as exc:
             self._client.close()
-            raise ConnectionError(f"channel {channel} to {location}: no server there ({exc})") from None
+            raise ConnectionError(
+                f"channel {channel} to {location}: no server there, or it refused our TLS certificate ({exc})"
+            ) from None
         self._writer: Any = None
         self._schema: Optional[pa.Schema] = None
         self._queue: Deque[Any] = deque()
@@ -185,7 +553,7 @@ class RemoteChannel:
         self._thread = threading.Thread(target=self._send_loop, name=f"flight-out-{channel}", daemon=True)
         self._thread.start()
 
-    def _hello(self, token: str) -> None:
+    def _hello(self) -> None:
         """The first call, retried while the address refuses for up to CONNECT_TIMEOUT_S:
         the server may be a moment from listening, and gRPC shares one connection per
         address across a process's clients, so a server that just closed on a port a
@@ -194,7 +562,7 @@ class RemoteChannel:
         pause = 0.02
         while True:
             try:
-                list(self._client.do_action(flight.Action("hello", token.encode())))
+                list(self._client.do_action(flight.Action("hello", b""), options=self._options))
                 return
             except flight.FlightUnavailableError:
                 if time.monotonic() + pause > deadline:
@@ -246,7 +614,7 @@ class RemoteChannel:
         if self._writer is not None and self._schema is not None and self._schema.equals(schema, check_metadata=True):
             return self._writer
         self._close_stream()
-        writer, _ = self._client.do_put(_descriptor(self._token, self.channel), schema)
+        writer, _ = self._client.do_put(_channel_descriptor(self.channel), schema, options=self._options)
         self._writer, self._schema = writer, schema
         return writer
 
@@ -258,7 +626,9 @@ class RemoteChannel:
     def _send(self, item: Any) -> None:
         """Writes one item (blocks while the receiver holds back: backpressure)."""
         if isinstance(item, pa.RecordBatch):
-            self._stream(item.schema).write_batch(item)
+            writer = self._stream(item.schema)
+            for piece in _split(item, self.split_batch_bytes):
+                writer.write_batch(piece)
         elif isinstance(item, list):
             batch = pa.RecordBatch.from_arrays([pa.array([_SAFE.dumps(item)], pa.binary())], schema=_ROWS_SCHEMA)
             self._stream(_ROWS_SCHEMA).write_batch(batch)
@@ -314,13 +684,12 @@ class RemoteChannel:
         self._client.close()
 
 
-def _bind_address(host: str) -> str:
-    return host if host in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"
-
-
-def serve(gate: Any, token: str, host: str = "127.0.0.1") -> Tuple[ChannelServer, threading.Thread]:
-    """Starts a ``ChannelServer`` for ``gate`` on a free port, serving on its own thread."""
-    server = ChannelServer(gate, token, host)
+def serve(
+    gate: Any, token: str, host: str = "127.0.0.1", *, tls: Optional[JobTls] = None, plaintext: bool = False
+) -> Tuple[ChannelServer, threading.Thread]:
+    """Starts a ``ChannelServer`` for ``gate`` on a free port, serving on its own thread
+    (see ``ChannelServer`` for ``tls`` and ``plaintext``)."""
+    server = ChannelServer(gate, token, host, tls=tls, plaintext=plaintext)
     thread = threading.Thread(target=server.serve, name=f"flight-{server.port}", daemon=True)
     thread.start()
     return server, thread
