@@ -34,6 +34,7 @@ from ..sinks import CollectSink
 from ..storage import checkpoint_storage
 from ..storage.metadata import OperatorState
 from .control import ControlClient, ControlServer
+from .flight import JobTls
 from .local import GIL_SWITCH_INTERVAL_S, LocalRunner, build_task, covered_by
 from .result import JobResult
 
@@ -58,6 +59,7 @@ class _TaskSpec:
     control: str
     token: str
     local: bool = True  # Spark in local mode: every task on this machine
+    tls: Optional[JobTls] = None  # the run's certificate, off loopback (as secret as the token)
 
 
 class _CoordinatorProxy:
@@ -85,9 +87,9 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
     v_index, s = divmod(index, p)
     vertex = graph.vertices[v_index]
     attempt = ExecutionAttempt(vertex.name, s, spec.attempt)
-    client = ControlClient(spec.control, spec.token, attempt)
+    client = ControlClient(spec.control, spec.token, attempt, tls=spec.tls)
     # Its own client for the long poll, so an acknowledgement never waits behind one.
-    poll_client = ControlClient(spec.control, spec.token, attempt)
+    poll_client = ControlClient(spec.control, spec.token, attempt, tls=spec.tls)
     proxy = _CoordinatorProxy(client)
     storage = checkpoint_storage(spec.storage_uri, spec.job_id)
     try:
@@ -141,7 +143,7 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
     )
     server = None
     if task.gate is not None:
-        server, _ = serve(task.gate, spec.token, _executor_host(spec))
+        server, _ = serve(task.gate, spec.token, _executor_host(spec), tls=spec.tls)
     with proxy._lock:
         client.register(server.location if server is not None else "")
     channels: List[Any] = []
@@ -181,7 +183,10 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
             return
         if v_index + 1 < len(graph.vertices):
             nxt = graph.vertices[v_index + 1]
-            channels = [RemoteChannel(loc, s, spec.token, capacity=max(1, env.channel_capacity)) for loc in downstream]
+            channels = [
+                RemoteChannel(loc, s, spec.token, capacity=max(1, env.channel_capacity), tls=spec.tls)
+                for loc in downstream
+            ]
             task.output = Output(
                 channels, s, nxt.exchange, nxt.key_selector, env.max_parallelism, env.buffer_size, task.cancelled
             )
@@ -398,6 +403,7 @@ class _SparkJob(LocalRunner):
             probe_path=probe_path,
             control=self._control.location,
             token=self._token,
+            tls=self._control.tls,
             local=str(sc.master).startswith("local"),
         )
         self._check_picklable(_TaskSpec(restored={}, attempt=0, **spec_base))
