@@ -32,7 +32,15 @@ import pyarrow.flight as flight
 from ..coordinator import ExecutionAttempt, SubtaskMetrics, TaskStateSnapshot
 from ..storage.handles import handle_from_json
 from ..storage.metadata import SubtaskState
-from .flight import MAX_CONTROL_MESSAGE_BYTES, GuardedServer, JobTls, authenticated, call_options, connect
+from .flight import (
+    MAX_CONTROL_MESSAGE_BYTES,
+    GuardedServer,
+    JobTls,
+    authenticated,
+    call_options,
+    connect,
+    first_call,
+)
 
 __all__ = ["ControlClient", "ControlServer", "attempt_from_json", "attempt_to_json"]
 
@@ -186,12 +194,18 @@ class ControlClient:
         self.attempt = attempt
         self._options = call_options(token)
         self._client = connect(location, tls)
+        self._answered = False  # until the driver has answered once, a refused connection is retried
 
     def _call(self, kind: str, **body: Any) -> Any:
         body.update(attempt=attempt_to_json(self.attempt))
         try:
             action = flight.Action(kind, json.dumps(body).encode())
-            results = list(self._client.do_action(action, options=self._options))
+
+            def call() -> List[Any]:
+                return list(self._client.do_action(action, options=self._options))
+
+            results = call() if self._answered else first_call(call)
+            self._answered = True
         except flight.FlightUnauthenticatedError as exc:
             raise PermissionError(f"the control endpoint {self.location} refused {kind!r}: {exc}") from None
         return json.loads(results[0].body.to_pybytes()) if results else None

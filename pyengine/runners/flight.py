@@ -54,7 +54,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -385,6 +385,24 @@ class GuardedServer(flight.FlightServerBase):
         return self._unserved(context, "DoAction")
 
 
+def first_call(call: Callable[[], Any]) -> Any:
+    """A client's first call, retried while the address refuses, for up to
+    CONNECT_TIMEOUT_S: the server may be a moment from listening, and gRPC shares one
+    connection per address across a process's clients, so a server that just closed
+    on a port a new one now has can leave a refused connection behind for a while.
+    A refused call delivered nothing, so calling again is safe."""
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    pause = 0.02
+    while True:
+        try:
+            return call()
+        except flight.FlightUnavailableError:
+            if time.monotonic() + pause > deadline:
+                raise
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5)
+
+
 def connect(location: str, tls: Optional[JobTls]) -> flight.FlightClient:
     """A Flight client for ``location``: over TLS with the job's certificate when the
     location says ``grpc+tls``, which it refuses to reach without one."""
@@ -554,21 +572,7 @@ class RemoteChannel:
         self._thread.start()
 
     def _hello(self) -> None:
-        """The first call, retried while the address refuses for up to CONNECT_TIMEOUT_S:
-        the server may be a moment from listening, and gRPC shares one connection per
-        address across a process's clients, so a server that just closed on a port a
-        new one now has can leave a refused connection behind for a while."""
-        deadline = time.monotonic() + CONNECT_TIMEOUT_S
-        pause = 0.02
-        while True:
-            try:
-                list(self._client.do_action(flight.Action("hello", b""), options=self._options))
-                return
-            except flight.FlightUnavailableError:
-                if time.monotonic() + pause > deadline:
-                    raise
-                time.sleep(pause)
-                pause = min(2 * pause, 0.5)
+        first_call(lambda: list(self._client.do_action(flight.Action("hello", b""), options=self._options)))
 
     # -- the gate-like side ---------------------------------------------------------------
 
