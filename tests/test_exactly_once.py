@@ -1,5 +1,11 @@
 """Exactly-once end to end: a keyed job with a FileSink, a failure injected at a
-random point, and the committed output compared with a failure-free run."""
+random point, and the committed output compared with a failure-free run; then
+the run's latest checkpoint is read back.
+
+State is written to files here, never inlined into ``_metadata`` (which 13 keys'
+state otherwise always is): the incremental backend's deltas and bases go to
+``shared/`` and are deleted as checkpoints are subsumed, so the runs exercise the
+shared-file lifecycle that a completed checkpoint's restorability depends on."""
 
 from __future__ import annotations
 
@@ -13,13 +19,44 @@ import pyarrow as pa
 import pytest
 
 import pyengine as pe
+import pyengine.snapshot.strategies as strategies_module
+import pyengine.state.incremental as incremental_module
+from pyengine.errors import JobFailedError
 from pyengine.state import ValueStateDescriptor
 from pyengine.state.heap import HeapKeyedStateBackend
 from pyengine.state.incremental import IncrementalKeyedStateBackend
+from pyengine.state.reader import read_keyed_state
+from pyengine.storage.metadata import load_metadata
+from pyengine.storage.store import stream_paths
 
 COUNT = ValueStateDescriptor("count", 0, pa.int64())
 N = 3000
 RECORDS = [{"user": i % 13, "v": i} for i in range(N)]
+FINAL_COUNTS = dict(Counter(r["user"] for r in RECORDS))
+
+
+@pytest.fixture(autouse=True)
+def state_in_files(monkeypatch) -> None:
+    """Keyed state goes to files (shared/ for incremental, chk-<n>/ for heap), not
+    inline into _metadata."""
+    for module in (incremental_module, strategies_module):
+        monkeypatch.setattr(module, "INLINE_THRESHOLD", 0)
+
+
+def check_latest_checkpoint(result: Any, where: str, *, exact: bool = True) -> None:
+    """The run's latest checkpoint restores: every file it uses is there, and its
+    keyed state reads back - as every user's final count when ``exact`` (an
+    at-least-once checkpoint's state may count a record twice)."""
+    assert result.latest_checkpoint is not None, f"{where}: no checkpoint completed"
+    metadata = load_metadata(result.latest_checkpoint)
+    paths = stream_paths(metadata)
+    missing = [p for p in paths if not os.path.exists(p)]
+    assert not missing, f"{where}: checkpoint {metadata.checkpoint_id} uses missing files {missing[:3]}"
+    table = read_keyed_state(result.latest_checkpoint, "counter", "count")
+    counts = dict(zip(table.column("key").to_pylist(), table.column("value").to_pylist(), strict=True))
+    assert counts.keys() == FINAL_COUNTS.keys(), f"{where}: checkpoint {metadata.checkpoint_id} lost keys"
+    if exact:
+        assert counts == FINAL_COUNTS, f"{where}: checkpoint {metadata.checkpoint_id} holds other counts"
 
 
 class Chaos:
@@ -177,6 +214,7 @@ def test_committed_output_equals_the_failure_free_output(tmp_path, monkeypatch, 
     assert pairs(out) == expected, where
     assert chaos.fired, f"{where}: the failure was never injected, so this run tested nothing"
     assert result.restarts >= 1, where
+    check_latest_checkpoint(result, where)
 
 
 @pytest.mark.slow
@@ -192,6 +230,7 @@ def test_at_least_once_may_duplicate_but_never_loses(tmp_path, monkeypatch, expe
     got = pairs(out)
     assert all(got[p] >= 1 for p in expected), f"{where}: lost {sorted(p for p in expected if not got[p])[:5]}"
     assert chaos.fired, where
+    check_latest_checkpoint(result, where, exact=False)
 
 
 def test_a_job_that_keeps_failing_returns_failed_with_the_cause(tmp_path) -> None:
@@ -201,8 +240,11 @@ def test_a_job_that_keeps_failing_returns_failed_with_the_cause(tmp_path) -> Non
         raise ValueError("bad record")
 
     env.from_collection(range(10)).map(boom).name("parse").sink_to(pe.sinks.CollectSink())
-    result = env.execute("failing")
+    with pytest.raises(JobFailedError) as info:
+        env.execute("failing")
+    result = info.value.result
     assert result.status == "FAILED" and result.restarts == 2
+    assert isinstance(info.value.cause, ValueError)
     assert "parse" in str(result.cause) and "subtask" in str(result.cause) and "bad record" in str(result.cause)
 
 

@@ -708,8 +708,18 @@ class CheckpointCoordinator:
             return latest
 
     def restore_latest(self) -> Optional[CheckpointMetadata]:
-        """The checkpoint a (re)started job resumes from: the latest completed one."""
+        """The checkpoint a (re)started job resumes from: the latest completed one.
+
+        Called on failover, after the pending checkpoints were aborted and before the
+        new attempt starts, so nothing that may still complete is being written: the
+        shared files nothing uses are the failed attempt's leftovers (a snapshot that
+        failed after writing its delta), and go."""
         with self._lock:
+            if not self._pending:
+                try:
+                    self.store.delete_unused_shared()
+                except OSError as exc:
+                    log.warning("could not delete unused shared state files: %s", exc)
             latest = self.store.latest()
             if latest is not None:
                 self._next_id = max(self._next_id, latest.checkpoint_id + 1)

@@ -196,6 +196,21 @@ class CompletedCheckpointStore:
                 delete_state_file(path)
                 self.registry.record_deleted(path)
 
+    def delete_unused_shared(self) -> List[str]:
+        """Deletes the files in ``shared/`` that nothing uses (retained, held or pending)
+        and returns them. Only safe when no snapshot that may still complete is being
+        written: on failover, with every pending checkpoint aborted, what is left there
+        unused is what the failed attempt wrote and never acknowledged (a snapshot that
+        failed after writing its delta)."""
+        deleted = []
+        for path in self.storage.list_files(self.storage.shared_dir):
+            uri = self.storage.uri_of(path)
+            if not self.registry.is_used(uri):
+                delete_state_file(uri)
+                self.registry.record_deleted(uri)
+                deleted.append(uri)
+        return deleted
+
     def recover(self) -> Optional[CheckpointMetadata]:
         """Adopts what a run before this one left in the job's directory: loads the
         completed checkpoints, keeps the newest ``retained`` restorable ones (a damaged
@@ -256,10 +271,7 @@ class CompletedCheckpointStore:
         if unreadable:
             log.warning("not deleting unused shared files: a checkpoint's _metadata could not be read")
         else:
-            for path in storage.list_files(storage.shared_dir):
-                uri = storage.uri_of(path)
-                if not self.registry.is_used(uri):
-                    delete_state_file(uri)
+            self.delete_unused_shared()
         return self.latest()
 
     def shutdown(self, discard_all: bool = False) -> None:
