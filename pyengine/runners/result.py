@@ -15,7 +15,10 @@ __all__ = ["JobResult"]
 class JobResult:
     """The end of a job: FINISHED or FAILED (with ``cause``), how many restarts it
     took, the records of a ``CollectSink``, and the checkpoint statistics
-    (``checkpoints``: objects; ``checkpoints_json()``: Flink's REST shape)."""
+    (``checkpoints``: objects; ``checkpoints_json()``: Flink's REST shape).
+    ``monitoring_url``: where its monitoring server answered while it ran (None
+    when monitoring was off or could not listen). In Jupyter it shows itself as a
+    checkpoint summary (``_repr_html_``)."""
 
     name: str
     job_id: str
@@ -28,6 +31,7 @@ class JobResult:
     latest_checkpoint: Optional[str]
     duration_s: float
     _temp: Any = field(default=None, repr=False)
+    monitoring_url: Optional[str] = None
 
     @property
     def succeeded(self) -> bool:
@@ -35,6 +39,18 @@ class JobResult:
 
     def checkpoints_json(self) -> Dict[str, Any]:
         return self.checkpoints.to_json()
+
+    def _repr_html_(self) -> str:
+        from ..monitoring.console import checkpoint_summary_html
+
+        return checkpoint_summary_html(
+            self.checkpoints,
+            name=self.name,
+            status=self.status,
+            restarts=self.restarts,
+            url=self.monitoring_url,
+            duration_s=self.duration_s,
+        )
 
     def dumps(self) -> str:
         return json.dumps(
@@ -47,6 +63,7 @@ class JobResult:
                 "duration_s": self.duration_s,
                 "checkpoint_dir": self.checkpoint_dir,
                 "latest_checkpoint": self.latest_checkpoint,
+                "monitoring_url": self.monitoring_url,
                 "checkpoints": self.checkpoints_json(),
             },
             indent=2,
