@@ -3,7 +3,12 @@
 // from the REST API the page is served with (Flink's paths, Spark's progress).
 "use strict";
 
-const REFRESH_MS = 2000;
+// ?refresh=<ms> sets how often the page refreshes itself (2 s by default; 0: never,
+// for reading a moment at leisure).
+const REFRESH_MS = (() => {
+  const asked = new URLSearchParams(window.location.search).get("refresh");
+  return asked !== null && /^\d+$/.test(asked) ? Number(asked) : 2000;
+})();
 const SVG = "http://www.w3.org/2000/svg";
 const state = { jobId: null, selected: null, parts: new Map(), vertices: [] };
 
@@ -73,7 +78,7 @@ function showJob(job) {
 function drawGraph(job, pressure) {
   const vertices = job.vertices;
   const maxP = Math.max(1, ...vertices.map(v => v.parallelism));
-  const boxW = 190, gap = 70, rowH = 22, top = 30;
+  const boxW = 250, gap = 70, rowH = 22, top = 30;
   const height = top + 40 + maxP * rowH + 20;
   const container = $("graph");
   container.replaceChildren();
@@ -94,9 +99,9 @@ function drawGraph(job, pressure) {
       const t = el("text", { x: x + 8, y: y + 12, "data-subtask": s, class: "subtask-rate" }, g,
         "#" + s + " " + num(rate) + " rec/s");
       t.setAttribute("data-rate", String(rate));
-      el("rect", { x: x + 110, y: y + 4, width: 70, height: 8, fill: "#e1e4e8" }, g);
+      el("rect", { x: x + 160, y: y + 4, width: 80, height: 8, fill: "#e1e4e8" }, g);
       el("rect", {
-        x: x + 110, y: y + 4, width: Math.max(1, 70 * info.ratio), height: 8,
+        x: x + 160, y: y + 4, width: Math.max(1, 80 * info.ratio), height: 8,
         class: "bp-" + info["backpressure-level"], "data-backpressure": info.ratio,
       }, g);
     }
@@ -148,10 +153,13 @@ function drawProgress(recent) {
     { name: "at sink/s", color: "#28a745", points: recent.map(p => [at(p), p.processedRowsPerSecond]) },
   ], { zero: true, format: v => num(v) + "/s" });
   const marks = recent.filter(p => p.eventTime && p.eventTime.watermark);
-  lineChart($("watermark-chart"), [
-    { name: "watermark", color: "#6f42c1", points: marks.map(p => [at(p), Date.parse(p.eventTime.watermark)]) },
-    { name: "lag (ms)", color: "#d73a49", points: marks.map(p => [at(p), at(p) - Date.parse(p.eventTime.watermark)]) },
-  ], { format: v => num(v), empty: "this job has no event time (no watermark)" });
+  const svg = lineChart($("watermark-chart"), [
+    { name: "lag", color: "#d73a49", points: marks.map(p => [at(p), at(p) - Date.parse(p.eventTime.watermark)]) },
+  ], { zero: true, format: v => num(v) + " ms", empty: "this job has no event time (no watermark)" });
+  if (marks.length) {
+    const last = marks[marks.length - 1].eventTime.watermark;
+    el("text", { x: 70, y: 24, "data-watermark": last }, svg, "watermark " + last + " (lag behind wall time below)");
+  }
 }
 
 // -- checkpoints --------------------------------------------------------------------------
@@ -351,4 +359,4 @@ async function subtaskRates() {
 }
 
 refresh();
-setInterval(refresh, REFRESH_MS);
+if (REFRESH_MS > 0) setInterval(refresh, Math.max(250, REFRESH_MS));
