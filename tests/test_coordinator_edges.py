@@ -330,3 +330,23 @@ def test_a_late_acknowledgements_own_files_are_still_deleted(make, tmp_path) -> 
     new_shared = _file(tmp_path / "ckpt" / "job" / "shared" / "delta-late")
     assert coordinator.receive_acknowledge_message(1, TASKS[0], _forged(own, new_shared)) is AckResult.DISCARDED
     assert not _exists(own) and not _exists(new_shared)
+
+
+@pytest.mark.parametrize("late", ["ack", "decline"])
+def test_a_late_task_does_not_leave_the_aborted_checkpoints_directory_behind(make, late) -> None:
+    """A task whose barrier came after the abort makes chk-<n> anew (its synchronous
+    part opens the location); its late acknowledgement or decline removes it again."""
+    coordinator, _gateway, timers, storage = make(timeout_ms=10, tolerable_failures=5)
+    coordinator.trigger_checkpoint()
+    timers.advance(10)
+    storage.location(1)  # the late task's synchronous part
+    if late == "ack":
+        coordinator.receive_acknowledge_message(1, TASKS[0])
+    else:
+        coordinator.receive_decline_message(1, TASKS[0], RuntimeError("task ended"))
+    assert storage.fs.get_file_info(storage.checkpoint_dir(1)).type.name == "NotFound"
+    coordinator.trigger_checkpoint()
+    storage.location(7)  # no checkpoint this coordinator aborted: left alone
+    coordinator.receive_acknowledge_message(7, TASKS[0])
+    assert storage.fs.get_file_info(storage.checkpoint_dir(7)).type.name == "Directory"
+    assert storage.fs.get_file_info(storage.checkpoint_dir(2)).type.name == "Directory"  # pending

@@ -463,6 +463,7 @@ class CheckpointCoordinator:
                 else:
                     log.warning("acknowledgement of unknown checkpoint %s from %s: discarding", checkpoint_id, task)
                 self._discard(state.handles(), checkpoint_id)
+                self._remove_aborted_location(checkpoint_id)
                 return AckResult.DISCARDED
             result = pending.acknowledge_task(task, state)
             if result is AckResult.SUCCESS:
@@ -491,12 +492,21 @@ class CheckpointCoordinator:
                 self._discard(state.handles(), checkpoint_id)
             pending = self._pending.get(checkpoint_id)
             if pending is None:
+                self._remove_aborted_location(checkpoint_id)
                 return
             reason = CheckpointFailureReason.CHECKPOINT_DECLINED
             if isinstance(cause, CheckpointException):
                 reason = cause.reason
             detail = f"declined by {task}" + (f": {cause}" if cause is not None else "")
             self._abort(pending, CheckpointException(reason, detail))
+
+    def _remove_aborted_location(self, checkpoint_id: int) -> None:
+        """A task that took its snapshot after the checkpoint was aborted made its
+        ``chk-<n>`` directory anew: it goes again (only for a checkpoint this
+        coordinator aborted, never a pending or retained one)."""
+        if checkpoint_id in self._recent and checkpoint_id not in self._pending:
+            if not any(m.checkpoint_id == checkpoint_id for m in self.store.checkpoints):
+                self.storage.delete_dir(self.storage.checkpoint_dir(checkpoint_id))
 
     def _deleted(self, paths: List[str]) -> Optional[str]:
         """The first of ``paths`` that was already deleted, if any."""
