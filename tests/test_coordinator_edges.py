@@ -231,6 +231,18 @@ def test_an_unaligned_jobs_savepoint_queues_behind_checkpoints_and_holds_new_one
     assert later.result(0).checkpoint_id == 3
 
 
+def test_an_unaligned_jobs_savepoint_runs_alone_whatever_max_concurrent(make, tmp_path) -> None:
+    coordinator, gateway, _timers, _storage = make(unaligned=True, max_concurrent=3)
+    coordinator.trigger_checkpoint()
+    coordinator.trigger_savepoint(str(tmp_path / "sp"))
+    coordinator.trigger_checkpoint()
+    assert gateway.ids == [1]
+    ack_all(coordinator, 1)
+    assert gateway.ids == [1, 2]  # the savepoint, and nothing beside it
+    ack_all(coordinator, 2)
+    assert gateway.ids == [1, 2, 3]
+
+
 def test_an_aligned_jobs_savepoint_still_runs_beside_a_checkpoint(make, tmp_path) -> None:
     coordinator, gateway, _timers, _storage = make(max_concurrent=1)
     coordinator.trigger_checkpoint()

@@ -311,7 +311,7 @@ class CheckpointCoordinator:
     def trigger_savepoint(self, target_dir: str) -> concurrent.futures.Future[CheckpointMetadata]:
         """A savepoint into ``target_dir``: never subsumed, never held back by
         ``min_pause``, and in an aligned job never counted against ``max_concurrent``.
-        In an unaligned job it queues behind running checkpoints and holds new ones
+        In an unaligned job it waits until no checkpoint is running and holds new ones
         back while it runs, as in Flink: a savepoint is aligned, and an unaligned
         barrier overtaking its barrier would cancel it at the gate. Its state is copied
         into ``target_dir``, so it lives on whatever happens to the job's directory."""
@@ -355,11 +355,14 @@ class CheckpointCoordinator:
         try:
             while self._queue:
                 request = self._queue[0]
-                savepoint = request.checkpoint_type.is_savepoint
-                if not savepoint or self.config.unaligned:
+                if request.checkpoint_type.is_savepoint:
+                    if self.config.unaligned and self._pending:
+                        return  # it runs alone: retried when the pending ones end
+                else:
                     if self._num_pending_checkpoints() >= self.config.max_concurrent:
                         return  # retried when a pending checkpoint ends
-                if not savepoint:
+                    if self.config.unaligned and any(p.is_savepoint for p in self._pending.values()):
+                        return  # nothing runs beside an unaligned job's savepoint
                     wait = self._pause_left_ms()
                     if wait > 0:
                         if self._pause_timer is None:
@@ -384,10 +387,6 @@ class CheckpointCoordinator:
         return self._last_completion_ms + self.config.min_pause_ms - self.timers.now_ms()
 
     def _num_pending_checkpoints(self) -> int:
-        """What counts against ``max_concurrent``: the pending checkpoints, and in an
-        unaligned job the pending savepoints too (nothing may run beside those)."""
-        if self.config.unaligned:
-            return len(self._pending)
         return sum(1 for p in self._pending.values() if not p.is_savepoint)
 
     def _start(self, request: _Request) -> None:
