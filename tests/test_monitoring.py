@@ -728,6 +728,30 @@ def test_html_summary_of_a_finished_job(scenario: Any) -> None:
     assert line.startswith("clicks RUNNING") and "checkpoint 4" in line and "1 restart(s)" in line
 
 
+def test_a_finished_runs_statistics_are_kept_beside_its_checkpoints(scenario: Any, capsys: Any) -> None:
+    from pyengine import cli
+    from pyengine.monitoring.history import load_statistics, render_statistics, save_run_statistics
+
+    s = scenario
+    path = save_run_statistics(s.job, "FINISHED")
+    assert path is not None and path.endswith("/job/_checkpoint_stats.json")
+    directory = path.rsplit("/", 1)[0]
+    data = load_statistics(directory)
+    assert data["job"] == {"jid": s.job.job_id, "name": "clicks", "state": "FINISHED", "restarts": 1}
+    assert data["checkpoints"] == api(s, f"jobs/{s.job.job_id}/checkpoints")  # as the server showed them
+    text = render_statistics(data)
+    assert "3 completed, 1 failed, 1 in progress, 1 restored" in text
+    assert "latest failed: #2" in text and "disk full" in text
+    assert [line.split()[0] for line in text.splitlines()[-5:]] == ["5", "4", "3", "2", "1"]
+    with pytest.raises(ValueError, match=r"no _checkpoint_stats\.json"):
+        load_statistics(str(s.coordinator.storage.uri_of(s.coordinator.storage.root)) + "/chk-4")
+    if "stats" in inspect.getsource(cli.main):  # the CLI's view (a hook: see pyengine.monitoring)
+        assert cli.main(["checkpoints", "stats", directory, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out) == data
+        assert cli.main(["checkpoints", "stats", directory]) == 0
+        assert capsys.readouterr().out.strip() == text
+
+
 # -- through a runner (needs the hooks: see the module docstring of pyengine.monitoring) -------
 
 pe = pytest.importorskip("pyengine")
@@ -792,6 +816,35 @@ def test_a_job_whose_port_is_taken_still_runs(capfd: Any) -> None:
     assert result.status == "FINISHED" and sorted(result.records) == list(range(1, 101))
     assert result.monitoring_url is None
     assert f"could not listen on 127.0.0.1:{port}" in capfd.readouterr().err
+
+
+@needs_hooks
+def test_the_cli_shows_a_finished_job_as_json(tmp_path: Any, capsys: Any) -> None:
+    from pyengine import cli
+
+    env = pe.StreamEnvironment(
+        parallelism=2,
+        checkpointing=pe.CheckpointConfig(interval_ms=50),
+        checkpoint_storage=str(tmp_path / "ckpt"),
+        monitoring=pe.Monitoring(progress=False, announce=False),
+    )
+    env.from_generator(_slow, 20_000).key_by("k").aggregate(pe.agg.count()).sink_to(
+        pe.sinks.FileSink(str(tmp_path / "out"), format="jsonl")
+    )
+    result = env.execute("kept")
+    assert cli.main(["checkpoints", "list", str(tmp_path / "ckpt"), "--json"]) == 0
+    [job] = json.loads(capsys.readouterr().out)["jobs"]
+    assert job["name"] == "kept" and job["state"] == "FINISHED"
+    assert cli.main(["checkpoints", "list", result.checkpoint_dir, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [c["id"] for c in listed["checkpoints"]] == job["checkpoints"]
+    assert cli.main(["checkpoints", "stats", result.checkpoint_dir, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    tracker = result.checkpoints
+    assert stats["job"]["state"] == "FINISHED" and stats["job"]["jid"] == result.job_id
+    assert stats["checkpoints"]["counts"]["completed"] == tracker.counts["completed"] >= 1
+    assert [c["id"] for c in stats["checkpoints"]["history"]] == [c.id for c in tracker.history]
+    _check_checkpoint(stats["checkpoints"]["latest"]["completed"], tracker.latest_completed)
 
 
 @needs_hooks

@@ -23,11 +23,30 @@ from . import rest
 from .config import Monitoring
 from .metrics import JobSample, MetricsHistory, clean_counters
 
-__all__ = ["JobMonitor", "start_monitor"]
+__all__ = ["JobMonitor", "start_monitor", "vertices_of"]
 
 log = logging.getLogger(__name__)
 
 _SHIP_STRATEGY = {"forward": "FORWARD", "hash": "HASH", "rebalance": "REBALANCE", "broadcast": "BROADCAST"}
+
+
+def vertices_of(graph: Any, env: Any) -> List[rest.VertexInfo]:
+    """The job graph's vertices as the REST API shows them."""
+    out = []
+    for v in graph.vertices:
+        uids = v.uids()
+        names = [s.name for s in v.steps]
+        out.append(
+            rest.VertexInfo(
+                id=str(v.name),
+                name=" -> ".join(names),
+                parallelism=int(env.parallelism),
+                max_parallelism=int(env.max_parallelism),
+                exchange=str(v.exchange),
+                operators=tuple(zip(uids, names, strict=True)),
+            )
+        )
+    return out
 
 
 def start_monitor(job: Any, config: Optional[Monitoring], out: Optional[TextIO] = None) -> Optional[JobMonitor]:
@@ -213,22 +232,7 @@ class JobMonitor:
         return [m.checkpoint_id for m in store.checkpoints]
 
     def vertices(self) -> List[rest.VertexInfo]:
-        env, graph = self.job.env, self.job.graph
-        out = []
-        for v in graph.vertices:
-            uids = v.uids()
-            names = [s.name for s in v.steps]
-            out.append(
-                rest.VertexInfo(
-                    id=str(v.name),
-                    name=" -> ".join(names),
-                    parallelism=int(env.parallelism),
-                    max_parallelism=int(env.max_parallelism),
-                    exchange=str(v.exchange),
-                    operators=tuple(zip(uids, names, strict=True)),
-                )
-            )
-        return out
+        return vertices_of(self.job.graph, self.job.env)
 
     def vertex(self, vertex_id: str) -> Optional[rest.VertexInfo]:
         for v in self.vertices():

@@ -83,10 +83,11 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, address: Tuple[str, int], handler: Any, family: int) -> None:
         self.address_family = family
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.closing = False
         super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):  # too many at once: no thread for this one
+        if self.closing or not self.slots.acquire(blocking=False):  # closing, or too many at once
             self.shutdown_request(request)
             return
         try:
@@ -123,8 +124,20 @@ class MonitoringServer:
         self._thread.start()
 
     def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        """Stops serving at once: the job's end must not wait for the server's poll
+        interval, so a connection of its own wakes the loop to see the request."""
+        httpd = self._httpd
+        httpd.closing = True
+        stopper = threading.Thread(target=httpd.shutdown, daemon=True)
+        stopper.start()
+        try:
+            host = "127.0.0.1" if self.host in ("localhost", "0.0.0.0") else "::1" if self.host == "::" else self.host
+            with socket.create_connection((host, self.port), timeout=1):
+                pass
+        except OSError:
+            pass  # the loop still sees the request within its poll interval
+        stopper.join(5)
+        httpd.server_close()
         self._thread.join(5)
 
     # -- checks --------------------------------------------------------------------------
