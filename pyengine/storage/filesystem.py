@@ -31,6 +31,7 @@ from .handles import (
     checksum_hex,
     parse_checksum,
 )
+from .paths import relocatable
 
 __all__ = [
     "METADATA_FILE",
@@ -345,8 +346,6 @@ class CheckpointStorage:
         if self.fs.get_file_info(path).type != pafs.FileType.NotFound:
             raise FileExistsError(f"checkpoint {checkpoint_id} of job {self.job_id} is already complete ({path})")
         self.fs.create_dir(directory, recursive=True)
-        from .metadata import relocatable
-
         metadata = relocatable(metadata, self.prefix + directory)
         body = json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode()
         stream = CheckpointStateOutputStream(self.fs, path, self.prefix)

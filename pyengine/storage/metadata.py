@@ -28,13 +28,13 @@ told apart from a valid one even when it still parses.
 from __future__ import annotations
 
 import json
-import posixpath
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import xxhash
 
 from .handles import KeyGroupsStateHandle, OperatorStateHandle, StateHandle, checksum_hex, handle_from_json
+from .paths import absolute, canonical, paths
 
 __all__ = [
     "METADATA_FORMAT",
@@ -44,7 +44,6 @@ __all__ = [
     "OperatorState",
     "SubtaskState",
     "load_metadata",
-    "relocatable",
 ]
 
 METADATA_FORMAT = "pyengine-checkpoint"
@@ -127,7 +126,7 @@ class CheckpointMetadata:
         return {
             "format": METADATA_FORMAT,
             "version": METADATA_VERSION,
-            "checksum": checksum_hex(xxhash.xxh3_64_intdigest(_canonical(body))),
+            "checksum": checksum_hex(xxhash.xxh3_64_intdigest(canonical(body))),
             "metadata": body,
         }
 
@@ -142,11 +141,11 @@ class CheckpointMetadata:
             )
         body = data.get("metadata")
         if not isinstance(body, dict) or data.get("checksum") != checksum_hex(
-            xxhash.xxh3_64_intdigest(_canonical(body))
+            xxhash.xxh3_64_intdigest(canonical(body))
         ):
             raise MetadataError(f"{where} is damaged: its checksum does not match its content")
         try:
-            body = _paths(body, lambda p: _absolute(p, base, where))
+            body = paths(body, lambda p: absolute(p, base, where))
             operators = {
                 uid: OperatorState(
                     parallelism=int(op["parallelism"]),
@@ -206,53 +205,3 @@ def load_metadata(path: str) -> CheckpointMetadata:
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} is not a completed checkpoint: {prefix}{file_path} does not exist") from None
     return CheckpointMetadata.loads(raw, where=prefix + file_path, base=prefix + file_path.rsplit("/", 1)[0])
-
-
-def relocatable(data: Dict[str, Any], base: str) -> Dict[str, Any]:
-    """``to_json()`` output with the paths inside ``base``'s parent (the job or
-    savepoint directory) made relative to ``base`` (the directory ``_metadata`` goes
-    in), and the checksum made anew over that."""
-    root = base.rstrip("/").rsplit("/", 1)[0] + "/"
-    if data.get("checksum") != checksum_hex(xxhash.xxh3_64_intdigest(_canonical(data.get("metadata")))):
-        return data  # not ours to vouch for: written as it is, and refused when read
-
-    def rel(path: str) -> str:
-        return posixpath.relpath(path, base) if path.startswith(root) else path
-
-    body = _paths(data["metadata"], rel)
-    return {**data, "metadata": body, "checksum": checksum_hex(xxhash.xxh3_64_intdigest(_canonical(body)))}
-
-
-def _is_relative(path: str) -> bool:
-    return not path.startswith("/") and "://" not in path
-
-
-def _absolute(path: str, base: Optional[str], where: str) -> str:
-    if not _is_relative(path):
-        return path
-    if base is None:
-        raise MetadataError(f"{where} holds the relative path {path!r} and no directory to resolve it against")
-    scheme, sep, rest = base.rpartition("://")
-    return f"{scheme}{sep}{posixpath.normpath(posixpath.join(rest, path))}"
-
-
-def _paths(body: Any, fix: Any) -> Any:
-    """``body`` with every file path (a ``path`` value, the entries of a ``shared``
-    list) passed through ``fix``."""
-    if isinstance(body, dict):
-        out = {}
-        for key, value in body.items():
-            if key == "path" and isinstance(value, str):
-                out[key] = fix(value)
-            elif key == "shared" and isinstance(value, list):
-                out[key] = [fix(v) if isinstance(v, str) else v for v in value]
-            else:
-                out[key] = _paths(value, fix)
-        return out
-    if isinstance(body, list):
-        return [_paths(v, fix) for v in body]
-    return body
-
-
-def _canonical(body: Any) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
