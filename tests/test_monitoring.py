@@ -728,6 +728,29 @@ def test_html_summary_of_a_finished_job(scenario: Any) -> None:
     assert line.startswith("clicks RUNNING") and "checkpoint 4" in line and "1 restart(s)" in line
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_progress_line_is_drawn_on_a_terminal_only(scenario: Any) -> None:
+    pytest.importorskip("rich")
+    from pyengine.monitoring.console import ProgressLine, progress_text
+
+    assert not ProgressLine.wanted(io.StringIO()) and ProgressLine.wanted(_Terminal())
+    terminal = _Terminal()
+    line = ProgressLine(scenario.monitor, stream=terminal)
+    scenario.job.counters = [_counters("v0", 0, records_in=1234)]
+    scenario.monitor.sample()  # the monitor's samples redraw the line
+    line.close()
+    shown = terminal.getvalue()
+    assert "clicks RUNNING" in shown and "1,234 records read" in shown and "checkpoint 4" in shown
+    assert "1 failed" in shown and "1 restart(s)" in shown
+    assert line.update not in scenario.monitor.on_sample
+    scenario.monitor.stop("FINISHED")
+    assert "on average over" in progress_text(scenario.monitor, scenario.monitor.latest())
+
+
 def test_a_finished_runs_statistics_are_kept_beside_its_checkpoints(scenario: Any, capsys: Any) -> None:
     from pyengine import cli
     from pyengine.monitoring.history import load_statistics, render_statistics, save_run_statistics

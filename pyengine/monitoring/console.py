@@ -44,8 +44,14 @@ def progress_text(monitor: JobMonitor, sample: JobSample, now_ms: Optional[float
         )
     else:
         checkpoint = "no checkpoint yet"
+    state = monitor.state()
+    if monitor.end_ms > 0:  # ended: the run's average, not the last interval's (which is idle)
+        seconds = max(0.001, (monitor.end_ms - monitor.start_ms) / 1000)
+        rates = f"{read / seconds:,.0f}/s on average over {seconds:.1f} s"
+    else:
+        rates = f"{rate_in:,.0f}/s in, {rate_out:,.0f}/s at the sink"
     return (
-        f"{monitor.name} {monitor.state()} | {read:,} records read ({rate_in:,.0f}/s in, {rate_out:,.0f}/s at the sink)"
+        f"{monitor.name} {state} | {read:,} records read ({rates})"
         f" | {checkpoint} | {counts.get('failed', 0)} failed | {monitor.restarts} restart(s)"
     )
 
