@@ -10,7 +10,9 @@ const REFRESH_MS = (() => {
   return asked !== null && /^\d+$/.test(asked) ? Number(asked) : 2000;
 })();
 const SVG = "http://www.w3.org/2000/svg";
-const state = { jobId: null, selected: null, parts: new Map(), vertices: [] };
+// selected: the checkpoint whose subtasks are shown; pinned once the user picks one,
+// else it follows the newest checkpoint as the history moves on.
+const state = { jobId: null, selected: null, pinned: false, parts: new Map(), vertices: [], rates: {} };
 
 function $(id) { return document.getElementById(id); }
 
@@ -140,9 +142,8 @@ function lineChart(container, series, options) {
     if (!s.points.length) continue;
     const d = s.points.map((p, i) => (i ? "L" : "M") + sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1)).join(" ");
     el("path", { d, fill: "none", stroke: s.color, "stroke-width": 2, "data-series": s.name }, svg);
-    const last = s.points[s.points.length - 1];
-    el("text", { x: sx(last[0]) - 90, y: sy(last[1]) - 4, fill: s.color }, svg, s.name);
   }
+  series.forEach((s, i) => el("text", { x: width - pad.r - 110, y: pad.t + 12 + 14 * i, fill: s.color }, svg, "— " + s.name));
   return svg;
 }
 
@@ -209,7 +210,7 @@ function barChart(container, items, stacks, options) {
     const x = pad.l + i * slot + (slot - bw) / 2;
     let y = height - pad.b;
     const g = el("g", { class: "bar", "data-checkpoint": it.id }, svg);
-    g.addEventListener("click", () => select(it.id));
+    g.addEventListener("click", () => { state.pinned = true; select(it.id); });
     for (const s of stacks) {
       const h = sy(s.value(it));
       y -= h;
@@ -258,7 +259,7 @@ async function drawCheckpoints(cps) {
     const row = document.createElement("tr");
     row.dataset.checkpoint = cp.id;
     if (cp.id === state.selected) row.className = "selected";
-    row.addEventListener("click", () => select(cp.id));
+    row.addEventListener("click", () => { state.pinned = true; select(cp.id); });
     cell(row, String(cp.id));
     cell(row, cp.checkpoint_type);
     cell(row, cp.status);
@@ -271,7 +272,7 @@ async function drawCheckpoints(cps) {
     cell(row, bytes(cp.persisted_data));
     body.appendChild(row);
   }
-  if (state.selected === null && cps.history.length) await select(cps.history[0].id, true);
+  if (!state.pinned && cps.history.length) await select(cps.history[0].id, true);
   else if (state.selected !== null) await select(state.selected, true);
 }
 
@@ -309,6 +310,12 @@ async function select(id, quiet) {
       }
       rows.push(row);
     }
+  }
+  if (!rows.length) {  // it left the history (which keeps the newest ones, as Flink's does)
+    const row = document.createElement("tr");
+    const td = cell(row, "checkpoint #" + id + " is no longer in the history");
+    td.colSpan = 14;
+    rows.push(row);
   }
   body.replaceChildren(...rows);
 }
