@@ -142,7 +142,11 @@ def scenario_older(s: Setup) -> None:
 def scenario_damaged(s: Setup) -> None:
     """A failed run whose latest _metadata is damaged, resumed with resume='auto'."""
     failed = _failed_run(s, "damaged")
-    ids = sorted(int(d[4:]) for d in os.listdir(failed.checkpoint_dir) if d.startswith("chk-"))
+    ids = sorted(
+        int(d[4:])
+        for d in os.listdir(failed.checkpoint_dir)
+        if d.startswith("chk-") and os.path.exists(os.path.join(failed.checkpoint_dir, d, "_metadata"))
+    )
     with open(os.path.join(failed.checkpoint_dir, f"chk-{ids[-1]}", "_metadata"), "r+b") as f:
         f.write(b"{damaged")
     env = s.env()

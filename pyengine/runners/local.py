@@ -375,7 +375,7 @@ class LocalRunner:
         """Adopts what the resumed run left in its directory (its completed checkpoints
         within retention; the rest is deleted) and returns the checkpoint to restore."""
         assert self.coordinator is not None
-        restored = self.coordinator.store.recover()
+        restored = self.coordinator.recover()  # new ids continue past every chk-<n> found
         path = storage.uri_of(storage.checkpoint_dir(restored.checkpoint_id)) if restored else None
         last = resumed.last_run.run_id if resumed.last_run else resumed.dir_id
         log.warning(
@@ -430,9 +430,6 @@ class LocalRunner:
         self.coordinator.lineage = list(covered_by(restored))
         if restored is not None:
             self.coordinator.note_restored_from(restored, path or "")
-        # Ids continue past every checkpoint directory a resumed run left (completed or
-        # not), so no new checkpoint reuses a directory name.
-        self.coordinator._next_id = max(self.coordinator._next_id, storage.max_checkpoint_id() + 1)
         assert self.run_info is not None
         self.graph.sink.begin_run(self.run_info)
         for source in getattr(self.graph, "sources", []):

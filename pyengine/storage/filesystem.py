@@ -373,16 +373,6 @@ class CheckpointStorage:
                     ids.append(int(m.group(1)))
         return sorted(ids)
 
-    def max_checkpoint_id(self) -> int:
-        """The highest ``chk-<n>`` directory here, completed or not (0 when none), so a
-        run continuing in this directory never reuses a checkpoint's directory."""
-        ids = [0]
-        for info in self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True)):
-            m = _CHK_DIR.match(info.base_name)
-            if m and info.type == pafs.FileType.Directory:
-                ids.append(int(m.group(1)))
-        return max(ids)
-
     # -- deleting -----------------------------------------------------------------
 
     def delete_file(self, path: str) -> None:
