@@ -8,11 +8,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what IDEs and type checkers see; at run time these load on first use
-    from . import agg, errors, runners, sinks
+    from . import agg, errors, runners, sinks, windows
     from .api import StreamEnvironment
     from .coordinator.config import CheckpointConfig
     from .errors import JobFailedError
     from .runtime.operators import KeyedProcessFunction
+    from .time import TimeDomain, WatermarkStrategy
 
 __version__ = "0.1.0"
 
@@ -22,10 +23,13 @@ __all__ = [
     "StreamEnvironment",
     "__version__",
     "JobFailedError",
+    "TimeDomain",
+    "WatermarkStrategy",
     "agg",
     "errors",
     "runners",
     "sinks",
+    "windows",
 ]
 
 _LAZY = {
@@ -37,6 +41,9 @@ _LAZY = {
     "JobFailedError": ("pyengine.errors", "JobFailedError"),
     "agg": ("pyengine.agg", None),
     "runners": ("pyengine.runners", None),
+    "WatermarkStrategy": ("pyengine.time", "WatermarkStrategy"),
+    "TimeDomain": ("pyengine.time", "TimeDomain"),
+    "windows": ("pyengine.windows", None),
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional
 
 from .agg import Aggregation
 from .coordinator import CheckpointConfig
@@ -24,12 +24,18 @@ from .runtime.operators import (
     MapBatchesOperator,
     MapOperator,
     Operator,
+    TimestampsAndWatermarksOperator,
     key_selector,
+    overrides_on_timer,
 )
 from .runtime.sources import CollectionSource, FileSource, GeneratorSource, Source, SourceOperator
-from .runtime.task import SinkOperator
+from .runtime.task import EventTimeStatistics, SinkOperator, event_time_statistics
 from .sinks import Sink
 from .state.keygroups import check_parallelism
+from .time.strategy import TimestampAssigner, WatermarkStrategy
+
+if TYPE_CHECKING:
+    from .windows import WindowAssigner, WindowedStream
 
 __all__ = ["DataStream", "JobClient", "JobGraph", "KeyedStream", "StreamEnvironment"]
 
@@ -51,6 +57,7 @@ class _Step:
     exchange: str = "forward"
     key: Optional[Callable[[Any], Any]] = None
     uid: Optional[str] = None
+    event_time: bool = False  # this step needs watermarks (a strategy, a window, timers)
 
 
 @dataclass
@@ -59,6 +66,7 @@ class Vertex:
     exchange: str  # how records reach this vertex from the previous one
     key_selector: Optional[Callable[[Any], Any]]
     steps: List[_Step] = field(default_factory=list)
+    event_time_interval_ms: Optional[int] = None  # set when the job uses event time
 
     def uids(self) -> List[str]:
         return [s.uid or s.name for s in self.steps]
@@ -67,14 +75,23 @@ class Vertex:
         out = []
         for step, uid in zip(self.steps, self.uids(), strict=True):
             assert step.factory is not None
-            out.append(step.factory(uid, step.name, checkpointing))
+            op = step.factory(uid, step.name, checkpointing)
+            op.event_time_interval_ms = self.event_time_interval_ms  # type: ignore[attr-defined]
+            out.append(op)
         return out
 
 
 class JobGraph:
-    def __init__(self, steps: List[_Step], sink: Sink, sources: Optional[List[Source]] = None) -> None:
+    def __init__(
+        self,
+        steps: List[_Step],
+        sink: Sink,
+        sources: Optional[List[Source]] = None,
+        auto_watermark_interval_ms: int = 200,
+    ) -> None:
         self.sink = sink
         self.sources = list(sources or [])  # prepared by the runner when a run starts
+        self.event_time = any(step.event_time for step in steps)
         self.vertices: List[Vertex] = []
         current = Vertex("v0", "forward", None)
         for step in steps:
@@ -85,6 +102,9 @@ class JobGraph:
             else:
                 current.steps.append(step)
         self.vertices.append(current)
+        if self.event_time:  # every task takes part: watermarks must reach each time-aware operator
+            for vertex in self.vertices:
+                vertex.event_time_interval_ms = auto_watermark_interval_ms
         uids = [u for v in self.vertices for u in v.uids()]
         duplicates = sorted({u for u in uids if uids.count(u) > 1})
         if duplicates:
@@ -110,6 +130,7 @@ class StreamEnvironment:
         restart_attempts: int = 3,
         restart_delay_ms: int = 0,
         channel_capacity: int = 8,
+        auto_watermark_interval_ms: int = 200,
     ) -> None:
         _positive_int("parallelism", parallelism)
         _positive_int("max_parallelism", max_parallelism)
@@ -130,6 +151,7 @@ class StreamEnvironment:
         _positive_int("restart_attempts", restart_attempts, 0)
         _positive_int("restart_delay_ms", restart_delay_ms, 0)
         _positive_int("channel_capacity", channel_capacity)
+        _positive_int("auto_watermark_interval_ms", auto_watermark_interval_ms)
         self.parallelism = parallelism
         self.max_parallelism = max_parallelism
         self.checkpointing = checkpointing
@@ -141,6 +163,7 @@ class StreamEnvironment:
         self.restart_attempts = restart_attempts
         self.restart_delay_ms = restart_delay_ms
         self.channel_capacity = channel_capacity
+        self.auto_watermark_interval_ms = auto_watermark_interval_ms  # how often watermarks are generated
         self._streams: List[DataStream] = []
         self._sources: List[Source] = []
         self._local_root: Optional[str] = None
@@ -156,28 +179,52 @@ class StreamEnvironment:
 
     # -- sources -----------------------------------------------------------------------------
 
-    def from_source(self, source: Source, name: str = "source") -> DataStream:
+    def from_source(
+        self, source: Source, name: str = "source", *, watermark_strategy: Optional[WatermarkStrategy] = None
+    ) -> DataStream:
+        """A stream read from ``source``. ``watermark_strategy``: event time, with
+        watermarks generated per split (Flink's per-split watermarks; see
+        ``pe.WatermarkStrategy``)."""
         if not isinstance(source, Source):
             raise TypeError(f"from_source takes a pyengine Source, got {source!r}")
-        stream = DataStream(self, [_Step("op", name, lambda uid, n, _c: SourceOperator(uid, n, source))])
+        strategy = _check_strategy(watermark_strategy, f"{name}: watermark_strategy")
+        step = _Step(
+            "op", name, lambda uid, n, _c: SourceOperator(uid, n, source, strategy), event_time=strategy is not None
+        )
+        stream = DataStream(self, [step])
         stream._schema = getattr(source, "schema", None)  # known for Arrow sources: columns checked at build
+        if strategy is not None:
+            stream._timestamps = strategy.timestamps
+            _check_timestamp_column(stream._schema, strategy.timestamps, "watermark_strategy")
         self._streams.append(stream)
         self._sources.append(source)
         return stream
 
-    def from_collection(self, records: Iterable[Any], name: str = "collection") -> DataStream:
+    def from_collection(
+        self,
+        records: Iterable[Any],
+        name: str = "collection",
+        *,
+        watermark_strategy: Optional[WatermarkStrategy] = None,
+    ) -> DataStream:
         """A list of records, or a ``pyarrow.Table`` (then the stream carries Arrow batches),
         read in its order by one subtask, so each key's records keep that order at any
         parallelism (as Flink's ``fromCollection``; see ``CollectionSource``). A pandas or
         Spark DataFrame is refused, naming the call that takes it."""
-        return self.from_source(CollectionSource(records), name)
+        return self.from_source(CollectionSource(records), name, watermark_strategy=watermark_strategy)
 
     def read_files(
-        self, path: str, format: str = "parquet", columns: Optional[List[str]] = None, name: str = "files"
+        self,
+        path: str,
+        format: str = "parquet",
+        columns: Optional[List[str]] = None,
+        name: str = "files",
+        *,
+        watermark_strategy: Optional[WatermarkStrategy] = None,
     ) -> DataStream:
         """Files (a directory, a file, or a list of files) as Arrow batches, through
         ``pyarrow.dataset``; replayable by file and row."""
-        return self.from_source(FileSource(path, format, columns), name)
+        return self.from_source(FileSource(path, format, columns), name, watermark_strategy=watermark_strategy)
 
     def from_dataframe(self, df: Any, name: str = "dataframe", path: Optional[str] = None) -> DataStream:
         """A batch Spark DataFrame as a replayable source (``pyengine.spark.DataFrameSource``):
@@ -190,8 +237,15 @@ class StreamEnvironment:
         taken = sum(1 for s in self._sources if isinstance(s, DataFrameSource))
         return self.from_source(DataFrameSource(df, f"{name}-{taken}" if taken else name, path), name)
 
-    def from_generator(self, fn: Callable[[int], Any], count: int, name: str = "generator") -> DataStream:
-        return self.from_source(GeneratorSource(fn, count), name)
+    def from_generator(
+        self,
+        fn: Callable[[int], Any],
+        count: int,
+        name: str = "generator",
+        *,
+        watermark_strategy: Optional[WatermarkStrategy] = None,
+    ) -> DataStream:
+        return self.from_source(GeneratorSource(fn, count), name, watermark_strategy=watermark_strategy)
 
     # -- running -----------------------------------------------------------------------------
 
@@ -203,7 +257,7 @@ class StreamEnvironment:
             raise ValueError("the embedded runner runs one pipeline per environment (one sink_to)")
         stream = sinks[0]
         assert stream._sink is not None
-        return JobGraph(stream._steps, stream._sink, list(self._sources))
+        return JobGraph(stream._steps, stream._sink, list(self._sources), self.auto_watermark_interval_ms)
 
     def _check_embedded(self, graph: JobGraph) -> None:
         """The embedded runner runs every subtask as a thread of this process: past a
@@ -296,6 +350,22 @@ def _raise_if_failed(result: JobResult) -> JobResult:
     ) from user
 
 
+def _check_strategy(strategy: Any, where: str) -> Optional[WatermarkStrategy]:
+    if strategy is None:
+        return None
+    if not isinstance(strategy, WatermarkStrategy):
+        raise TypeError(f"{where} takes a pe.WatermarkStrategy, got {strategy!r}")
+    strategy.require_timestamps(where)
+    return strategy
+
+
+def _check_timestamp_column(schema: Any, assigner: Any, where: str) -> None:
+    if schema is not None and assigner is not None and isinstance(assigner.column, str):
+        from .runtime.sources import check_columns
+
+        check_columns(schema, [assigner.column], f"{where} (timestamp column)")
+
+
 class JobClient:
     """A running job: ``trigger_savepoint(dir)``, ``stop_with_savepoint(dir)``, ``wait()``."""
 
@@ -340,6 +410,16 @@ class JobClient:
         """Restarts so far."""
         return int(self._runner.restarts)
 
+    def event_time(self) -> EventTimeStatistics:
+        """Event time now, live: each subtask's watermarks and the late records
+        dropped so far (``pyengine.runtime.task.EventTimeStatistics``; the embedded
+        runner's tasks; empty elsewhere)."""
+        return event_time_statistics(list(getattr(self._runner, "_tasks", [])))
+
+    def watermarks(self) -> Dict[str, List[int]]:
+        """Each vertex's subtasks' current input watermark (``event_time().watermarks``)."""
+        return self.event_time().watermarks
+
     def done(self) -> bool:
         return not self._thread.is_alive()
 
@@ -359,6 +439,11 @@ class DataStream:
         self._steps = steps
         self._sink: Optional[Sink] = None
         self._schema: Any = None  # the records' pyarrow.Schema while a step keeps it known
+        # Where a record's event time is (a TimestampAssigner), once a strategy or a
+        # window gave the stream timestamps. Records carry no timestamp of their own:
+        # time-aware operators downstream read it with this, so it must still find its
+        # column or field after a map (or assign timestamps again after the map).
+        self._timestamps: Optional[TimestampAssigner] = None
 
     def _then(self, step: _Step) -> DataStream:
         self._steps.append(step)
@@ -393,6 +478,23 @@ class DataStream:
 
     def map_batches(self, fn: Callable[[Any], Any]) -> DataStream:
         return self._op("map_batches", lambda uid, n, _c: MapBatchesOperator(uid, n, fn))
+
+    def assign_timestamps_and_watermarks(self, strategy: WatermarkStrategy) -> DataStream:
+        """Event time for this stream: each record's timestamp by the strategy's
+        assigner, and watermarks generated by each subtask from what it sees (they
+        replace any from upstream). Prefer ``watermark_strategy=`` on the source: per
+        split, a source's watermarks are more exact than after records interleave."""
+        checked = _check_strategy(strategy, "assign_timestamps_and_watermarks")
+        assert checked is not None
+        _check_timestamp_column(self._schema, checked.timestamps, "assign_timestamps_and_watermarks")
+        self._op(
+            "timestamps",
+            lambda uid, n, _c: TimestampsAndWatermarksOperator(uid, n, checked),
+            keeps_schema=True,
+        )
+        self._steps[-1].event_time = True
+        self._timestamps = checked.timestamps
+        return self
 
     def rebalance(self) -> DataStream:
         return self._then(_Step("exchange", "rebalance", exchange="rebalance"))
@@ -464,4 +566,18 @@ class KeyedStream:
         import copy
 
         select = self._select
-        return self._stream._op("process", lambda uid, n, _c: KeyedProcessOperator(uid, n, select, copy.deepcopy(fn)))
+        timestamps = self._stream._timestamps
+        stream = self._stream._op(
+            "process", lambda uid, n, _c: KeyedProcessOperator(uid, n, select, copy.deepcopy(fn), timestamps)
+        )
+        stream._steps[-1].event_time = overrides_on_timer(fn)
+        return stream
+
+    def window(self, assigner: WindowAssigner) -> WindowedStream:
+        """Windows per key: ``pe.windows.tumbling(size_ms)``, ``sliding(size_ms,
+        slide_ms)`` or ``session(gap_ms)``; then ``.aggregate(pe.agg...)`` or
+        ``.process(fn)``. Event time needs the stream's timestamps (a
+        ``watermark_strategy`` or ``assign_timestamps_and_watermarks`` upstream)."""
+        from .windows import WindowedStream
+
+        return WindowedStream(self, assigner)

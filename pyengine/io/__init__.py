@@ -11,6 +11,8 @@ from .events import (
     CheckpointOptions,
     CheckpointType,
     EndOfPartition,
+    Watermark,
+    WatermarkStatus,
 )
 from .gate import CheckpointedInputGate
 from .reference import ReferenceCheckpointedInputGate
@@ -29,4 +31,6 @@ __all__ = [
     "EndOfPartition",
     "GateError",
     "ReferenceCheckpointedInputGate",
+    "Watermark",
+    "WatermarkStatus",
 ]

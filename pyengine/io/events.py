@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Dict
 
 __all__ = [
     "CancelCheckpointMarker",
@@ -20,6 +20,14 @@ __all__ = [
     "CheckpointOptions",
     "CheckpointType",
     "EndOfPartition",
+    "MAX_WATERMARK",
+    "MIN_WATERMARK",
+    "WATERMARK_ACTIVE",
+    "WATERMARK_IDLE",
+    "Watermark",
+    "WatermarkStatus",
+    "time_event_from_json",
+    "time_event_to_json",
 ]
 
 
@@ -143,6 +151,80 @@ class EndOfPartition(_Final):
 
     def __repr__(self) -> str:
         return "EndOfPartition()"
+
+
+MIN_WATERMARK = -(2**63)
+"""No event time has passed yet (Flink's ``Long.MIN_VALUE``): where every watermark starts."""
+MAX_WATERMARK = 2**63 - 1
+"""The end of event time: a bounded input ends with it, so every window and timer fires."""
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class Watermark(_Final):
+    """Event time has reached ``timestamp`` (ms) on this channel: no record with a
+    timestamp at or below it should follow (one that does is late).
+
+    It travels in the channel among the data, like ``END_OF_DATA``: the gate does
+    not recognise it as an event, so a blocked channel holds it back with its data,
+    and an unaligned barrier overtakes it exactly as it overtakes the data around
+    it. Channel state persists data only: a restored task starts from the watermark
+    its time-aware operators checkpointed, and upstream watermarks follow."""
+
+    timestamp: int
+
+    def __post_init__(self) -> None:
+        if type(self.timestamp) is not int:
+            raise TypeError(f"Watermark: timestamp must be an int (ms), got {self.timestamp!r}")
+        if not MIN_WATERMARK <= self.timestamp <= MAX_WATERMARK:
+            raise ValueError(f"Watermark: timestamp must fit in 64 bits, got {self.timestamp}")
+
+    def __repr__(self) -> str:
+        if self.timestamp == MAX_WATERMARK:
+            return "Watermark(MAX)"
+        return f"Watermark({self.timestamp})"
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class WatermarkStatus(_Final):
+    """A channel turned idle (its producer has no input for a while, so its watermark
+    must not hold the others back) or active again: Flink's ``StreamStatus``. Travels
+    like a ``Watermark``."""
+
+    idle: bool
+
+    def __post_init__(self) -> None:
+        if type(self.idle) is not bool:
+            raise TypeError(f"WatermarkStatus: idle must be a bool, got {self.idle!r}")
+
+    def __repr__(self) -> str:
+        return "WatermarkStatus(IDLE)" if self.idle else "WatermarkStatus(ACTIVE)"
+
+
+def time_event_to_json(event: Any) -> Dict[str, Any]:
+    """A ``Watermark`` or ``WatermarkStatus`` as a small JSON-able dict, for transports
+    that send events as metadata (the Spark runner's Flight channels)."""
+    if type(event) is Watermark:
+        return {"e": "wm", "ts": event.timestamp}
+    if type(event) is WatermarkStatus:
+        return {"e": "idle" if event.idle else "active"}
+    raise TypeError(f"not a time event: {event!r}")
+
+
+def time_event_from_json(body: Dict[str, Any]) -> Any:
+    """The inverse of ``time_event_to_json``; ``ValueError`` for anything else."""
+    kind = body.get("e")
+    if kind == "wm":
+        ts = body.get("ts")
+        if type(ts) is not int:
+            raise ValueError(f"a watermark event needs an int ts, got {ts!r}")
+        return Watermark(ts)
+    if kind in ("idle", "active"):
+        return WatermarkStatus(kind == "idle")
+    raise ValueError(f"not a time event: {kind!r}")
+
+
+WATERMARK_IDLE = WatermarkStatus(True)
+WATERMARK_ACTIVE = WatermarkStatus(False)
 
 
 class CheckpointFailureReason(enum.Enum):

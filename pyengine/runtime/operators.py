@@ -12,9 +12,11 @@ from typing import Any, Callable, Iterable, List, Optional
 import pyarrow as pa
 
 from ..errors import ColumnNotFoundError, NonRetryableError
-from ..state import OperatorStateBackend, create_keyed_backend, key_group_range_for_subtask
+from ..io.events import MAX_WATERMARK, MIN_WATERMARK, WATERMARK_ACTIVE, WATERMARK_IDLE, Watermark
+from ..state import ListStateDescriptor, OperatorStateBackend, create_keyed_backend, key_group_range_for_subtask
 from ..storage.filesystem import CheckpointStorageLocation
 from ..storage.metadata import OperatorState, SubtaskState
+from ..time.domain import TimeDomain
 
 __all__ = [
     "NaNKeyError",
@@ -23,13 +25,16 @@ __all__ = [
     "KeyedProcessFunction",
     "KeyedOperator",
     "KeyedProcessOperator",
+    "EventTimeOperatorMixin",
     "MapBatchesOperator",
     "MapOperator",
     "Operator",
     "OperatorContext",
+    "TimestampsAndWatermarksOperator",
     "UserFunctionError",
     "batch_of",
     "key_selector",
+    "overrides_on_timer",
     "rows_of",
 ]
 
@@ -62,13 +67,25 @@ class OperatorContext:
 
 
 class Operator:
-    """Base: stateless, passes records through."""
+    """Base: stateless, passes records through.
+
+    Event time: ``process_watermark`` hears each advance of the watermark (after
+    every record before it) and returns what it emits because of it (fired timers,
+    windows); the task sends the watermark on after that. ``next_processing_time``
+    / ``on_processing_time`` are the same for processing-time timers, called from
+    the task's mailbox. An operator that makes watermarks of its own
+    (``generates_watermarks``) stops the ones from upstream, and the task asks it
+    for its own with ``poll_watermark``."""
+
+    generates_watermarks = False
 
     def __init__(self, uid: str, name: str) -> None:
         self.uid = uid
         self.name = name
         self.ctx: Optional[OperatorContext] = None
         self.operator_state: Optional[OperatorStateBackend] = None
+        self.current_watermark = MIN_WATERMARK
+        self.late_records_dropped = 0
 
     def where(self) -> str:
         sub = f" (subtask {self.ctx.subtask})" if self.ctx is not None else ""
@@ -92,6 +109,25 @@ class Operator:
 
     def prepare_snapshot_pre_barrier(self, checkpoint_id: int) -> List[Any]:
         """Records to emit before the barrier goes downstream."""
+        return []
+
+    def process_watermark(self, watermark: int) -> List[Any]:
+        """The watermark advanced to ``watermark``: records to emit before it goes on."""
+        if watermark > self.current_watermark:
+            self.current_watermark = watermark
+        return []
+
+    def poll_watermark(self, now_mono_ms: int) -> List[Any]:
+        """Operators that generate watermarks: the ``Watermark`` / ``WatermarkStatus``
+        events to send on now (asked every ``auto_watermark_interval_ms``)."""
+        return []
+
+    def next_processing_time(self) -> Optional[int]:
+        """When the earliest processing-time timer is due (ms since the epoch), or None."""
+        return None
+
+    def on_processing_time(self, now_ms: int) -> List[Any]:
+        """Fires the processing-time timers due at ``now_ms``; returns what they emit."""
         return []
 
     def snapshot(self, checkpoint_id: int, location: CheckpointStorageLocation) -> Callable[[], SubtaskState]:
@@ -172,6 +208,97 @@ class MapBatchesOperator(MapOperator):
         return result
 
 
+_WATERMARK_STATE = ListStateDescriptor("_watermark")
+
+
+class EventTimeOperatorMixin:
+    """A time-aware operator keeps its watermark in operator state, so a restored
+    one goes on from where its checkpoint was: nothing it had already closed (a
+    window, a timer) opens again for a record that was late then. At another
+    parallelism a subtask takes the lowest watermark of the old subtasks whose key
+    groups it now has (never later than any of them was)."""
+
+    operator_state: Optional[OperatorStateBackend]
+    ctx: Optional[OperatorContext]
+    current_watermark: int
+
+    def _restore_watermark(self, restored: Any) -> None:
+        assert self.operator_state is not None and self.ctx is not None
+        state = self.operator_state.get_union_list_state(_WATERMARK_STATE)
+        if restored is None:
+            return
+        mine = key_group_range_for_subtask(self.ctx.max_parallelism, self.ctx.parallelism, self.ctx.subtask)
+        marks = [int(e[2]) for e in state.get() if int(e[0]) <= mine.end and int(e[1]) >= mine.start]
+        if marks:
+            self.current_watermark = min(marks)
+
+    def _save_watermark(self) -> None:
+        assert self.operator_state is not None and self.ctx is not None
+        mine = key_group_range_for_subtask(self.ctx.max_parallelism, self.ctx.parallelism, self.ctx.subtask)
+        state = self.operator_state.get_union_list_state(_WATERMARK_STATE)
+        state.update([[mine.start, mine.end, int(self.current_watermark)]])
+
+
+class TimestampsAndWatermarksOperator(Operator):
+    """``assign_timestamps_and_watermarks(strategy)``: reads each buffer's event times
+    (vectorised on Arrow batches), keeps the strategy's generator up to date, and
+    replaces the watermarks from upstream with its own, polled periodically by the
+    task. Only the maximum watermark (end of input) from upstream goes through.
+    Records pass unchanged."""
+
+    generates_watermarks = True
+
+    def __init__(self, uid: str, name: str, strategy: Any) -> None:
+        super().__init__(uid, name)
+        self.strategy = strategy
+        self.timestamps = strategy.require_timestamps("assign_timestamps_and_watermarks")
+        self._generator: Any = None
+        self._sent = MIN_WATERMARK
+        self._idle = False
+
+    def open(self) -> None:
+        self._generator = self.strategy.create_generator(_mono_ms())
+
+    def process(self, records: Any) -> Any:
+        if len(records):
+            try:
+                ts = self.timestamps.of_buffer(records)
+            except NonRetryableError as exc:
+                raise type(exc)(f"{self.where()}: {exc}") from None
+            self._generator.on_timestamps(ts, _mono_ms())
+        return records
+
+    def poll_watermark(self, now_mono_ms: int) -> List[Any]:
+        generator = self._generator
+        if generator is None:
+            return []
+        if generator.check_idle(now_mono_ms):
+            if self._idle:
+                return []
+            self._idle = True
+            return [WATERMARK_IDLE]
+        out: List[Any] = []
+        if self._idle:
+            self._idle = False
+            out.append(WATERMARK_ACTIVE)
+        watermark = generator.current
+        if watermark > self._sent:
+            self._sent = watermark
+            out.append(Watermark(watermark))
+        return out
+
+    def process_watermark(self, watermark: int) -> List[Any]:
+        if watermark == MAX_WATERMARK:
+            self._sent = MAX_WATERMARK
+        return super().process_watermark(watermark)
+
+
+def _mono_ms() -> int:
+    import time
+
+    return time.monotonic_ns() // 1_000_000
+
+
 def rows_of(records: Any) -> List[Any]:
     """A buffer as a list of records: an Arrow batch becomes dicts (one per row)."""
     if isinstance(records, (pa.RecordBatch, pa.Table)):
@@ -192,9 +319,15 @@ def batch_of(records: Any) -> pa.RecordBatch:
 
 
 class KeyedProcessFunction:
-    """Per-key logic with keyed state: ``open(ctx)`` gets state through
-    ``ctx.get_state(descriptor)``; ``process_element(value, ctx)`` yields outputs,
-    with ``ctx.current_key`` set to the record's key."""
+    """Per-key logic with keyed state and timers (PyFlink's names).
+
+    ``open(ctx)`` gets state through ``ctx.get_state(descriptor)``;
+    ``process_element(value, ctx)`` yields outputs, with ``ctx.current_key`` the
+    record's key, ``ctx.timestamp()`` its event time (None when the stream has no
+    timestamps) and ``ctx.timer_service()`` to register timers for the key.
+    ``on_timer(timestamp, ctx)`` runs when one fires: ``ctx.time_domain()`` says
+    which clock, ``ctx.current_key`` whose timer it is; what it yields goes
+    downstream like the output of ``process_element``."""
 
     def open(self, ctx: Any) -> None:
         pass
@@ -202,18 +335,53 @@ class KeyedProcessFunction:
     def process_element(self, value: Any, ctx: Any) -> Iterable[Any]:
         raise NotImplementedError
 
+    def on_timer(self, timestamp: int, ctx: Any) -> Optional[Iterable[Any]]:
+        """A timer of ``ctx.current_key`` fired (override it to use timers)."""
+        return None
+
     def close(self) -> None:
         pass
 
 
+def overrides_on_timer(fn: Any) -> bool:
+    """Whether a ``KeyedProcessFunction`` has timers to fire (its class defines ``on_timer``)."""
+    return type(fn).on_timer is not KeyedProcessFunction.on_timer
+
+
 class _KeyedContext:
+    """The ``ctx`` of ``process_element`` and ``on_timer``."""
+
     def __init__(self, operator: KeyedProcessOperator) -> None:
         self._op = operator
         self.current_key: Any = None
+        self._record: Any = None
+        self._timer_ts: Optional[int] = None
+        self._domain: Any = None
 
     def get_state(self, descriptor: Any) -> Any:
         assert self._op.backend is not None
         return self._op.backend.get_state(descriptor)
+
+    def get_current_key(self) -> Any:
+        return self.current_key
+
+    def timer_service(self) -> Any:
+        """Register and delete the current key's timers; read the clocks."""
+        return self._op.timer_service()
+
+    def timestamp(self) -> Optional[int]:
+        """The event time of the record being processed (None when the stream has
+        no timestamps), or in ``on_timer`` the timer's timestamp."""
+        if self._timer_ts is not None:
+            return self._timer_ts
+        assigner = self._op.timestamps
+        if assigner is None or self._record is None:
+            return None
+        return int(assigner.of_record(self._record))
+
+    def time_domain(self) -> Any:
+        """In ``on_timer``: ``TimeDomain.EVENT_TIME`` or ``TimeDomain.PROCESSING_TIME``."""
+        return self._domain
 
     @property
     def subtask(self) -> int:
@@ -261,12 +429,44 @@ class KeyedOperator(Operator):
             aborted(checkpoint_id)
 
 
-class KeyedProcessOperator(KeyedOperator):
-    def __init__(self, uid: str, name: str, key_selector: Callable[[Any], Any], fn: KeyedProcessFunction) -> None:
+class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
+    """Runs a ``KeyedProcessFunction``; its timers are keyed state (``pyengine.state.timers``)."""
+
+    def __init__(
+        self,
+        uid: str,
+        name: str,
+        key_selector: Callable[[Any], Any],
+        fn: KeyedProcessFunction,
+        timestamps: Any = None,
+    ) -> None:
         super().__init__(uid, name)
         self.key_selector = key_selector
         self.fn = fn
+        self.timestamps = timestamps  # the stream's TimestampAssigner, for ctx.timestamp()
         self._kctx = _KeyedContext(self)
+        self._timers: Any = None  # InternalTimerService, made on first use or at restore
+        self._timer_service: Any = None
+
+    def setup(self, ctx: OperatorContext, restored: Optional[OperatorState]) -> None:
+        super().setup(ctx, restored)
+        self._restore_watermark(restored)
+        if any(name.startswith("_timer_state/") for name in self.backend.state_names):
+            self._make_timers()  # restored timers: the index is rebuilt now, so due ones fire
+
+    def _make_timers(self) -> Any:
+        from ..state.timers import InternalTimerService
+        from ..time.service import TimerService
+
+        key = self.backend.current_key
+        self._timers = InternalTimerService(self.backend, self.current_watermark)
+        self._timer_service = TimerService(self._timers)
+        if key is not None:
+            self.backend.set_current_key(key)
+        return self._timer_service
+
+    def timer_service(self) -> Any:
+        return self._timer_service if self._timer_service is not None else self._make_timers()
 
     def open(self) -> None:
         self._call(self.fn.open, self._kctx)
@@ -282,14 +482,57 @@ class KeyedProcessOperator(KeyedOperator):
                     raise NaNKeyError(f"{self.where()}: the key of record {r!r} is NaN")
                 backend.set_current_key(key)
                 kctx.current_key = key
+                kctx._record = r
                 produced = fn.process_element(r, kctx)
                 if produced is not None:
                     out.extend(produced)
-        except NaNKeyError:
+        except NonRetryableError:
             raise
         except Exception as exc:
             raise UserFunctionError(f"{self.where()}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            kctx._record = None
         return out
+
+    def _fire(self, due: Any, domain: Any) -> List[Any]:
+        out: List[Any] = []
+        kctx, fn = self._kctx, self.fn
+        kctx._domain = domain
+        try:
+            for key, ts in due:
+                kctx.current_key = key
+                kctx._timer_ts = ts
+                produced = fn.on_timer(ts, kctx)
+                if produced is not None:
+                    out.extend(produced)
+        except NonRetryableError:
+            raise
+        except Exception as exc:
+            raise UserFunctionError(f"{self.where()}: on_timer: {type(exc).__name__}: {exc}") from exc
+        finally:
+            kctx._timer_ts = None
+            kctx._domain = None
+        return out
+
+    def process_watermark(self, watermark: int) -> List[Any]:
+        if watermark <= self.current_watermark:
+            return []
+        self.current_watermark = watermark
+        if self._timers is None:
+            return []
+        return self._fire(self._timers.advance_watermark(watermark), TimeDomain.EVENT_TIME)
+
+    def next_processing_time(self) -> Optional[int]:
+        return self._timers.next_processing_time() if self._timers is not None else None
+
+    def on_processing_time(self, now_ms: int) -> List[Any]:
+        if self._timers is None:
+            return []
+        return self._fire(self._timers.fire_processing(now_ms), TimeDomain.PROCESSING_TIME)
+
+    def snapshot(self, checkpoint_id: int, location: CheckpointStorageLocation) -> Callable[[], SubtaskState]:
+        self._save_watermark()
+        return super().snapshot(checkpoint_id, location)
 
     def close(self) -> None:
         self._call(self.fn.close)

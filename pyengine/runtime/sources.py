@@ -12,9 +12,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import pyarrow as pa
 
 from ..errors import ColumnNotFoundError, NonRetryableError
+from ..io.events import MIN_WATERMARK, WATERMARK_ACTIVE, WATERMARK_IDLE, Watermark
 from ..state import ListStateDescriptor
 from ..storage.metadata import OperatorState
-from .operators import Operator, OperatorContext, UserFunctionError
+from .operators import Operator, OperatorContext, UserFunctionError, _mono_ms
 
 __all__ = [
     "CollectionSource",
@@ -317,15 +318,25 @@ class SourceOperator(Operator):
     waits ``idle_wait(seconds)`` before returning nothing: 1 ms, doubling up to
     20 ms while it stays idle, so a source that is polled gives its core to the
     other tasks instead of spinning. ``idle_wait`` is ``time.sleep`` unless the task
-    gives a wait that also wakes for its mailbox."""
+    gives a wait that also wakes for its mailbox.
+
+    With a watermark strategy, each split has its own watermark generator (Flink's
+    per-split watermarks): the subtask's watermark is the lowest of its splits that
+    are neither ended nor idle, and the subtask is idle when all of them are. Each
+    split's largest timestamp is checkpointed with its position, so a restored
+    split's watermark starts where it was."""
+
+    generates_watermarks = True
 
     MIN_IDLE_S = 0.001
     MAX_IDLE_S = 0.02
     WARN_IDLE_S = 60.0  # a source idle this long is told once how to end a split
 
-    def __init__(self, uid: str, name: str, source: Source) -> None:
+    def __init__(self, uid: str, name: str, source: Source, strategy: Any = None) -> None:
         super().__init__(uid, name)
         self.source = source
+        self.strategy = strategy
+        self.timestamps = strategy.require_timestamps("watermark_strategy") if strategy is not None else None
         self.splits: List[List[int]] = []  # [index, count, position, done]
         self.exhausted = False
         self.idle_wait: Callable[[float], None] = time.sleep
@@ -333,6 +344,10 @@ class SourceOperator(Operator):
         self._idle_s = 0.0  # the current back-off; 0 while records come
         self._idle_since: Optional[float] = None
         self._warned = False
+        self._generators: Dict[Tuple[int, int], Any] = {}  # per split (index, count)
+        self._restored_max: Dict[Tuple[int, int], int] = {}
+        self._sent = MIN_WATERMARK
+        self._status_idle = False
 
     def setup(self, ctx: OperatorContext, restored: Optional[OperatorState]) -> None:
         super().setup(ctx, restored)
@@ -341,12 +356,24 @@ class SourceOperator(Operator):
         if restored is None:
             self.splits = [[ctx.subtask, ctx.parallelism, 0, 0]]
         else:
-            entries = sorted(state.get())  # [index, count, position, done, owner, owner_parallelism]
+            # [index, count, position, done, owner, owner_parallelism(, max timestamp)]
+            entries = sorted(state.get(), key=lambda e: e[:6])
             same = all(e[5] == ctx.parallelism for e in entries)
             mine = [e for e in entries if e[4] == ctx.subtask] if same else entries[ctx.subtask :: ctx.parallelism]
             self.splits = [list(e[:4]) for e in mine]
+            self._restored_max = {(e[0], e[1]): int(e[6]) for e in mine if len(e) > 6}
         self.exhausted = all(split[3] for split in self.splits)
         self._state = state
+
+    def open(self) -> None:
+        if self.strategy is not None:
+            now = _mono_ms()
+            for split in self.splits:
+                generator = self.strategy.create_generator(now)
+                restored = self._restored_max.get((split[0], split[1]))
+                if restored is not None:
+                    generator.max_ts = max(generator.max_ts, restored)
+                self._generators[(split[0], split[1])] = generator
 
     @property
     def position(self) -> int:
@@ -378,11 +405,45 @@ class SourceOperator(Operator):
             if len(records):
                 split[2] += len(records)
                 self._idle_s, self._idle_since = 0.0, None
+                if self.timestamps is not None:
+                    self._observe(split, records)
                 return records
             self._turn += 1
             tried += 1
         self._idle()
         return []
+
+    def _observe(self, split: List[int], records: Any) -> None:
+        try:
+            ts = self.timestamps.of_buffer(records)  # type: ignore[union-attr]
+        except NonRetryableError as exc:
+            raise type(exc)(f"{self.where()}: {exc}") from None
+        self._generators[(split[0], split[1])].on_timestamps(ts, _mono_ms())
+
+    def poll_watermark(self, now_mono_ms: int) -> List[Any]:
+        """The subtask's watermark over its live splits (see the class docstring)."""
+        if self.strategy is None or self.exhausted:
+            return []
+        active = []
+        for split in self.splits:
+            if not split[3]:
+                generator = self._generators[(split[0], split[1])]
+                if not generator.check_idle(now_mono_ms):
+                    active.append(generator.current)
+        if not active:
+            if self._status_idle:
+                return []
+            self._status_idle = True
+            return [WATERMARK_IDLE]
+        out: List[Any] = []
+        if self._status_idle:
+            self._status_idle = False
+            out.append(WATERMARK_ACTIVE)
+        watermark = min(active)
+        if watermark > self._sent:
+            self._sent = watermark
+            out.append(Watermark(watermark))
+        return out
 
     def _idle(self) -> None:
         """No split has records now: wait, longer while it lasts (see the class docstring)."""
@@ -404,5 +465,10 @@ class SourceOperator(Operator):
     def snapshot(self, checkpoint_id: int, location: Any) -> Any:
         assert self.ctx is not None
         me, p = self.ctx.subtask, self.ctx.parallelism
-        self._state.update([[*split, me, p] for split in self.splits])
+        entries = []
+        for split in self.splits:
+            generator = self._generators.get((split[0], split[1]))
+            extra = [generator.max_ts] if generator is not None else []
+            entries.append([*split, me, p, *extra])
+        self._state.update(entries)
         return super().snapshot(checkpoint_id, location)

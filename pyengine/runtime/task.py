@@ -13,6 +13,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -22,6 +23,7 @@ from .._native import int_key_group
 from ..coordinator import ExecutionAttempt, SubtaskMetrics, TaskStateSnapshot
 from ..errors import ColumnNotFoundError
 from ..io import CheckpointBarrier, CheckpointedInputGate, CheckpointOptions, EndOfPartition
+from ..io.events import MAX_WATERMARK, MIN_WATERMARK, Watermark, WatermarkStatus
 from ..sinks import FINAL, Sink
 from ..state import ListStateDescriptor, subtask_for_key_group
 from ..state.keygroups import assign_to_key_group, key_groups_of_int64
@@ -30,7 +32,7 @@ from ..storage.metadata import OperatorState, SubtaskState
 from .operators import Operator, OperatorContext, rows_of
 from .sources import SourceOperator
 
-__all__ = ["Output", "SinkOperator", "StreamTask", "TaskCancelled"]
+__all__ = ["EventTimeStatistics", "Output", "SinkOperator", "StreamTask", "TaskCancelled", "event_time_statistics"]
 
 _CHANNEL_STATE = ListStateDescriptor("in-flight")
 _INPUT, _OUTPUT = 0, 1  # the two kinds of in-flight records of an unaligned checkpoint
@@ -49,6 +51,39 @@ class _EndOfData:
 
 
 END_OF_DATA = _EndOfData()
+
+
+@dataclass(frozen=True)
+class EventTimeStatistics:
+    """Event time across a job's subtasks (Flink's metrics): per vertex, each
+    subtask's current input watermark (``currentInputWatermark``: what its valve put
+    out, or for a source what it generated) and output watermark, and the records
+    dropped as too late (``numLateRecordsDropped``, over every window operator;
+    checkpointed, so a restore neither loses nor repeats the count)."""
+
+    watermarks: Dict[str, List[int]]
+    output_watermarks: Dict[str, List[int]]
+    late_records_dropped: int
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "currentInputWatermark": self.watermarks,
+            "currentOutputWatermark": self.output_watermarks,
+            "numLateRecordsDropped": self.late_records_dropped,
+        }
+
+
+def event_time_statistics(tasks: Sequence[Any]) -> EventTimeStatistics:
+    """The statistics of these tasks (one attempt's), by vertex and subtask."""
+    inputs: Dict[str, List[int]] = {}
+    outputs: Dict[str, List[int]] = {}
+    late = 0
+    for task in sorted(tasks, key=lambda t: (t.attempt.vertex, t.attempt.subtask)):
+        m = task.time_metrics()
+        inputs.setdefault(task.attempt.vertex, []).append(m["currentInputWatermark"])
+        outputs.setdefault(task.attempt.vertex, []).append(m["currentOutputWatermark"])
+        late += m["numLateRecordsDropped"]
+    return EventTimeStatistics(inputs, outputs, late)
 
 
 class TaskCancelled(Exception):
@@ -332,6 +367,15 @@ class StreamTask:
         self._replay_output: List[Any] = []
         self._input_ended = False
         self._drained_reported = False
+        # event time (see _setup_time): on when the job uses it
+        self.event_time = False
+        self.input_watermark = MIN_WATERMARK  # what the valve (or, for a source, the chain) put out
+        self.output_watermark = MIN_WATERMARK  # the last watermark sent downstream
+        self._valve: Any = None
+        self._generators: List[Any] = []  # (index, operator) of the chain's watermark generators
+        self._timer_ops: List[Any] = []  # (index, operator) with processing-time timers
+        self._watermark_interval_s = 0.2
+        self._next_watermark_poll = 0.0
         self.thread = threading.Thread(target=self._run, name=f"task-{attempt}", daemon=True)
 
     # -- the gate's listener -----------------------------------------------------------------
@@ -524,6 +568,102 @@ class StreamTask:
             self._replay_output = mine if same else mine[self.ctx.subtask :: self.ctx.parallelism]
         for op in self.chain:
             op.open()
+        self._setup_time()
+
+    def _setup_time(self) -> None:
+        """Event time is on when the job has a watermark strategy, a window or a
+        function with timers (``Vertex.create_chain`` marks every operator): then
+        every task takes part, so watermarks reach each time-aware operator."""
+        from .operators import Operator
+
+        interval = getattr(self.chain[0], "event_time_interval_ms", None)
+        self._timer_ops = [
+            (i, op)
+            for i, op in enumerate(self.chain)
+            if type(op).next_processing_time is not Operator.next_processing_time
+        ]
+        if interval is None:
+            return
+        self.event_time = True
+        self._watermark_interval_s = interval / 1000
+        self._generators = [(i, op) for i, op in enumerate(self.chain) if op.generates_watermarks]
+        if self.gate is not None:
+            from ..time.valve import StatusWatermarkValve
+
+            self._valve = StatusWatermarkValve(self.gate.num_channels)
+
+    # -- event time ----------------------------------------------------------------------
+
+    def _advance_watermark(self, watermark: int, start: int = 0) -> None:
+        """The watermark reaches the chain at ``start``: each operator fires what it
+        passes (emitted through the operators after it, ahead of the watermark), and
+        a generator in the chain stops it (only the end of input goes through); then
+        it goes downstream, if it advanced."""
+        chain = self.chain
+        if start == 0 and watermark > self.input_watermark:
+            self.input_watermark = watermark
+        for i in range(start, len(chain)):
+            op = chain[i]
+            if op.generates_watermarks and watermark != MAX_WATERMARK:
+                return  # it makes its own (a source's start after it)
+            produced = op.process_watermark(watermark)
+            if produced:
+                self._emit(produced, start=i + 1)
+        if watermark > self.output_watermark:
+            self.output_watermark = watermark
+            if self.output is not None:
+                self.output.broadcast_event(Watermark(watermark))
+
+    def _forward_status(self, status: WatermarkStatus) -> None:
+        if self.output is not None:
+            self.output.broadcast_event(status)
+
+    def _on_time_event(self, channel: int, item: Any) -> None:
+        """A watermark or status from an input channel, through the valve."""
+        valve = self._valve
+        if valve is None:
+            return
+        if type(item) is Watermark:
+            watermark = valve.input_watermark(item.timestamp, channel)
+            if watermark is not None:
+                self._advance_watermark(watermark)
+            return
+        watermark, idle = valve.input_status(item.idle, channel)
+        if watermark is not None:
+            self._advance_watermark(watermark)
+        if idle is not None:
+            self._forward_status(WatermarkStatus(idle))
+
+    def _time_tick(self) -> None:
+        """From the loop, between buffers: the generators' periodic watermarks and the
+        processing-time timers that are due (the mailbox's timers, as in Flink)."""
+        if self._generators:
+            now = time.monotonic()
+            if now >= self._next_watermark_poll:
+                self._next_watermark_poll = now + self._watermark_interval_s
+                mono_ms = time.monotonic_ns() // 1_000_000
+                for i, op in self._generators:
+                    for event in op.poll_watermark(mono_ms):
+                        if type(event) is Watermark:
+                            self._advance_watermark(event.timestamp, i + 1)
+                        else:
+                            self._forward_status(event)
+        if self._timer_ops and not self._input_ended:  # at the end of input they stay pending, as in Flink
+            wall = time.time_ns() // 1_000_000
+            for i, op in self._timer_ops:
+                due = op.next_processing_time()
+                if due is not None and due <= wall:
+                    produced = op.on_processing_time(wall)
+                    if produced:
+                        self._emit(produced, start=i + 1)
+
+    def time_metrics(self) -> Dict[str, Any]:
+        """This subtask's event-time figures (Flink's metric names)."""
+        return {
+            "currentInputWatermark": self.input_watermark if self.gate is not None else self.output_watermark,
+            "currentOutputWatermark": self.output_watermark,
+            "numLateRecordsDropped": sum(op.late_records_dropped for op in self.chain),
+        }
 
     def _my_share(self, entries: List[Any], old_parallelism: int) -> List[Any]:
         """This subtask's part of the restored in-flight records of every old subtask:
@@ -589,7 +729,10 @@ class StreamTask:
         return True
 
     def _end_of_data(self) -> None:
-        """Bounded input is over here: operators' end_input, then END_OF_DATA downstream."""
+        """Bounded input is over here: the maximum watermark (every event-time window and
+        timer fires), operators' end_input, then END_OF_DATA downstream."""
+        if self.event_time:
+            self._advance_watermark(MAX_WATERMARK)
         self._emit_end_of_input()
         if self.output is not None:
             self.output.send_end_of_data()
@@ -620,6 +763,7 @@ class StreamTask:
             if not source.exhausted:
                 records = source.read(self.buffer_size)
                 self._emit(records, start=1)
+                self._time_tick()
                 self._maybe_flush()
                 continue
             if not self._input_ended:
@@ -651,6 +795,8 @@ class StreamTask:
             self._drain_mailbox()
             if self._backpressured():
                 continue
+            if self._timer_ops or self._generators:
+                self._time_tick()
             batch = gate.poll_batch(limit)
             if not batch:
                 if gate.is_finished:
@@ -666,6 +812,8 @@ class StreamTask:
                 if type(item) is list or type(item) is pa.RecordBatch:
                     self._emit(item)
                     buffers += 1
+                elif type(item) is Watermark or type(item) is WatermarkStatus:
+                    self._on_time_event(channel, item)
                 elif item is END_OF_DATA:
                     ended.add(channel)
                     if len(ended) == gate.num_channels and not self._input_ended:

@@ -1,0 +1,51 @@
+"""``ctx.timer_service()``: what a ``KeyedProcessFunction`` sees of its timers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .domain import now_ms
+
+__all__ = ["TimerService"]
+
+
+class TimerService:
+    """Timers of the current key (PyFlink's ``TimerService``): register or delete one
+    at a timestamp in event time or processing time, and read both clocks.
+
+    A timer is per key and timestamp: registering the same one twice fires it once.
+    An event-time timer fires (``on_timer``) once the watermark reaches its
+    timestamp, before the watermark goes on downstream; a processing-time timer once
+    the wall clock does, from the task's mailbox, between buffers. Timers are keyed
+    state: checkpointed, restored and rescaled with it."""
+
+    __slots__ = ("_service",)
+
+    def __init__(self, service: Any) -> None:
+        self._service = service
+
+    def register_event_time_timer(self, timestamp: int) -> None:
+        """Calls ``on_timer(timestamp, ctx)`` for the current key when the watermark
+        reaches ``timestamp`` (at once at the next watermark if it already has)."""
+        self._service.event.register(timestamp)
+
+    def register_processing_time_timer(self, timestamp: int) -> None:
+        """Calls ``on_timer`` for the current key once the wall clock (ms since the
+        epoch, ``current_processing_time()``) reaches ``timestamp``."""
+        self._service.processing.register(timestamp)
+
+    def delete_event_time_timer(self, timestamp: int) -> None:
+        self._service.event.delete(timestamp)
+
+    def delete_processing_time_timer(self, timestamp: int) -> None:
+        self._service.processing.delete(timestamp)
+
+    def current_watermark(self) -> int:
+        """The operator's event time: ``-2**63`` before the first watermark."""
+        return int(self._service.current_watermark)
+
+    def current_processing_time(self) -> int:
+        return now_ms()
+
+    def __repr__(self) -> str:
+        return f"<TimerService watermark={self.current_watermark()}>"

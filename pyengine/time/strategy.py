@@ -1,0 +1,247 @@
+"""``WatermarkStrategy``: where a record's event time comes from, and how far
+behind the largest one seen the watermark stays.
+
+A strategy is an immutable value built with Flink's names::
+
+    pe.WatermarkStrategy.for_bounded_out_of_orderness(5_000)
+        .with_timestamp_assigner("ts")          # a column / field name, or a function
+        .with_idleness(60_000)
+
+Timestamps are integers of milliseconds since the epoch (or any other origin the
+job agrees on); a column may also be an Arrow ``timestamp`` (converted to ms) or
+hold ``datetime`` values. On an Arrow batch a column is read as one array, never
+with a Python call per row.
+
+The generator behind a strategy is Flink's: bounded out-of-orderness keeps the
+largest timestamp seen, and its watermark is ``max - out_of_orderness - 1`` (a
+record exactly ``out_of_orderness`` behind the newest is still on time);
+monotonous timestamps is the same with 0. The watermark is put out periodically
+(``StreamEnvironment(auto_watermark_interval_ms=200)``, Flink's default), and a
+generator that saw no record for the idleness timeout marks its output idle, so
+downstream the others stop waiting for it."""
+
+from __future__ import annotations
+
+import datetime as _dt
+from dataclasses import dataclass, replace
+from typing import Any, Callable, List, Optional, Union
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..errors import NonRetryableError
+from ..io.events import MAX_WATERMARK, MIN_WATERMARK
+
+__all__ = ["TimestampAssigner", "TimestampError", "WatermarkGenerator", "WatermarkStrategy"]
+
+_EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
+
+
+class TimestampError(NonRetryableError, ValueError):
+    """A record whose event time cannot be read (a missing or null field, a value
+    that is not a time). A restart would read the same record: the job fails at once."""
+
+
+def _ms(value: Any) -> int:
+    """One timestamp as int milliseconds."""
+    t = type(value)
+    if t is int:
+        return value  # type: ignore[no-any-return]
+    if isinstance(value, _dt.datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=_dt.timezone.utc)
+        return (value - _EPOCH) // _dt.timedelta(milliseconds=1)
+    if isinstance(value, (float, np.floating)) and value == value:
+        return int(value)
+    if isinstance(value, np.integer):
+        return int(value)
+    if value is None:
+        raise TimestampError("the record's timestamp is None")
+    raise TimestampError(f"a timestamp must be int milliseconds or a datetime, got {t.__name__} {value!r}")
+
+
+def _array_ms(array: Any, where: str) -> np.ndarray:
+    """An Arrow array of timestamps as int64 milliseconds, vectorised."""
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    if array.null_count:
+        raise TimestampError(f"{where}: the timestamp column has {array.null_count} null value(s)")
+    t = array.type
+    if pa.types.is_timestamp(t):
+        if t.unit != "ms":
+            array = pc.cast(array, pa.timestamp("ms", t.tz), safe=False)
+        return array.view(pa.int64()).to_numpy()  # type: ignore[no-any-return]
+    if pa.types.is_integer(t):
+        return array.to_numpy().astype(np.int64, copy=False)  # type: ignore[no-any-return]
+    if pa.types.is_floating(t):
+        return array.to_numpy().astype(np.int64)  # type: ignore[no-any-return]
+    if pa.types.is_date(t):
+        return pc.cast(pc.cast(array, pa.timestamp("ms")), pa.int64()).to_numpy()  # type: ignore[no-any-return]
+    raise TimestampError(f"{where}: a timestamp column must be integer milliseconds or an Arrow timestamp, got {t}")
+
+
+@dataclass(frozen=True)
+class TimestampAssigner:
+    """A record's event time: ``column`` of the record (a dict key, a tuple index,
+    an Arrow column), or ``fn(record)``; plus ``offset`` ms (a window's result row
+    is stamped ``window_end - 1``, as Flink stamps window output)."""
+
+    column: Optional[Union[str, int]] = None
+    fn: Optional[Callable[[Any], Any]] = None
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.column is None) == (self.fn is None):
+            raise ValueError("a timestamp assigner is a column name or a function")
+
+    @classmethod
+    def of(cls, assigner: Any) -> TimestampAssigner:
+        if isinstance(assigner, TimestampAssigner):
+            return assigner
+        if isinstance(assigner, (str, int)) and not isinstance(assigner, bool):
+            return cls(column=assigner)
+        if callable(assigner):
+            return cls(fn=assigner)
+        raise TypeError(f"with_timestamp_assigner takes a column name or a function, got {assigner!r}")
+
+    def describe(self) -> str:
+        what = f"column {self.column!r}" if self.column is not None else getattr(self.fn, "__name__", "function")
+        return what if not self.offset else f"{what} {self.offset:+d} ms"
+
+    def of_record(self, record: Any) -> int:
+        """The event time of one record."""
+        if self.fn is not None:
+            try:
+                value = self.fn(record)
+            except Exception as exc:
+                raise TimestampError(f"the timestamp assigner raised {type(exc).__name__}: {exc}") from exc
+        else:
+            try:
+                value = record[self.column]
+            except (KeyError, IndexError, TypeError):
+                raise TimestampError(f"record {record!r} has no timestamp field {self.column!r}") from None
+        ms = _ms(value)
+        return ms + self.offset if self.offset else ms
+
+    def of_buffer(self, records: Any) -> np.ndarray:
+        """The event times of a buffer (an Arrow batch: vectorised when by column)."""
+        if type(records) is pa.RecordBatch:
+            if self.column is not None:
+                if self.column not in records.schema.names:
+                    raise TimestampError(
+                        f"the records have no timestamp column {self.column!r} (columns: {records.schema.names})"
+                    )
+                ms = _array_ms(records.column(self.column), f"column {self.column!r}")
+                return ms + self.offset if self.offset else ms
+            records = records.to_pylist()
+        of = self.of_record
+        return np.fromiter((of(r) for r in records), np.int64, len(records))
+
+
+class WatermarkGenerator:
+    """Flink's bounded out-of-orderness generator with ``WatermarksWithIdleness``
+    around it; one per source split or per subtask of an assigning operator."""
+
+    __slots__ = ("emits", "idle", "idleness_ms", "last_activity", "max_ts", "out_of_orderness")
+
+    def __init__(self, out_of_orderness: Optional[int], idleness_ms: Optional[int], now: int) -> None:
+        self.emits = out_of_orderness is not None  # no_watermarks(): only the end of input
+        self.out_of_orderness = out_of_orderness or 0
+        self.max_ts = MIN_WATERMARK + self.out_of_orderness + 1
+        self.idleness_ms = idleness_ms
+        self.last_activity = now
+        self.idle = False
+
+    def on_timestamps(self, ts: np.ndarray, now: int) -> None:
+        """Records came with these event times."""
+        if len(ts):
+            high = int(ts.max())
+            if high > self.max_ts:
+                self.max_ts = high
+            self.last_activity = now
+
+    def on_max(self, high: int, now: int) -> None:
+        if high > self.max_ts:
+            self.max_ts = high
+        self.last_activity = now
+
+    @property
+    def current(self) -> int:
+        """The watermark now (MIN until a record came, or for no_watermarks())."""
+        if not self.emits:
+            return MIN_WATERMARK
+        return self.max_ts - self.out_of_orderness - 1
+
+    def check_idle(self, now: int) -> bool:
+        """Whether the output is idle now: no record for the idleness timeout."""
+        self.idle = self.idleness_ms is not None and now - self.last_activity >= self.idleness_ms
+        return self.idle
+
+
+def _non_negative_ms(what: str, value: Any) -> int:
+    if isinstance(value, _dt.timedelta):
+        value = value // _dt.timedelta(milliseconds=1)
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{what} must be milliseconds (an int >= 0) or a timedelta, got {value!r}")
+    return value  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class WatermarkStrategy:
+    """How a stream gets event time; see the module docstring. Build one with
+    ``for_bounded_out_of_orderness``, ``for_monotonous_timestamps`` or
+    ``no_watermarks``, then ``with_timestamp_assigner`` and ``with_idleness``."""
+
+    out_of_orderness_ms: Optional[int] = 0  # None: no watermarks
+    timestamps: Optional[TimestampAssigner] = None
+    idleness_ms: Optional[int] = None
+
+    @staticmethod
+    def for_bounded_out_of_orderness(max_out_of_orderness_ms: Union[int, _dt.timedelta]) -> WatermarkStrategy:
+        """Records may arrive up to ``max_out_of_orderness_ms`` behind the newest one
+        and still be on time: the watermark trails the largest timestamp by that much."""
+        return WatermarkStrategy(_non_negative_ms("max_out_of_orderness_ms", max_out_of_orderness_ms))
+
+    @staticmethod
+    def for_monotonous_timestamps() -> WatermarkStrategy:
+        """Timestamps never go down (per split): the watermark follows the latest."""
+        return WatermarkStrategy(0)
+
+    @staticmethod
+    def no_watermarks() -> WatermarkStrategy:
+        """Timestamps without watermarks: event time advances only at the end of
+        (bounded) input, where every window and timer fires."""
+        return WatermarkStrategy(None)
+
+    def with_timestamp_assigner(self, assigner: Union[str, int, Callable[[Any], Any]]) -> WatermarkStrategy:
+        """Where a record's event time is: a column / field name, or ``fn(record)``;
+        int milliseconds, or a datetime / Arrow timestamp."""
+        return replace(self, timestamps=TimestampAssigner.of(assigner))
+
+    def with_idleness(self, idle_timeout_ms: Union[int, _dt.timedelta]) -> WatermarkStrategy:
+        """After ``idle_timeout_ms`` of processing time without records, this input
+        (split) is idle: downstream watermarks stop waiting for it until it has
+        records again. Without it, an input with nothing to say holds every window
+        downstream back (Flink's default too)."""
+        timeout = _non_negative_ms("idle_timeout_ms", idle_timeout_ms)
+        if timeout == 0:
+            raise ValueError("with_idleness needs a timeout > 0 ms")
+        return replace(self, idleness_ms=timeout)
+
+    def create_generator(self, now: int) -> WatermarkGenerator:
+        return WatermarkGenerator(self.out_of_orderness_ms, self.idleness_ms, now)
+
+    def require_timestamps(self, where: str) -> TimestampAssigner:
+        if self.timestamps is None:
+            raise ValueError(
+                f"{where}: the watermark strategy has no timestamp assigner; records carry no event time of their "
+                "own here, so say where it is: .with_timestamp_assigner('column') or (lambda record: ms)"
+            )
+        return self.timestamps
+
+
+def combined(watermarks: List[int]) -> int:
+    """Several outputs' watermark (Flink's WatermarkOutputMultiplexer): their minimum;
+    MAX when there are none (every split ended)."""
+    return min(watermarks) if watermarks else MAX_WATERMARK

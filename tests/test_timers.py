@@ -1,0 +1,436 @@
+"""Timers in ``KeyedProcessFunction``: keyed state deduplicated per (key, time),
+fired in order, snapshotted copy-on-write, restored and rescaled by key group,
+exactly once across failures; processing-time timers from the mailbox."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import defaultdict
+from typing import Any, ClassVar, Dict, List, Tuple
+
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pyengine as pe
+from pyengine.runtime.sources import Source
+from pyengine.state import ValueStateDescriptor, create_keyed_backend, key_group_range_for_subtask, read_keyed_state
+from pyengine.state.timers import SEVERAL, InternalTimerService
+from pyengine.storage import checkpoint_storage
+from pyengine.time import MIN_WATERMARK, TimeDomain
+
+# -- the timer queue over a keyed backend --------------------------------------------------------
+
+
+def _register(service: InternalTimerService, backend: Any, key: Any, ts: int) -> None:
+    backend.set_current_key(key)
+    service.event.register(ts)
+
+
+def test_timers_are_deduplicated_per_key_and_time_and_fire_in_order() -> None:
+    backend = create_keyed_backend("heap")
+    service = InternalTimerService(backend, MIN_WATERMARK)
+    for key, ts in [(1, 30), (2, 10), (1, 30), (1, 20), (3, 10), (2, 15)]:
+        _register(service, backend, key, ts)
+    backend.set_current_key(2)
+    assert service.event.timestamps() == (10, 15)
+    service.event.delete(15)
+    service.event.delete(99)  # not there: nothing happens
+    assert list(service.advance_watermark(25)) == [(2, 10), (3, 10), (1, 20)]
+    assert service.current_watermark == 25
+    assert list(service.advance_watermark(30)) == [(1, 30)], "registered twice, fired once"
+    assert list(service.advance_watermark(1000)) == []
+
+
+def test_a_timer_registered_while_firing_fires_in_the_same_advance_if_due() -> None:
+    backend = create_keyed_backend("heap")
+    service = InternalTimerService(backend, MIN_WATERMARK)
+    _register(service, backend, "a", 5)
+    fired = []
+    for key, ts in service.advance_watermark(10):
+        fired.append((key, ts))
+        if ts == 5:
+            service.event.register(8)  # the current key is the firing one
+            service.event.register(50)
+    assert fired == [("a", 5), ("a", 8)]
+    assert list(service.advance_watermark(50)) == [("a", 50)]
+
+
+def test_a_deleted_then_registered_timer_fires_once() -> None:
+    backend = create_keyed_backend("heap")
+    service = InternalTimerService(backend, MIN_WATERMARK)
+    _register(service, backend, 7, 100)
+    service.event.delete(100)
+    service.event.register(100)
+    assert list(service.advance_watermark(100)) == [(7, 100)]
+
+
+@pytest.mark.parametrize("kind", ["heap", "incremental"])
+@pytest.mark.parametrize("keys", ["int", "str"])
+def test_timers_are_snapshotted_copy_on_write_and_rescaled_by_key_group(tmp_path: Any, kind: str, keys: str) -> None:
+    storage = checkpoint_storage(str(tmp_path / "ckpt"), "job")
+    backend = create_keyed_backend(kind)
+    service = InternalTimerService(backend, MIN_WATERMARK)
+    expected: Dict[Any, List[int]] = {}
+    for i in range(2000):
+        key = i if keys == "int" else f"k{i}"
+        times = [1000 + i] if i % 5 else [1000 + i, 5000 + i, 9000 + i]  # every fifth key has several
+        for ts in times:
+            _register(service, backend, key, ts)
+        expected[key] = times
+    snapshot = backend.snapshot(1, storage.location(1))  # the synchronous part
+    fired_after = list(service.advance_watermark(1500))  # fired (and removed) after it: not in the snapshot's view
+    assert fired_after
+    _register(service, backend, -1 if keys == "int" else "late", 1)
+    handles = snapshot.run().handles
+    fired: List[Tuple[Any, int]] = []
+    for sub in range(3):
+        part = create_keyed_backend(kind, key_group_range=key_group_range_for_subtask(128, 3, sub))
+        part.restore(handles)
+        restored = InternalTimerService(part, MIN_WATERMARK)
+        got = list(restored.advance_watermark(10**9))
+        for key, _ in got:
+            assert key in expected
+        fired.extend(got)
+    assert sorted(fired, key=str) == sorted(((k, t) for k, ts in expected.items() for t in ts), key=str)
+
+
+def test_the_primary_timer_state_is_typed_for_integer_keys() -> None:
+    backend = create_keyed_backend("heap")
+    service = InternalTimerService(backend, MIN_WATERMARK)
+    _register(service, backend, 1, 10)
+    _register(service, backend, 2, 10)
+    _register(service, backend, 2, 20)
+    from pyengine.state.columnar import ColumnarValueTable
+
+    assert isinstance(backend._tables["_timer_state/event_timers"], ColumnarValueTable)
+    backend.set_current_key(2)
+    assert backend.get_state(ValueStateDescriptor("_timer_state/event_timers", None, pa.int64())).value() == SEVERAL
+
+
+# -- timers in jobs ------------------------------------------------------------------------------
+
+BUCKETS = ValueStateDescriptor("buckets")  # {bucket end: records}
+COUNT = ValueStateDescriptor("count", 0, pa.int64())
+
+
+class Buckets(pe.KeyedProcessFunction):
+    """Counts each key's records per ``size`` ms of event time with timers: one
+    timer per record at its bucket's end (deduplicated: one per bucket), the
+    bucket's count emitted and cleared when it fires."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def open(self, ctx: Any) -> None:
+        self.buckets = ctx.get_state(BUCKETS)
+
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        end = ctx.timestamp() // self.size * self.size + self.size - 1
+        buckets = self.buckets.value() or {}
+        buckets[end] = buckets.get(end, 0) + 1
+        self.buckets.update(buckets)
+        ctx.timer_service().register_event_time_timer(end)
+        return []
+
+    def on_timer(self, timestamp: int, ctx: Any) -> Any:
+        assert ctx.time_domain() is TimeDomain.EVENT_TIME
+        assert ctx.timestamp() == timestamp
+        assert ctx.timer_service().current_watermark() >= timestamp
+        buckets = self.buckets.value()
+        yield (ctx.current_key, timestamp, buckets.pop(timestamp))
+        self.buckets.update(buckets or None)
+
+
+def buckets_reference(records: List[Dict[str, Any]], size: int) -> List[Tuple[Any, int, int]]:
+    counts: Dict[Tuple[Any, int], int] = defaultdict(int)
+    for r in records:
+        counts[(r["k"], r["ts"] // size * size + size - 1)] += 1
+    return sorted((k, end, n) for (k, end), n in counts.items())
+
+
+def make_records(n: int, keys: int, jitter: int, seed: int) -> List[Dict[str, Any]]:
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    t = 0
+    for _ in range(n):
+        t += rng.choice([1, 2, 3, 40])  # now and then a pause
+        out.append({"k": rng.randrange(keys), "ts": t + rng.randrange(jitter + 1)})
+    return out
+
+
+class FailOnce:
+    def __init__(self, at: int) -> None:
+        self.at, self.seen, self.fired, self.lock = at, 0, False, threading.Lock()
+
+    def __call__(self, record: Any) -> Any:
+        with self.lock:
+            self.seen += 1
+            if not self.fired and self.seen >= self.at:
+                self.fired = True
+                raise RuntimeError("injected failure")
+        return record
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    parallelism=st.integers(1, 4),
+    backend=st.sampled_from(["heap", "incremental"]),
+    unaligned=st.booleans(),
+    seed=st.integers(0, 10**6),
+    fail_at=st.sampled_from([0, 50, 200, 350]),
+)
+def test_timer_buckets_equal_the_reference_across_failures(
+    tmp_path_factory: Any, parallelism: int, backend: str, unaligned: bool, seed: int, fail_at: int
+) -> None:
+    """A firing a completed checkpoint committed never repeats; one after it does,
+    and the restarted attempt's output replaces it: the committed output is exact."""
+    jitter, size = 10, 25
+    records = make_records(400, keys=9, jitter=jitter, seed=seed)
+    tmp = tmp_path_factory.mktemp("t")
+    env = pe.StreamEnvironment(
+        parallelism=parallelism,
+        checkpointing=pe.CheckpointConfig(interval_ms=10, unaligned=unaligned),
+        state_backend=backend,
+        checkpoint_storage=str(tmp / "ckpt"),
+        buffer_size=16,
+        buffer_timeout_ms=1,
+        channel_capacity=2,
+        restart_attempts=2,
+        auto_watermark_interval_ms=1,
+    )
+    strategy = pe.WatermarkStrategy.for_bounded_out_of_orderness(jitter).with_timestamp_assigner("ts")
+    stream = env.from_generator(lambda i: records[i], len(records), watermark_strategy=strategy)
+    if fail_at:
+        stream = stream.map(FailOnce(fail_at))
+    sink = pe.sinks.CollectSink()
+    stream.key_by("k").process(Buckets(size)).uid("buckets").sink_to(sink)
+    result = env.execute("timer-buckets")
+    assert result.status == "FINISHED"
+    assert result.restarts == (1 if fail_at else 0)
+    assert sorted(result.records) == buckets_reference(records, size)
+
+
+class Held(Source):
+    """``records`` dealt to the splits of the first run (``i % count == index``);
+    ``hold``: from that many records of a split on, nothing now until ``release``."""
+
+    def __init__(self, records: List[Dict[str, Any]], hold: int, release: threading.Event) -> None:
+        self.records, self.hold, self.release = records, hold, release
+
+    def read(self, subtask: int, parallelism: int, position: int, n: int) -> Any:
+        mine = self.records[subtask::parallelism]
+        if position >= self.hold and not self.release.is_set():
+            return []
+        if position >= len(mine):
+            return None
+        end = len(mine) if self.release.is_set() else min(len(mine), self.hold)
+        return mine[position : min(end, position + n)]
+
+
+def _wait_for_watermark(client: Any, vertex: str, at_least: int, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        marks = client.watermarks().get(vertex, [])
+        if marks and min(marks) >= at_least:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{vertex} never reached watermark {at_least}: {client.watermarks()}")
+
+
+@pytest.mark.parametrize("backend", ["heap", "incremental"])
+def test_savepoint_at_2_with_pending_timers_resumed_at_3(tmp_path: Any, backend: str) -> None:
+    size, jitter = 25, 10
+    records = make_records(600, keys=13, jitter=jitter, seed=3)
+    strategy = pe.WatermarkStrategy.for_bounded_out_of_orderness(jitter).with_timestamp_assigner("ts")
+
+    # One sink for both runs: what the savepoint covers is committed by the resumed run's
+    # recover() if the stopped run was ended before its commit ran.
+    sink = pe.sinks.CollectSink()
+
+    def job(parallelism: int, release: threading.Event) -> Tuple[Any, Any]:
+        env = pe.StreamEnvironment(
+            parallelism=parallelism,
+            checkpointing=pe.CheckpointConfig(interval_ms=20),
+            state_backend=backend,
+            checkpoint_storage=str(tmp_path / f"ckpt{parallelism}"),
+            auto_watermark_interval_ms=1,
+        )
+        env.from_source(Held(records, 150, release), watermark_strategy=strategy).key_by("k").process(
+            Buckets(size)
+        ).uid("buckets").sink_to(sink)
+        return env, sink
+
+    held = threading.Event()
+    env, _ = job(2, held)
+    client = env.execute_async("sp")
+    first_half = sorted(r["ts"] for r in records[0::2][:150] + records[1::2][:150])
+    _wait_for_watermark(client, "v1", first_half[len(first_half) // 2])
+    savepoint = client.stop_with_savepoint(str(tmp_path / "savepoint"))
+    client.wait(30)
+    pending = read_keyed_state(savepoint, "buckets", "_timer_state/event_timers")
+    assert pending.num_rows > 0, "the savepoint has no pending timers: the test would prove nothing"
+    released = threading.Event()
+    released.set()
+    env, _ = job(3, released)
+    after = env.execute("sp", restore_from=savepoint)
+    assert sorted(after.records) == buckets_reference(records, size)
+
+
+class Deadline(pe.KeyedProcessFunction):
+    """One processing-time timer per key, ``delay_ms`` after its first record. The
+    class lists record what happened, across the copies each subtask gets."""
+
+    registered: ClassVar[List[Any]] = []
+    fired: ClassVar[List[Tuple[Any, int, int]]] = []  # (key, timer ts, processing time when it fired)
+
+    def __init__(self, delay_ms: int) -> None:
+        self.delay_ms = delay_ms
+
+    def open(self, ctx: Any) -> None:
+        self.seen = ctx.get_state(COUNT)
+
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        if not self.seen.value():
+            self.seen.update(1)
+            service = ctx.timer_service()
+            service.register_processing_time_timer(service.current_processing_time() + self.delay_ms)
+            Deadline.registered.append(ctx.current_key)
+        return []
+
+    def on_timer(self, timestamp: int, ctx: Any) -> Any:
+        assert ctx.time_domain() is TimeDomain.PROCESSING_TIME
+        Deadline.fired.append((ctx.current_key, timestamp, ctx.timer_service().current_processing_time()))
+        yield (ctx.current_key, timestamp)
+
+
+def _until(condition: Any, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.005)
+
+
+def test_processing_time_timers_fire_from_the_mailbox_and_when_due_at_restore(tmp_path: Any) -> None:
+    Deadline.registered, Deadline.fired = [], []
+    records = [{"k": k} for k in range(8)] * 10
+
+    sink = pe.sinks.CollectSink()
+
+    def job(parallelism: int, gate: threading.Event, delay_ms: int) -> Any:
+        env = pe.StreamEnvironment(
+            parallelism=parallelism,
+            checkpointing=pe.CheckpointConfig(interval_ms=20),
+            checkpoint_storage=str(tmp_path / f"ckpt{parallelism}"),
+        )
+        env.from_source(Held(records, 20, gate)).key_by("k").process(Deadline(delay_ms)).uid("deadline").sink_to(sink)
+        return env
+
+    # 1. the source is held after its first records: only the timers can make output, from the mailbox
+    client = job(2, threading.Event(), 30).execute_async("proc")
+    _until(lambda: len(Deadline.fired) == 8)
+    assert sorted(k for k, _, _ in Deadline.fired) == list(range(8))
+    assert all(now >= ts for _, ts, now in Deadline.fired), "a timer fired before its time"
+    savepoint = client.stop_with_savepoint(str(tmp_path / "sp1"))
+    client.wait(30)
+    first = sorted((k, ts) for k, ts, _ in Deadline.fired)
+
+    # 2. new keys register timers due in a second; the job stops before then
+    Deadline.registered, Deadline.fired = [], []
+    records.extend([{"k": k} for k in range(100, 106)] * 10)
+    gate = threading.Event()
+    client = job(2, gate, 1000).execute_async("proc", restore_from=savepoint)
+    client._wait_running(30)
+    gate.set()
+    _until(lambda: len(Deadline.registered) == 6)
+    savepoint = client.stop_with_savepoint(str(tmp_path / "sp2"))
+    client.wait(30)
+    assert not Deadline.fired
+    pending = read_keyed_state(savepoint, "deadline", "_timer_state/processing_timers")
+    assert sorted(pending.column("key").to_pylist()) == list(range(100, 106))
+    due = max(pending.column("value").to_pylist())
+
+    # 3. restored (at another parallelism) once they are past due, reading nothing: they fire at once
+    _until(lambda: time.time() * 1000 > due + 10)
+    records.extend([{"k": 999}] * 4)  # something left to read, held: the job stays up
+    hold = threading.Event()
+    started = time.monotonic()
+    client = job(3, hold, 1000).execute_async("proc", restore_from=savepoint)
+    _until(lambda: len(Deadline.fired) == 6)
+    assert time.monotonic() - started < 10
+    assert sorted(k for k, _, _ in Deadline.fired) == list(range(100, 106))
+    hold.set()
+    last = client.wait(30)
+    assert sorted(last.records) == sorted(first + [(k, ts) for k, ts, _ in Deadline.fired])
+
+
+def test_timers_need_no_watermark_strategy_to_fire_at_the_end(tmp_path: Any) -> None:
+    """Without timestamps an event-time timer still fires: at the end of input."""
+
+    class AtEnd(pe.KeyedProcessFunction):
+        def process_element(self, value: Any, ctx: Any) -> Any:
+            assert ctx.timestamp() is None
+            ctx.timer_service().register_event_time_timer(123)
+            return []
+
+        def on_timer(self, timestamp: int, ctx: Any) -> Any:
+            yield (ctx.current_key, timestamp)
+
+    env = pe.StreamEnvironment(parallelism=2)
+    sink = pe.sinks.CollectSink()
+    env.from_collection([{"k": k} for k in range(4)]).key_by("k").process(AtEnd()).sink_to(sink)
+    assert sorted(env.execute("end").records) == [(k, 123) for k in range(4)]
+
+
+def test_on_timer_errors_name_the_operator(tmp_path: Any) -> None:
+    class Boom(pe.KeyedProcessFunction):
+        def process_element(self, value: Any, ctx: Any) -> Any:
+            ctx.timer_service().register_event_time_timer(1)
+            return []
+
+        def on_timer(self, timestamp: int, ctx: Any) -> Any:
+            raise KeyError("nope")
+
+    env = pe.StreamEnvironment(restart_attempts=0)
+    env.from_collection([{"k": 1}]).key_by("k").process(Boom()).sink_to(pe.sinks.CollectSink())
+    with pytest.raises(pe.JobFailedError, match="KeyError") as failed:
+        env.execute("boom")
+    assert isinstance(failed.value.cause, KeyError)
+    assert "operator '2-process'" in str(failed.value.result.cause) and "on_timer: KeyError" in str(
+        failed.value.result.cause
+    )
+
+
+def test_timer_state_is_readable_from_a_checkpoint(tmp_path: Any) -> None:
+    class Later(pe.KeyedProcessFunction):
+        def process_element(self, value: Any, ctx: Any) -> Any:
+            ctx.timer_service().register_event_time_timer(ctx.timestamp() + 10**9)
+            return []
+
+        def on_timer(self, timestamp: int, ctx: Any) -> Any:
+            return []
+
+    release = threading.Event()
+    records = [{"k": k, "ts": k} for k in range(20)]
+    env = pe.StreamEnvironment(
+        parallelism=2, checkpointing=pe.CheckpointConfig(interval_ms=20), checkpoint_storage=str(tmp_path / "c")
+    )
+    strategy = pe.WatermarkStrategy.for_monotonous_timestamps().with_timestamp_assigner("ts")
+    env.from_source(Held(records, 10, release), watermark_strategy=strategy).key_by("k").process(Later()).uid(
+        "later"
+    ).sink_to(pe.sinks.CollectSink())
+    client = env.execute_async("readable")
+    _wait_for_watermark(client, "v1", 17)  # every record is in (monotonous: the splits' last ts - 1)
+    savepoint = client.stop_with_savepoint(str(tmp_path / "sp"))
+    client.wait(30)
+    table = read_keyed_state(savepoint, "later", "_timer_state/event_timers")
+    assert sorted(zip(table.column("key").to_pylist(), table.column("value").to_pylist(), strict=True)) == [
+        (k, k + 10**9) for k in range(20)
+    ]
+    assert os.path.isdir(savepoint)
