@@ -657,6 +657,33 @@ def test_the_server_is_read_only_bounded_and_rebinding_proof(scenario: Any) -> N
     assert status == 404 and body == {"errors": ["Not found: /nothing/here"]}
 
 
+def test_connections_beyond_the_bound_are_closed_at_once(scenario: Any) -> None:
+    from pyengine.monitoring.server import MAX_CONNECTIONS
+
+    parsed = urllib.parse.urlsplit(scenario.monitor.url)
+    idle = [socket.create_connection((parsed.hostname, parsed.port), timeout=10) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.3)  # every idle one holds a handler, waiting for its request line
+        extra = socket.create_connection((parsed.hostname, parsed.port), timeout=10)
+        extra.sendall(b"GET /jobs HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert extra.recv(100) == b""  # closed without an answer, and without a thread
+        extra.close()
+    finally:
+        for sock in idle:
+            sock.close()
+    deadline = time.monotonic() + 10
+    status = 0
+    while True:  # the idle ones' handlers see their end and free their places
+        try:
+            status, _, _ = get(scenario.monitor.url, "jobs")
+        except OSError:  # still full: closed at once
+            status = 0
+        if status == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert status == 200
+
+
 def test_off_loopback_needs_a_token_checked_in_constant_time() -> None:
     with pytest.raises(ValueError, match="token"):
         Monitoring(host="0.0.0.0")
