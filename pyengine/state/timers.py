@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import pyarrow as pa
 
+from .columnar import ColumnarValueTable
 from .descriptors import ValueStateDescriptor
 
 __all__ = ["EVENT", "PROCESSING", "SEVERAL", "InternalTimerService", "TimerQueue"]
@@ -41,9 +42,19 @@ SEVERAL = -(2**63)
 EVENT, PROCESSING = "event", "processing"
 
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
 class TimerQueue:
     """The timers of one domain; see the module docstring. Methods act on the
-    backend's current key, except ``due``, which sets it to each firing key."""
+    backend's current key, except ``due``, which sets it to each firing key.
+
+    Registering a timer and firing one happen once per record in a job that sets a
+    timer per record, so the common case (one timer per key) reads and writes the
+    backend's tables directly: a columnar group's ``get``/``put``/``remove`` for int
+    keys, the key group's dict through ``StateTable.store``/``delete`` otherwise
+    (both keep copy-on-write and the incremental change log). Anything else goes
+    through the state objects."""
 
     def __init__(self, backend: Any, domain: str) -> None:
         self.domain = domain
@@ -52,8 +63,9 @@ class TimerQueue:
         self._more_name = f"_timer_state/{domain}_timers_more"
         self._one = backend.get_state(ValueStateDescriptor(self._one_name, None, pa.int64()))
         self._more = backend.get_state(ValueStateDescriptor(self._more_name))
+        self._tables = backend._tables
         self._heap: List[int] = []
-        self._keys: Dict[int, List[Any]] = {}
+        self._keys: Dict[int, List[Tuple[Any, int]]] = {}  # timestamp -> (key, key group index)
         self._rebuild()
 
     # -- the state ---------------------------------------------------------------------------
@@ -61,31 +73,101 @@ class TimerQueue:
     def register(self, ts: int) -> None:
         if type(ts) is not int:
             ts = _timestamp(ts)
-        one = self._one
-        current = one.value()
-        if current is None:
-            if ts == SEVERAL:
-                raise ValueError(f"a timer cannot be registered at {SEVERAL} (the smallest int64)")
-            one.update(ts)
-        elif current == ts:
-            return
-        elif current == SEVERAL:
-            more = self._more.value()
-            if ts in more:
+        if ts == SEVERAL:
+            raise ValueError(f"a timer cannot be registered at {SEVERAL} (the smallest int64)")
+        b = self._backend
+        key, index = b._key, b._key_index
+        table = self._tables[self._one_name]
+        if index < 0 or (
+            type(table) is ColumnarValueTable and not (type(key) is int and _INT64_MIN <= key <= _INT64_MAX)
+        ):
+            if not self._register_slow(ts):  # no current key (it raises), or the first key that is no int
                 return
-            self._more.update((*more, ts))
         else:
-            one.update(SEVERAL)
-            self._more.update((current, ts))
-        keys = self._keys.get(ts)
-        if keys is None:
-            self._keys[ts] = [self._backend.current_key]
+            group = table.groups[index]
+            current = group.get(key)
+            if current is None:
+                if type(table) is ColumnarValueTable:
+                    group.put(key, ts)
+                else:
+                    table.store(index, key, ts)
+            elif current == ts:
+                return
+            else:
+                more_table = self._tables[self._more_name]
+                if current == SEVERAL:
+                    more = more_table.groups[index][key]
+                    if ts in more:
+                        return
+                    more_table.store(index, key, (*more, ts))
+                else:
+                    more_table.store(index, key, (current, ts))
+                    if type(table) is ColumnarValueTable:
+                        group.put(key, SEVERAL)
+                    else:
+                        table.store(index, key, SEVERAL)
+        entry = (key, index)
+        bucket = self._keys.get(ts)
+        if bucket is None:
+            self._keys[ts] = [entry]
             heapq.heappush(self._heap, ts)
         else:
-            keys.append(self._backend.current_key)
+            bucket.append(entry)
+
+    def _register_slow(self, ts: int) -> bool:
+        """Through the state objects; True when the timer is new."""
+        current = self._one.value()
+        if current is None:
+            self._one.update(ts)
+            return True
+        if current == ts:
+            return False
+        if current == SEVERAL:
+            more = self._more.value()
+            if ts in more:
+                return False
+            self._more.update((*more, ts))
+        else:
+            self._one.update(SEVERAL)
+            self._more.update((current, ts))
+        return True
 
     def delete(self, ts: int) -> bool:
         """Removes the current key's timer at ``ts``; True if there was one."""
+        b = self._backend
+        key, index = b._key, b._key_index
+        table = self._tables[self._one_name]
+        if index < 0 or (
+            type(table) is ColumnarValueTable and not (type(key) is int and _INT64_MIN <= key <= _INT64_MAX)
+        ):
+            return self._delete_slow(ts)
+        columnar = type(table) is ColumnarValueTable
+        group = table.groups[index]
+        current = group.get(key)
+        if current == ts:
+            if columnar:
+                group.remove(key)
+            else:
+                table.delete(index, key)
+            return True
+        if current != SEVERAL:
+            return False
+        more_table = self._tables[self._more_name]
+        more = more_table.groups[index][key]
+        if ts not in more:
+            return False
+        rest = tuple(t for t in more if t != ts)
+        if len(rest) == 1:
+            more_table.delete(index, key)
+            if columnar:
+                group.put(key, rest[0])
+            else:
+                table.store(index, key, rest[0])
+        else:
+            more_table.store(index, key, rest)
+        return True
+
+    def _delete_slow(self, ts: int) -> bool:
         one = self._one
         current = one.value()
         if current is None:
@@ -123,12 +205,15 @@ class TimerQueue:
         """Timers at or before ``upto``, in timestamp order, each removed from the state
         just before it is yielded with the backend's current key set to its key. Timers
         registered meanwhile at or before ``upto`` are yielded too (as Flink fires them)."""
-        heap, index, backend = self._heap, self._keys, self._backend
+        heap, index_of, b = self._heap, self._keys, self._backend
+        start = b.key_group_range.start
+        delete = self.delete
         while heap and heap[0] <= upto:
             ts = heapq.heappop(heap)
-            for key in index.pop(ts):
-                backend.set_current_key(key)
-                if self.delete(ts):  # else deleted meanwhile (or a second entry of one re-registered)
+            for key, index in index_of.pop(ts):
+                # the backend's current key, set without rehashing: the index knows its key group
+                b._key, b._key_group, b._key_index = key, start + index, index
+                if delete(ts):  # else deleted meanwhile (or a second entry of one re-registered)
                     yield key, ts
 
     def __len__(self) -> int:
@@ -138,66 +223,48 @@ class TimerQueue:
     def _rebuild(self) -> None:
         """The index from the states (after a restore: this subtask's key groups)."""
         self._heap, self._keys = [], {}
-        keys, times = _entries(self._backend, self._one_name)
-        several = times == SEVERAL
-        if several.any():
-            backend = self._backend
-            extra_keys: List[Any] = []
-            extra_times: List[int] = []
-            for key in keys[several].tolist() if isinstance(keys, np.ndarray) else _pick(keys, several):
-                backend.set_current_key(key)
-                for ts in self._more.value() or ():
-                    extra_keys.append(key)
-                    extra_times.append(ts)
-            keep = ~several
-            keys = keys[keep] if isinstance(keys, np.ndarray) else _pick(keys, keep)
-            times = np.concatenate([times[keep], np.array(extra_times, np.int64)])
-            keys = (list(keys.tolist()) if isinstance(keys, np.ndarray) else list(keys)) + extra_keys
-        if not len(times):
+        keys: List[Any] = []
+        indexes: List[int] = []
+        times: List[int] = []
+        table = self._tables.get(self._one_name)
+        if table is None:
             return
-        order = np.argsort(times, kind="stable")
-        sorted_times = times[order]
-        uniq, starts = np.unique(sorted_times, return_index=True)
-        ordered = keys[order] if isinstance(keys, np.ndarray) else [keys[i] for i in order.tolist()]
-        bounds = [*starts.tolist()[1:], len(sorted_times)]
-        ordered_list = ordered.tolist() if isinstance(ordered, np.ndarray) else ordered
-        start = 0
-        for ts, end in zip(uniq.tolist(), bounds, strict=True):
-            self._keys[ts] = ordered_list[start:end]
-            start = end
-        self._heap = uniq.tolist()  # sorted: already a heap
-
-
-def _pick(keys: List[Any], mask: np.ndarray) -> List[Any]:
-    return [k for k, m in zip(keys, mask.tolist(), strict=True) if m]
+        b = self._backend
+        start = b.key_group_range.start
+        for index, group in enumerate(table.groups):
+            if type(table) is ColumnarValueTable:
+                group_keys, group_times = (a.tolist() for a in group.arrays())
+            else:
+                group_keys, group_times = list(group), list(group.values())
+            for key, ts in zip(group_keys, group_times, strict=True):
+                if ts == SEVERAL:
+                    b._key, b._key_group, b._key_index = key, start + index, index
+                    for more in self._more.value() or ():
+                        keys.append(key)
+                        indexes.append(index)
+                        times.append(more)
+                else:
+                    keys.append(key)
+                    indexes.append(index)
+                    times.append(ts)
+        if not times:
+            return
+        order = np.argsort(np.array(times, np.int64), kind="stable").tolist()
+        index_of = self._keys
+        for i in order:
+            ts = times[i]
+            bucket = index_of.get(ts)
+            if bucket is None:
+                index_of[ts] = [(keys[i], indexes[i])]
+            else:
+                bucket.append((keys[i], indexes[i]))
+        self._heap = list(index_of)  # ascending: already a heap
 
 
 def _timestamp(ts: Any) -> int:
     if isinstance(ts, (int, np.integer)) and not isinstance(ts, bool):
         return int(ts)
     raise TypeError(f"a timer's timestamp must be int milliseconds, got {ts!r}")
-
-
-def _entries(backend: Any, name: str) -> Tuple[Any, np.ndarray]:
-    """(keys, int64 timestamps) of every entry of the primary timer state: NumPy
-    arrays straight from columnar storage (int keys), else a list of keys."""
-    from .columnar import ColumnarValueTable
-
-    table = backend._tables.get(name)
-    if table is None:
-        return np.empty(0, np.int64), np.empty(0, np.int64)
-    if isinstance(table, ColumnarValueTable):
-        pairs = [g.arrays() for g in table.groups]
-        if not pairs:
-            return np.empty(0, np.int64), np.empty(0, np.int64)
-        return np.concatenate([k for k, _ in pairs]), np.concatenate([v for _, v in pairs]).astype(np.int64)
-    keys: List[Any] = []
-    times: List[int] = []
-    for group in table.groups:
-        for k, v in group.items():
-            keys.append(k)
-            times.append(v)
-    return keys, np.array(times, np.int64)
 
 
 class InternalTimerService:
