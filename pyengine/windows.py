@@ -953,10 +953,16 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         return self._output(keys_array, window, totals)
 
     def _purge(self, window: int) -> None:
+        from . import _native
+
         for index in self._windows.pop(window, ()):
             slot = self._slots[index].pop(window)
             for state in self._tables[slot].values():
-                state._table.groups[index].clear()
+                table = state._table
+                if table.tracking:  # incremental: the removals go into the next delta
+                    table.groups[index].clear()
+                else:  # a new, empty group: a snapshot still writing the old one keeps it
+                    table.groups[index] = _native.ColumnarGroup(table.dtype)
         spilled = self._overflowed.pop(window, ())
         if spilled:
             table = self.backend._tables.get(_OVERFLOW.name)
