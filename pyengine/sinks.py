@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, TextIO, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Set, TextIO, Tuple
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -47,6 +47,7 @@ from .storage.filesystem import resolve
 __all__ = [
     "CollectSink",
     "Covered",
+    "DeltaSink",
     "DiscardSink",
     "FileSink",
     "PrintSink",
@@ -57,6 +58,21 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from .connectors.delta import DeltaSink
+else:
+
+    def __getattr__(name: str) -> Any:
+        """``DeltaSink`` lives in ``pyengine.connectors.delta``, which builds on this
+        module; it is looked up by name on first use (PEP 562), so this base never
+        imports its connectors, and ``deltalake`` is loaded only when a table is written."""
+        if name == "DeltaSink":
+            import importlib
+
+            return importlib.import_module("pyengine.connectors.delta").DeltaSink
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 FINAL = 2**62  # the checkpoint id of what is staged at the end of input without checkpoints
 

@@ -1,0 +1,301 @@
+"""DeltaSink: exactly once into a Delta Lake table (deltalake / delta-rs), read back
+with deltalake and, independently, with pyarrow from the table's active files."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections import Counter
+from typing import Any, Dict, List, Tuple
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import pyengine as pe
+from pyengine.sinks import RunInfo
+from pyengine.state import ValueStateDescriptor
+
+deltalake = pytest.importorskip("deltalake", reason='DeltaSink needs deltalake: pip install "pyengine[delta]"')
+from deltalake import DeltaTable  # noqa: E402
+
+COUNT = ValueStateDescriptor("count", 0, pa.int64())
+N = 1500
+RECORDS = [{"user": i % 11, "v": i} for i in range(N)]
+SCHEMA = pa.schema([("user", pa.int64()), ("n", pa.int64()), ("v", pa.int64())])
+
+
+class Chaos:
+    """Fails once, at the n-th call of a chosen point."""
+
+    def __init__(self, point: str, at: int) -> None:
+        self.point, self.at, self.calls, self.fired = point, at, 0, False
+        self.lock = threading.Lock()
+
+    def hit(self, point: str) -> None:
+        if point != self.point:
+            return
+        with self.lock:
+            self.calls += 1
+            if self.fired or self.calls < self.at:
+                return
+            self.fired = True
+        raise RuntimeError(f"injected failure at {point}")
+
+
+class Count(pe.KeyedProcessFunction):
+    def __init__(self, chaos: Chaos) -> None:
+        self.chaos = chaos
+
+    def __deepcopy__(self, memo: Any) -> Count:
+        return Count(self.chaos)  # one chaos for every subtask and attempt
+
+    def open(self, ctx: Any) -> None:
+        self.count = ctx.get_state(COUNT)
+
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        self.chaos.hit("user")
+        if value["v"] % 32 == 0:
+            time.sleep(0.002)  # a job long enough for a few checkpoints
+        n = self.count.value() + 1
+        self.count.update(n)
+        yield {"user": ctx.current_key, "n": n, "v": value["v"]}
+
+
+class _ChaosFs:
+    """The sink's filesystem, failing once as a committed piece's manifest is deleted:
+    the Delta commit happened, its cleanup did not (a replay must be skipped)."""
+
+    def __init__(self, fs: Any, chaos: Chaos) -> None:
+        self._fs, self._chaos = fs, chaos
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+    def delete_file(self, path: str) -> None:
+        if path.endswith(".json"):
+            self._chaos.hit("cleanup")
+        self._fs.delete_file(path)
+
+
+class ChaosDeltaSink(pe.sinks.DeltaSink):
+    def __init__(self, uri: str, chaos: Chaos, **kwargs: Any) -> None:
+        super().__init__(uri, **kwargs)
+        self.chaos = chaos
+
+    def _fs(self) -> Tuple[Any, str]:
+        fs, root = super()._fs()
+        return _ChaosFs(fs, self.chaos), root
+
+    def commit(self, subtask: int, checkpoint_id: int) -> None:
+        self.chaos.hit("commit")
+        super().commit(subtask, checkpoint_id)
+
+
+def expected() -> Counter:
+    per_user = Counter(r["user"] for r in RECORDS)
+    return Counter({(u, n): 1 for u, c in per_user.items() for n in range(1, c + 1)})
+
+
+def pairs(rows: List[Dict[str, Any]]) -> Counter:
+    return Counter((r["user"], r["n"]) for r in rows)
+
+
+def read_back(uri: str) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+    """The table's rows by deltalake, and by pyarrow from the files its log names."""
+    table = DeltaTable(uri)
+    by_delta = pa.table(table.to_pyarrow_table()).to_pylist()
+    by_files = [row for f in table.file_uris() for row in pq.read_table(f.removeprefix("file://")).to_pylist()]
+    return by_delta, by_files
+
+
+def pyengine_commits(uri: str) -> List[Dict[str, Any]]:
+    return [h for h in reversed(DeltaTable(uri).history()) if "pyengine.checkpoint_id" in h]
+
+
+POINTS = ("user", "commit", "cleanup", "user")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_randomized_failures_leave_the_delta_table_exact_with_one_commit_per_checkpoint(tmp_path, seed) -> None:
+    rng = random.Random(7000 + seed)
+    point = POINTS[seed % len(POINTS)]
+    backend, unaligned = rng.choice(["heap", "incremental"]), rng.random() < 0.5
+    chaos = Chaos(point, rng.randint(1, N if point == "user" else 3))
+    env = pe.StreamEnvironment(
+        parallelism=2,
+        checkpointing=pe.CheckpointConfig(interval_ms=10, unaligned=unaligned),
+        state_backend=backend,
+        checkpoint_storage=str(tmp_path / "ckpt"),
+        buffer_size=16,
+        buffer_timeout_ms=1,
+        channel_capacity=2,  # little in flight: barriers pass often
+        restart_attempts=3,
+    )
+    uri = str(tmp_path / "table")
+    sink = ChaosDeltaSink(uri, chaos)
+    env.from_collection(RECORDS).key_by("user").process(Count(chaos)).uid("counter").rebalance().sink_to(sink)
+    result = env.execute(f"delta-{seed}")
+    where = f"seed {seed}: {point} #{chaos.at} (fired={chaos.fired}), {backend}, unaligned={unaligned}"
+    assert result.status == "FINISHED", f"{where}: {result.cause}"
+    assert chaos.fired, f"{where}: the failure was never injected"
+    by_delta, by_files = read_back(uri)
+    assert pairs(by_delta) == expected(), where
+    assert pairs(by_files) == expected(), where
+    commits = pyengine_commits(uri)
+    keys = [(c["pyengine.run_id"], c["pyengine.checkpoint_id"]) for c in commits]
+    assert len(keys) == len(set(keys)), f"{where}: a checkpoint committed twice: {keys}"
+    assert sum(c["pyengine.rows"] for c in commits) == N, where
+    completed = result.checkpoints.counts["completed"]
+    assert 1 <= len([c for c in commits if c["pyengine.commit"] == "checkpoint"]) <= completed, where
+    version = DeltaTable(uri).transaction_version(f"pyengine-{result.job_id}")
+    assert version is not None and version >= max(c["pyengine.checkpoint_id"] for c in commits), where
+    assert not list((tmp_path / "table" / "_pyengine" / "staging").glob("*/*")), f"{where}: staging left behind"
+
+
+def _run(job: str = "etl", lineage: str = "", restored: Tuple[Tuple[str, int], ...] = (), run_id: str = "") -> RunInfo:
+    run_id = run_id or os.urandom(16).hex()
+    return RunInfo(job, run_id, lineage or run_id, restored)
+
+
+def _rows(tag: str, n: int = 3) -> pa.Table:
+    return pa.table({"user": [1] * n, "n": list(range(n)), "tag": [tag] * n})
+
+
+def _tags(uri: str) -> Counter:
+    return Counter(DeltaTable(uri).to_pyarrow_table().column("tag").to_pylist())
+
+
+def test_a_replayed_commit_is_skipped_by_the_app_transaction(tmp_path) -> None:
+    uri = str(tmp_path / "t")
+    run = _run()
+    sink = pe.sinks.DeltaSink(uri)
+    sink.begin_run(run)
+    sink.recover(())
+    sink.stage(0, 1, _rows("a"))
+    sink.stage(1, 1, _rows("b"))
+    sink.commit(1, 1)  # not subtask 0: nothing yet
+    assert not DeltaTable.is_deltatable(uri)
+    sink.commit(0, 1)
+    assert _tags(uri) == Counter({"a": 3, "b": 3}) and DeltaTable(uri).version() == 0
+    sink.stage(0, 2, _rows("c"))
+    sink.commit(0, 2)
+    sink.commit(0, 2)  # notified twice
+    sink.recover(((run.run_id, 2),))  # a restart restoring checkpoint 2: Delta has it all
+    assert _tags(uri) == Counter({"a": 3, "b": 3, "c": 3})
+    assert DeltaTable(uri).version() == 1 and DeltaTable(uri).transaction_version(sink.app_id) == 2
+
+
+def test_recover_commits_covered_pieces_once_and_drops_the_rest(tmp_path) -> None:
+    uri = str(tmp_path / "t")
+    run = _run()
+    sink = pe.sinks.DeltaSink(uri)
+    sink.begin_run(run)
+    sink.recover(())
+    sink.stage(0, 1, _rows("covered"))
+    sink.stage(1, 2, _rows("after"))  # checkpoint 2 never completed
+    sink.recover(((run.run_id, 1),))  # checkpoint 1 completed; its commit never ran
+    assert _tags(uri) == Counter({"covered": 3})
+    sink.recover(((run.run_id, 1),))
+    assert DeltaTable(uri).version() == 0
+    files = [f for f in os.listdir(uri) if f.endswith(".parquet")]
+    assert len(files) == 1, files  # the uncovered piece's file is gone too
+    # The next run of the lineage continues past it: its checkpoint 1 is a new version.
+    nxt = _run(lineage=run.lineage_id, restored=((run.run_id, 1),))
+    sink.begin_run(nxt)
+    sink.recover(nxt.restored)
+    sink.stage(0, 1, _rows("next"))
+    sink.commit(0, 1)
+    assert _tags(uri) == Counter({"covered": 3, "next": 3})
+    assert DeltaTable(uri).transaction_version(sink.app_id) == 2
+
+
+def test_restoring_an_older_checkpoint_removes_the_lineages_later_commits(tmp_path) -> None:
+    uri = str(tmp_path / "t")
+    run = _run()
+    sink = pe.sinks.DeltaSink(uri)
+    sink.begin_run(run)
+    sink.recover(())
+    for c in (1, 2, 3):
+        sink.stage(0, c, _rows(f"c{c}"))
+        sink.commit(0, c)
+    other = pe.sinks.DeltaSink(uri, mode="append")  # another job's rows stay
+    other.begin_run(_run("other"))
+    other.recover(())
+    other.stage(0, 1, _rows("other"))
+    other.commit(0, 1)
+    branch = _run(lineage=run.lineage_id, restored=((run.run_id, 1),))  # restore_from chk-1
+    sink.begin_run(branch)
+    sink.recover(branch.restored)
+    assert _tags(uri) == Counter({"c1": 3, "other": 3})
+    assert DeltaTable(uri).transaction_version(sink.app_id) == 1
+    sink.stage(0, 1, _rows("again"))
+    sink.commit(0, 1)  # version 2 again: not skipped
+    assert _tags(uri) == Counter({"c1": 3, "other": 3, "again": 3})
+
+
+def test_modes_error_append_overwrite(tmp_path) -> None:
+    uri = str(tmp_path / "t")
+    first = pe.sinks.DeltaSink(uri)
+    first.begin_run(_run("first"))
+    first.recover(())
+    first.stage(0, 1, _rows("first"))
+    first.commit(0, 1)
+    with pytest.raises(pe.errors.OutputInUseError, match=r"does not continue .*job 'first'.*mode=\"append\""):
+        pe.sinks.DeltaSink(uri).begin_run(_run("second"))
+    for mode, tags in (("append", {"first": 3, "second": 3}), ("overwrite", {"second": 3})):
+        second = pe.sinks.DeltaSink(uri, mode=mode)
+        run = _run("second")
+        second.begin_run(run)
+        second.recover(())
+        second.stage(0, 1, _rows("second"))
+        second.commit(0, 1)
+        second.stage(0, 2, _rows("second"))
+        second.commit(0, 2)
+        second.recover(((run.run_id, 2),))
+        if mode == "overwrite":
+            assert _tags(uri) == Counter({"second": 6})  # replaced at its first commit only
+        else:
+            assert _tags(uri) == Counter({**tags, "second": 6})
+        first.stage(0, 2, _rows("first"))  # the old writer's lineage still writes where it wrote
+    with pytest.raises(ValueError, match="mode must be one of"):
+        pe.sinks.DeltaSink(uri, mode="merge")
+
+
+def test_the_schema_is_the_tables_and_records_that_do_not_fit_are_refused(tmp_path) -> None:
+    uri = str(tmp_path / "t")
+    sink = pe.sinks.DeltaSink(uri, schema=SCHEMA)
+    sink.begin_run(_run())
+    sink.recover(())
+    sink.stage(0, 1, [{"user": 1, "n": 1, "v": 7}])
+    sink.commit(0, 1)
+    assert pa.schema(DeltaTable(uri).schema().to_arrow()).names == ["user", "n", "v"]
+    with pytest.raises(pe.sinks.RecordRejectedError, match="'n'"):
+        sink.stage(0, 2, [{"user": 1, "n": "one", "v": 7}])
+    with pytest.raises(pe.errors.OutputInUseError, match="has schema"):
+        pe.sinks.DeltaSink(uri, mode="append", schema=pa.schema([("x", pa.string())])).begin_run(_run())
+    nulls = pe.sinks.DeltaSink(str(tmp_path / "u"))
+    nulls.begin_run(_run())
+    with pytest.raises(pe.sinks.RecordRejectedError, match="every value is None"):
+        nulls.stage(0, 1, [{"user": 1, "x": None}])
+
+
+def test_pickled_sink_stages_where_the_driver_commits(tmp_path) -> None:
+    """As on Spark: the driver's sink begins the run; a pickled copy (an executor's)
+    stages and commits; the driver's recover sees Delta has it."""
+    import pickle
+
+    uri = str(tmp_path / "t")
+    driver = pe.sinks.DeltaSink(uri)
+    run = _run()
+    driver.begin_run(run)
+    driver.recover(())
+    executor = pickle.loads(pickle.dumps(driver))
+    executor.stage(0, 1, _rows("x"))
+    executor.commit(0, 1)
+    driver.recover(((run.run_id, 1),))
+    driver.end_run("FINISHED")
+    assert _tags(uri) == Counter({"x": 3}) and DeltaTable(uri).version() == 0
+    assert not (tmp_path / "t" / "_pyengine" / "staging" / run.lineage_id).exists()
