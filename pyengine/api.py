@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional
 
@@ -28,7 +29,14 @@ from .runtime.operators import (
     key_selector,
     overrides_on_timer,
 )
-from .runtime.sources import CollectionSource, FileSource, GeneratorSource, Source, SourceOperator
+from .runtime.sources import (
+    CollectionSource,
+    FileSource,
+    GeneratorSource,
+    MonitoredFileSource,
+    Source,
+    SourceOperator,
+)
 from .runtime.task import EventTimeStatistics, SinkOperator, event_time_statistics
 from .sinks import Sink
 from .state.keygroups import check_parallelism
@@ -221,10 +229,19 @@ class StreamEnvironment:
         name: str = "files",
         *,
         watermark_strategy: Optional[WatermarkStrategy] = None,
+        monitor_interval_ms: Optional[int] = None,
     ) -> DataStream:
         """Files (a directory, a file, or a list of files) as Arrow batches, through
-        ``pyarrow.dataset``; replayable by file and row."""
-        return self.from_source(FileSource(path, format, columns), name, watermark_strategy=watermark_strategy)
+        ``pyarrow.dataset``; replayable by file and row.
+
+        ``monitor_interval_ms``: keep watching the directory, picking up new files
+        every that many ms, without end (``MonitoredFileSource``: the files each split
+        took are checkpointed, so a restore neither skips nor repeats one)."""
+        if monitor_interval_ms is not None:
+            source: Source = MonitoredFileSource(path, format, columns, monitor_interval_ms)
+        else:
+            source = FileSource(path, format, columns)
+        return self.from_source(source, name, watermark_strategy=watermark_strategy)
 
     def from_dataframe(self, df: Any, name: str = "dataframe", path: Optional[str] = None) -> DataStream:
         """A batch Spark DataFrame as a replayable source (``pyengine.spark.DataFrameSource``):
@@ -240,12 +257,18 @@ class StreamEnvironment:
     def from_generator(
         self,
         fn: Callable[[int], Any],
-        count: int,
+        count: Optional[int] = None,
+        rate_per_s: Optional[float] = None,
         name: str = "generator",
         *,
         watermark_strategy: Optional[WatermarkStrategy] = None,
     ) -> DataStream:
-        return self.from_source(GeneratorSource(fn, count), name, watermark_strategy=watermark_strategy)
+        """Records ``fn(0), fn(1), ...`` (deterministic by sequence number, read in
+        parallel: see ``GeneratorSource``): ``count`` of them, or without end when
+        ``count`` is None (the job then runs until cancelled or stopped with a
+        savepoint); at most ``rate_per_s`` per second over all subtasks when given,
+        for demos and latency measurements."""
+        return self.from_source(GeneratorSource(fn, count, rate_per_s), name, watermark_strategy=watermark_strategy)
 
     # -- running -----------------------------------------------------------------------------
 
@@ -318,9 +341,19 @@ class StreamEnvironment:
         the same.
 
         ``runner``: "embedded" (threads in this process), "spark" (a barrier stage on
-        the active Spark session, or a local one), or a ``pe.runners.SparkRunner(spark)``."""
-        result = self._runner(name, restore_from, resume, runner).run()
-        return _raise_if_failed(result)
+        the active Spark session, or a local one), or a ``pe.runners.SparkRunner(spark)``.
+
+        A job with an unbounded source runs until ``JobClient.cancel()`` or
+        ``stop_with_savepoint`` (start it with ``execute_async``); Ctrl-C during
+        ``execute`` cancels it cleanly (its run is recorded CANCELED, and running the
+        job again resumes from its latest checkpoint) and re-raises the interrupt."""
+        client = JobClient(self._runner(name, restore_from, resume, runner))
+        try:
+            return client.wait()
+        except KeyboardInterrupt:  # Ctrl-C: stop the job cleanly, then let the interrupt go on
+            client.cancel()
+            client.wait(60, raise_failure=False)
+            raise
 
     def execute_async(
         self,
@@ -383,8 +416,6 @@ class JobClient:
             self._error = exc
 
     def _wait_running(self, timeout_s: float) -> None:
-        import time
-
         deadline = time.monotonic() + timeout_s
         while not self._runner.all_running():
             if not self._thread.is_alive() or time.monotonic() > deadline:
@@ -423,14 +454,29 @@ class JobClient:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
-    def wait(self, timeout_s: Optional[float] = None) -> JobResult:
+    def cancel(self) -> None:
+        """Ends the job without a savepoint (an unbounded one runs until this or
+        ``stop_with_savepoint``); ``wait()`` then returns its result, status
+        ``CANCELED``. What completed checkpoints committed stays; running the job
+        again resumes from the latest one."""
+        cancel = getattr(self._runner, "cancel", None)
+        if cancel is None:
+            raise NotImplementedError(f"{type(self._runner).__name__} cannot cancel a job")
+        cancel()
+
+    def wait(self, timeout_s: Optional[float] = None, *, raise_failure: bool = True) -> JobResult:
         """The job's result once it ends; raises ``JobFailedError`` if it failed."""
-        self._thread.join(timeout_s)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._thread.is_alive():  # short joins: Ctrl-C reaches the waiting thread
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            self._thread.join(0.1 if left is None else min(0.1, left))
         if self._thread.is_alive():
             raise TimeoutError(f"job {self._runner.name!r} still running after {timeout_s} s")
         if self._error is not None:
             raise self._error
-        return _raise_if_failed(self._result)
+        return _raise_if_failed(self._result) if raise_failure else self._result
 
 
 class DataStream:

@@ -184,6 +184,7 @@ class LocalRunner:
         self.restarts = 0  # so far, for progress reports while the job runs
         self._temp: Optional[tempfile.TemporaryDirectory] = None
         self._stop_with_savepoint = threading.Event()
+        self._cancel = threading.Event()
 
     # -- the JobGateway ----------------------------------------------------------------------
 
@@ -474,6 +475,9 @@ class LocalRunner:
                 if outcome == "stopped":
                     status = "FINISHED"
                     break
+                if outcome == "cancelled":
+                    status = "CANCELED"
+                    break
                 cause = self._failure
                 if not self._restart(restarts):
                     break
@@ -529,7 +533,7 @@ class LocalRunner:
         )
 
     def _supervise(self) -> str:
-        """Waits for the end of this attempt: "finished", "failed" or "stopped"."""
+        """Waits for the end of this attempt: "finished", "failed", "stopped" or "cancelled"."""
         coordinator = self.coordinator
         assert coordinator is not None
         while not all(t.running.is_set() or t.finished.is_set() for t in self._tasks):
@@ -550,6 +554,9 @@ class LocalRunner:
             if self._stop_with_savepoint.is_set():
                 coordinator.stop_checkpoint_scheduler(abort_pending=False)
                 return "stopped"
+            if self._cancel.is_set():
+                coordinator.stop_checkpoint_scheduler()
+                return "cancelled"
             # The final checkpoint waits until every task has processed all its input, so
             # no record is left in flight behind its barrier, aligned or not (FLIP-147).
             if not ending and len(self._drained) == len(self._tasks):
@@ -596,6 +603,13 @@ class LocalRunner:
         if stats is not None and stats.id == metadata.checkpoint_id and stats.external_path:
             return stats.external_path
         return directory
+
+    def cancel(self) -> None:
+        """Ends the job now, without a savepoint (Flink's cancel): its tasks stop, what
+        the last completed checkpoint covers stays committed, and the run is recorded
+        CANCELED, so running the job again resumes from that checkpoint."""
+        self._cancel.set()
+        self._wake.set()
 
     def stop_with_savepoint(self, directory: str, timeout_s: float = 600) -> str:
         path = self.trigger_savepoint(directory, timeout_s)

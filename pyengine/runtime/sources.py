@@ -22,6 +22,7 @@ __all__ = [
     "ColumnNotFoundError",
     "FileSource",
     "GeneratorSource",
+    "MonitoredFileSource",
     "Source",
     "SourceOperator",
     "check_columns",
@@ -67,6 +68,17 @@ class Source:
     def read(self, subtask: int, parallelism: int, position: int, n: int) -> Any:
         """Up to ``n`` records from ``position`` of the split; ``None`` at its end."""
         raise NotImplementedError
+
+    def split_state(self, subtask: int, parallelism: int) -> Any:
+        """What a split needs besides its position to be read again the same way after
+        a restore (plain data; None: nothing), checkpointed with the position. A
+        source whose splits grow as it runs (a watched directory: the files a split
+        has taken, in order) keeps it here."""
+        return None
+
+    def restore_split_state(self, subtask: int, parallelism: int, state: Any) -> None:
+        """Before a run reads a split: the state ``split_state`` gave at the restored
+        checkpoint, or None for a fresh start."""
 
 
 class CollectionSource(Source):
@@ -285,7 +297,9 @@ class _SplitReader:
 
 
 class GeneratorSource(Source):
-    """``count`` records ``fn(sequence_number)``, deterministic by construction.
+    """Records ``fn(sequence_number)``: ``count`` of them, or without end when
+    ``count`` is None; at most ``rate_per_s`` per second over all subtasks when given
+    (paced: a split that is ahead has "nothing now"). Deterministic by construction.
 
     Ordering: parallel, like Flink's ``fromSequence``: subtask ``i`` of ``p`` makes
     the records of sequence numbers ``i, i+p, i+2p, ...``, in increasing order, and
@@ -293,15 +307,227 @@ class GeneratorSource(Source):
     when they all come from one subtask (at parallelism 1, say); otherwise use
     ``from_collection``, which keeps its order per key at any parallelism."""
 
-    def __init__(self, fn: Callable[[int], Any], count: int) -> None:
+    def __init__(self, fn: Callable[[int], Any], count: Optional[int], rate_per_s: Optional[float] = None) -> None:
+        if count is not None and (type(count) is not int or count < 0):
+            raise ValueError(f"from_generator count must be an int >= 0 or None (unbounded), got {count!r}")
+        if rate_per_s is not None and (isinstance(rate_per_s, bool) or not rate_per_s > 0):
+            raise ValueError(f"from_generator rate_per_s must be a number > 0 or None, got {rate_per_s!r}")
         self.fn = fn
         self.count = count
+        self.rate_per_s = rate_per_s
+        self._pace: Dict[Tuple[int, int], Tuple[float, int]] = {}  # split -> (start, position then)
+
+    def __getstate__(self) -> Dict[str, Any]:  # to Spark executors: pacing starts there
+        state = self.__dict__.copy()
+        state["_pace"] = {}
+        return state
+
+    def _allowed(self, subtask: int, parallelism: int, position: int, n: int) -> int:
+        """How many records the split may give now: its share of the rate since it
+        started reading in this process (a restore starts the clock again)."""
+        assert self.rate_per_s is not None
+        now = time.monotonic()
+        start = self._pace.get((subtask, parallelism))
+        if start is None or start[1] > position:
+            start = self._pace[(subtask, parallelism)] = (now, position)
+        budget = int((now - start[0]) * self.rate_per_s / parallelism) + 1 - (position - start[1])
+        return max(0, min(n, budget))
 
     def read(self, subtask: int, parallelism: int, position: int, n: int) -> Optional[List[Any]]:
         first = subtask + position * parallelism
-        if first >= self.count:
+        if self.count is not None and first >= self.count:
             return None
-        return [self.fn(i) for i in range(first, min(self.count, first + n * parallelism), parallelism)]
+        if self.rate_per_s is not None:
+            n = self._allowed(subtask, parallelism, position, n)
+            if n == 0:
+                return []
+        end = first + n * parallelism
+        if self.count is not None:
+            end = min(self.count, end)
+        return [self.fn(i) for i in range(first, end, parallelism)]
+
+
+class MonitoredFileSource(Source):
+    """``read_files(path, ..., monitor_interval_ms=...)``: a directory watched for new
+    files, without end (until the job is cancelled or stopped with a savepoint).
+
+    Every ``monitor_interval_ms`` a split lists the directory and takes the files it
+    owns that it has not taken yet, by path order; a file belongs to split ``i`` of
+    ``p`` when ``stable_hash(its path relative to the directory) % p == i``. Files
+    whose name starts with ``.`` or ``_`` are skipped (write a file under such a name
+    and rename it when complete: a file must not change once seen). A split reads
+    its files in the order it took them, and its position is the rows read over
+    them; the list of files it took is checkpointed with the position, so a restore
+    reads on where it was, takes the files that came since, and neither skips nor
+    repeats a file.
+
+    Ordering: per file, in file order; one split's files in the order it took them."""
+
+    def __init__(self, path: str, format: str, columns: Optional[List[str]], monitor_interval_ms: int) -> None:
+        import pyarrow.dataset as ds
+        import pyarrow.fs as pafs
+
+        if format not in FileSource.FORMATS:
+            raise ValueError(f"read_files format must be one of {', '.join(FileSource.FORMATS)}, got {format!r}")
+        if type(monitor_interval_ms) is not int or monitor_interval_ms < 1:
+            raise ValueError(f"read_files monitor_interval_ms must be an int >= 1, got {monitor_interval_ms!r}")
+        try:
+            fs, root = pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), path)
+            info = fs.get_file_info(root)
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise ValueError(f"read_files({path!r}): {exc}") from None
+        if info.type != pafs.FileType.Directory:
+            raise ValueError(f"read_files({path!r}, monitor_interval_ms=...) watches a directory, and there is none")
+        self.path = path
+        self.format = format
+        self.columns = columns
+        self.interval_s = monitor_interval_ms / 1000
+        self._fs, self._root = fs, root.rstrip("/")
+        files = self._list()
+        self.schema = None  # type: ignore[assignment]
+        if files:  # known from the files there now: columns are checked when the job is built
+            schema = ds.dataset(f"{self._root}/{files[0]}", format=format, filesystem=fs).schema
+            if columns is not None:
+                check_columns(schema, columns, f"read_files({path!r})")
+                schema = pa.schema([schema.field(c) for c in columns])
+            self.schema = schema
+        self._taken: Dict[Tuple[int, int], List[str]] = {}
+        self._readers: Dict[Tuple[int, int], Any] = {}
+        self._scanned: Dict[Tuple[int, int], float] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = self.__dict__.copy()
+        for name in ("_lock", "_fs"):
+            state.pop(name, None)
+        state["_readers"], state["_scanned"] = {}, {}
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        import pyarrow.fs as pafs
+
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._fs = pafs.FileSystem.from_uri(self.path)[0] if "://" in self.path else pafs.LocalFileSystem()
+
+    def _list(self) -> List[str]:
+        """Every readable file under the directory, by path relative to it, sorted."""
+        import pyarrow.fs as pafs
+
+        selector = pafs.FileSelector(self._root, recursive=True)
+        out = []
+        for info in self._fs.get_file_info(selector):
+            if info.type != pafs.FileType.File:
+                continue
+            relative = info.path[len(self._root) :].lstrip("/")
+            if any(part.startswith((".", "_")) for part in relative.split("/")):
+                continue
+            out.append(relative)
+        return sorted(out)
+
+    def split_state(self, subtask: int, parallelism: int) -> Any:
+        return list(self._taken.get((subtask, parallelism), []))
+
+    def restore_split_state(self, subtask: int, parallelism: int, state: Any) -> None:
+        with self._lock:
+            self._taken[(subtask, parallelism)] = [str(f) for f in state] if state else []
+            self._readers.pop((subtask, parallelism), None)
+            self._scanned.pop((subtask, parallelism), None)
+
+    def _discover(self, subtask: int, parallelism: int) -> List[str]:
+        from ..state.keygroups import stable_hash
+
+        taken = self._taken.setdefault((subtask, parallelism), [])
+        seen = set(taken)
+        new = [f for f in self._list() if f not in seen and stable_hash(f) % parallelism == subtask]
+        taken.extend(new)
+        return new
+
+    def read(self, subtask: int, parallelism: int, position: int, n: int) -> Any:
+        split = (subtask, parallelism)
+        reader = self._readers.get(split)
+        if reader is None or reader.position != position:
+            reader = _FilesReader(self, list(self._taken.get(split, [])), position)
+            self._readers[split] = reader
+        batch = reader.take(n)
+        if batch is not None:
+            return batch
+        now = time.monotonic()
+        if now - self._scanned.get(split, -1e9) < self.interval_s:
+            return []
+        self._scanned[split] = now
+        new = self._discover(subtask, parallelism)
+        if not new:
+            return []
+        reader.files.extend(new)
+        return reader.take(n) or []
+
+
+class _FilesReader:
+    """Rows of a list of files in order, ``n`` at a time, from a row position; the
+    list may grow at its end."""
+
+    def __init__(self, source: MonitoredFileSource, files: List[str], position: int) -> None:
+        self.source = source
+        self.files = files
+        self.position = 0
+        self._next_file = 0
+        self._batches: Any = iter(())
+        self._pending: List[pa.RecordBatch] = []
+        skip = position
+        while skip > 0:  # seek: whole files by their row counts, then rows
+            batch = self._next_batch(4096)
+            if batch is None:
+                break
+            if batch.num_rows > skip:
+                self._pending = [batch.slice(skip)]
+                self.position += skip
+                break
+            skip -= batch.num_rows
+            self.position += batch.num_rows
+
+    def _open(self, name: str) -> Any:
+        import pyarrow.dataset as ds
+
+        s = self.source
+        dataset = ds.dataset(f"{s._root}/{name}", format=s.format, filesystem=s._fs)
+        return dataset.to_batches(columns=s.columns, use_threads=False)
+
+    def _next_batch(self, n: int) -> Optional[pa.RecordBatch]:
+        while True:
+            batch = next(self._batches, None)
+            if batch is not None:
+                if batch.num_rows:
+                    return batch
+                continue
+            if self._next_file >= len(self.files):
+                return None
+            self._batches = self._open(self.files[self._next_file])
+            self._next_file += 1
+
+    def take(self, n: int) -> Optional[pa.RecordBatch]:
+        pieces, taken = [], 0
+        while taken < n:
+            batch = self._pending.pop(0) if self._pending else self._next_batch(n)
+            if batch is None:
+                break
+            want = n - taken
+            if batch.num_rows > want:
+                self._pending.insert(0, batch.slice(want))
+                batch = batch.slice(0, want)
+            pieces.append(batch)
+            taken += batch.num_rows
+        if not pieces:
+            return None
+        self.position += taken
+        if len(pieces) == 1:
+            return pieces[0]
+        try:
+            return pa.concat_batches(pieces)
+        except pa.ArrowInvalid:  # files of different schemas: one at a time
+            self._pending = pieces[1:] + self._pending
+            self.position -= taken - pieces[0].num_rows
+            return pieces[0]
 
 
 class SourceOperator(Operator):
@@ -361,7 +587,10 @@ class SourceOperator(Operator):
             same = all(e[5] == ctx.parallelism for e in entries)
             mine = [e for e in entries if e[4] == ctx.subtask] if same else entries[ctx.subtask :: ctx.parallelism]
             self.splits = [list(e[:4]) for e in mine]
-            self._restored_max = {(e[0], e[1]): int(e[6]) for e in mine if len(e) > 6}
+            self._restored_max = {(e[0], e[1]): int(e[6]) for e in mine if len(e) > 6 and e[6] is not None}
+        extra = {(e[0], e[1]): e[7] for e in mine if len(e) > 7} if restored is not None else {}
+        for split in self.splits:
+            self._call(self.source.restore_split_state, split[0], split[1], extra.get((split[0], split[1])))
         self.exhausted = all(split[3] for split in self.splits)
         self._state = state
 
@@ -468,7 +697,10 @@ class SourceOperator(Operator):
         entries = []
         for split in self.splits:
             generator = self._generators.get((split[0], split[1]))
-            extra = [generator.max_ts] if generator is not None else []
-            entries.append([*split, me, p, *extra])
+            extra = self._call(self.source.split_state, split[0], split[1])
+            if generator is not None or extra is not None:  # else the six fields older checkpoints have
+                entries.append([*split, me, p, generator.max_ts if generator is not None else None, extra])
+            else:
+                entries.append([*split, me, p])
         self._state.update(entries)
         return super().snapshot(checkpoint_id, location)
