@@ -278,3 +278,20 @@ def test_randomized_failures_on_spark_keep_the_output_exact(tmp_path, spark, see
     assert result.status == "FINISHED", f"{where}: {result.cause}"
     assert os.path.exists(tmp_path / "failed-once"), where
     assert pairs(sink.read_committed()) == expected(), where
+
+
+def test_an_executor_without_the_drivers_pyengine_is_named_with_the_fix(tmp_path, spark, monkeypatch) -> None:
+    """Every task checks, before it unpickles the job, that its Python imports the
+    driver's pyengine version; here the driver claims another version."""
+    import sys
+
+    real = pe.__version__
+    monkeypatch.setattr(sys.modules["pyengine"], "__version__", "0.0.0+driver")
+    env = pe.StreamEnvironment(parallelism=1, restart_attempts=3)
+    env.from_collection(RECORDS).map(_unchanged).sink_to(pe.sinks.FileSink(str(tmp_path / "out")))
+    with pytest.raises(pe.JobFailedError) as info:
+        env.execute("wrong-version", runner=pe.runners.SparkRunner(spark))
+    message = str(info.value.cause)
+    assert "executor on host" in message and f"imports pyengine {real}" in message, message
+    assert "driver runs pyengine 0.0.0+driver" in message and "spark.archives" in message, message
+    assert info.value.result.restarts == 0  # no restart installs a package

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from ..coordinator import ExecutionAttempt, ThreadTimerService
+from ..errors import NonRetryableError
 from ..io import CheckpointOptions, CheckpointType
 from ..runtime.task import Output
 from ..sinks import CollectSink
@@ -209,6 +210,122 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
     yield f"{attempt} finished"
 
 
+# -- what runs on an executor before pyengine is imported there ---------------------------------------------------
+
+EXECUTOR_CHECK_TAG = "pyengine-executor-check:"
+
+
+def _executor_check(expected: str) -> None:
+    """On an executor, before anything of pyengine is unpickled: raise (a one-line
+    message tagged ``EXECUTOR_CHECK_TAG``, JSON) when the executor's Python cannot
+    import pyengine or imports another version. Shipped by value (see ``_by_value``),
+    so it needs nothing but the standard library."""
+    import json as _json
+    import os as _os
+    import socket as _socket
+    import sys as _sys
+
+    try:
+        import pyengine as _pe
+
+        found = str(getattr(_pe, "__version__", "unknown"))
+        origin = _os.path.dirname(str(getattr(_pe, "__file__", "") or "")) or "?"
+        problem = None if found == expected else f"imports pyengine {found} (from {origin})"
+    except Exception as exc:  # not installed, or installed without its native part
+        problem = f"cannot import pyengine ({type(exc).__name__}: {exc})"
+    if problem is None:
+        return
+    cwd = _os.getcwd()
+    parent, leaf = _os.path.split(cwd)
+    executor = leaf if leaf.isdigit() and _os.path.basename(parent).startswith("app-") else "?"
+    body = {
+        "executor": executor,
+        "host": _socket.gethostname(),
+        "python": _sys.executable,
+        "python_version": _sys.version.split()[0],
+        "problem": problem,
+        "expected": expected,
+    }
+    raise RuntimeError(EXECUTOR_CHECK_TAG + _json.dumps(body))
+
+
+def _task_entry(expected: str, payload: bytes, index_iter: Iterator[int]) -> Iterator[str]:
+    """The body of a barrier task as shipped (by value): the executor check, then the
+    job, unpickled only once pyengine is known to be there."""
+    _executor_check(expected)
+    from pyengine.runners.spark import _run_tasks
+
+    yield from _run_tasks(payload, index_iter)
+
+
+def _check_entry(expected: str, index_iter: Iterator[int]) -> Iterator[str]:
+    """The preflight task (by value): the executor check alone."""
+    import socket as _socket
+
+    _executor_check(expected)
+    for _ in index_iter:
+        yield _socket.gethostname()
+
+
+def _by_value(fn: Any) -> Any:
+    """A copy of module-level ``fn`` that cloudpickle ships by value (its module, as
+    far as pickling goes, is ``__main__``), with the module's other shipped-by-value
+    functions as its only globals: an executor unpickles it without pyengine."""
+    import types
+
+    shipped: Dict[str, Any] = {
+        "__builtins__": __builtins__,
+        "_executor_check": None,
+        "EXECUTOR_CHECK_TAG": EXECUTOR_CHECK_TAG,
+    }
+    check = types.FunctionType(_executor_check.__code__, shipped, "_executor_check")
+    check.__module__ = "__main__"
+    check.__qualname__ = "_pyengine_executor_check"
+    shipped["_executor_check"] = check
+    if fn is _executor_check:
+        return check
+    copy = types.FunctionType(fn.__code__, shipped, fn.__name__, fn.__defaults__)
+    copy.__module__ = "__main__"
+    copy.__qualname__ = f"_pyengine{fn.__name__}"
+    return copy
+
+
+def _run_tasks(payload: bytes, index_iter: Iterator[int]) -> Iterator[str]:
+    from pyspark import cloudpickle
+
+    spec = cloudpickle.loads(payload)
+    for index in index_iter:
+        yield from _run_subtask(spec, index)
+
+
+def _executor_problem(text: str) -> Optional[str]:
+    """The executor check's failure inside a Spark error, as a sentence naming the
+    executor and the fix; None when the error is something else."""
+    import json
+    import re
+
+    found = re.search(re.escape(EXECUTOR_CHECK_TAG) + r"(\{[^\n]*?\})", text)
+    if found is None:
+        return None
+    try:
+        body = json.loads(found.group(1))
+    except ValueError:
+        return None
+    where = (
+        f"executor {body.get('executor')} on host {body.get('host')}"
+        if body.get("executor") != "?"
+        else (f"an executor on host {body.get('host')}")
+    )
+    expected = body.get("expected")
+    return (
+        f"{where} {body.get('problem')} with Python {body.get('python')} ({body.get('python_version')}), but the "
+        f"driver runs pyengine {expected}. Every executor needs the same pyengine: install pyengine=={expected} "
+        f"into the Python the executors run (spark.pyspark.python / PYSPARK_PYTHON) on every node, or ship a "
+        f"packed virtual environment with it: spark.archives=pyengine-env.tar.gz#environment and "
+        f"spark.pyspark.python=./environment/bin/python (see the Spark guide, 'Shipping pyengine')"
+    )
+
+
 class SparkRunner:
     """Run jobs on Spark: ``env.execute(name, runner=pe.runners.SparkRunner(spark))``, or
     ``runner="spark"`` for the active session (or a local one sized to the job)."""
@@ -339,11 +456,12 @@ class _SparkJob(LocalRunner):
             )
 
     def _submit(self, sc: Any, spec: _TaskSpec) -> None:
-        count = len(self._attempts())
+        import functools
 
-        def run(index_iter: Iterator[int]) -> Iterator[str]:
-            for index in index_iter:
-                yield from _run_subtask(spec, index)
+        from pyspark import cloudpickle
+
+        count = len(self._attempts())
+        run = functools.partial(_by_value(_task_entry), _version(), cloudpickle.dumps(spec))
 
         def job() -> None:
             try:
@@ -351,6 +469,10 @@ class _SparkJob(LocalRunner):
                 sc.parallelize(range(count), count).barrier().mapPartitions(run).collect()
             except BaseException as exc:  # the stage failed or was cancelled
                 self._spark_error = exc
+                problem = _executor_problem(str(exc))
+                if problem is not None:  # no restart installs pyengine
+                    self.fail_job(NonRetryableError(problem))
+                    return
                 failure = RuntimeError(f"the Spark stage failed: {_stage_failure(str(exc))}")
                 if _worker_crashed(str(exc)):
                     # The root cause, though its peers (their channels cut) may have told first.
@@ -372,6 +494,8 @@ class _SparkJob(LocalRunner):
         spark = self._session()
         sc = spark.sparkContext
         self._check_slots(sc)
+        if not str(sc.master).startswith("local"):
+            self._check_executors(sc)
         timers = ThreadTimerService()
         try:
             storage, restored_meta = self._start_run(timers)
@@ -448,6 +572,23 @@ class _SparkJob(LocalRunner):
             self._close_run(status)
         return self._result(status, cause, restarts, [], storage, started)
 
+    def _check_executors(self, sc: Any) -> None:
+        """Before the run opens: a barrier stage as wide as the job checks that its
+        executors import the driver's pyengine (each task of the job checks again,
+        before it unpickles anything: executors may come and go)."""
+        import functools
+
+        count = len(self._attempts())
+        check = functools.partial(_by_value(_check_entry), _version())
+        try:
+            sc.setJobGroup(self._group, f"pyengine {self.name}: executor check", interruptOnCancel=True)
+            sc.parallelize(range(count), count).barrier().mapPartitions(check).collect()
+        except Exception as exc:
+            problem = _executor_problem(str(exc))
+            if problem is not None:
+                raise RuntimeError(f"job {self.name!r} cannot run on this cluster: {problem}") from None
+            raise
+
     def _check_picklable(self, spec: _TaskSpec) -> None:
         from pyspark import cloudpickle
 
@@ -503,6 +644,11 @@ class _SparkJob(LocalRunner):
                     self._send(a, {"cmd": "end"})
             if self._spark_thread is not None and not self._spark_thread.is_alive():
                 return "failed" if self._failure is not None else "finished"
+
+
+def _version() -> str:
+    """The driver's pyengine version (the package is loaded: this module is in it)."""
+    return str(sys.modules["pyengine"].__version__)
 
 
 def _no_checkpoints() -> Any:
