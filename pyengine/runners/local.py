@@ -25,7 +25,7 @@ from ..coordinator import (
 from ..errors import OutputInUseError, is_non_retryable
 from ..io import CheckpointedInputGate, CheckpointFailureReason, CheckpointOptions
 from ..runtime.operators import OperatorContext
-from ..runtime.task import Output, StreamTask
+from ..runtime.task import Output, StreamTask, event_time_statistics
 from ..sinks import CollectSink, RunInfo
 from ..storage import checkpoint_storage
 from ..storage.filesystem import CheckpointStorage
@@ -530,6 +530,7 @@ class LocalRunner:
             latest_checkpoint=storage.uri_of(storage.checkpoint_dir(latest.checkpoint_id)) if latest else None,
             duration_s=time.monotonic() - started,
             _temp=self._temp,
+            event_time=event_time_statistics(self._tasks) if getattr(self.graph, "event_time", False) else None,
         )
 
     def _supervise(self) -> str:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from ..coordinator import CheckpointStatsTracker
+from ..runtime.task import EventTimeStatistics
 
 __all__ = ["JobResult"]
 
@@ -32,6 +33,9 @@ class JobResult:
     duration_s: float
     _temp: Any = field(default=None, repr=False)
     monitoring_url: Optional[str] = None
+    # Event time at the end (a job that uses it): each subtask's watermarks and the
+    # late records dropped (``pyengine.runtime.task.EventTimeStatistics``).
+    event_time: Optional[EventTimeStatistics] = None
 
     @property
     def succeeded(self) -> bool:
@@ -64,6 +68,7 @@ class JobResult:
                 "checkpoint_dir": self.checkpoint_dir,
                 "latest_checkpoint": self.latest_checkpoint,
                 "monitoring_url": self.monitoring_url,
+                "event_time": None if self.event_time is None else self.event_time.to_json(),
                 "checkpoints": self.checkpoints_json(),
             },
             indent=2,
