@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 START_TIMEOUT_S = 120.0
 EXECUTOR_MEMORY = "512m"  # Spark's floor is 450 MiB
@@ -89,28 +89,29 @@ class Daemon:
                 self.process.wait(10)
 
 
-def _env(root: Path, host: str) -> Dict[str, str]:
+def _env(root: Path, host: str, daemon: bool) -> Dict[str, str]:
     env = dict(os.environ)
     env.update(
         SPARK_HOME=spark_home(),
         SPARK_LOCAL_IP=host,
         SPARK_LOCAL_DIRS=str(root / "local"),
-        SPARK_DAEMON_MEMORY="256m",
         SPARK_LOG_DIR=str(root / "logs"),
         PYSPARK_PYTHON=sys.executable,
     )
+    if daemon:  # the master and workers: their heaps (the Connect server is a driver, 512m)
+        env["SPARK_DAEMON_MEMORY"] = "256m"
     return env
 
 
 def _launch(name: str, args: List[str], root: Path, host: str, tool: str = "spark-class") -> Daemon:
     log = root / f"{name}.log"
-    out = open(log, "wb")  # noqa: SIM115 - the daemon writes it while it lives
+    out = open(log, "wb")  # the daemon has its own copy of the descriptor
     process = subprocess.Popen(
         [os.path.join(spark_home(), "bin", tool), *args],
         stdout=out,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
-        env=_env(root, host),
+        env=_env(root, host, daemon=tool == "spark-class"),
         cwd=str(root),
         start_new_session=True,  # never in the test's process group: a Ctrl-C reaches pytest only
     )
@@ -180,39 +181,10 @@ class Cluster:
             time.sleep(0.2)
         raise RuntimeError(f"fewer than {count} executors registered in {timeout:.0f} s")
 
-    def start_connect(self, extra: Optional[Dict[str, str]] = None) -> str:
-        """A Spark Connect server (its own driver, on this cluster); its ``sc://`` URL."""
-        self.connect_port = free_port(self.host)
-        conf = {
-            "spark.connect.grpc.binding.address": self.host,
-            "spark.connect.grpc.binding.port": str(self.connect_port),
-            "spark.driver.host": self.host,
-            "spark.driver.bindAddress": self.host,
-            "spark.executor.cores": "1",
-            "spark.executor.memory": EXECUTOR_MEMORY,
-            "spark.cores.max": str(len(self.workers)),
-            "spark.pyspark.python": sys.executable,
-            "spark.ui.enabled": "false",
-            "spark.sql.shuffle.partitions": "2",
-            "spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "1s",
-            **(extra or {}),
-        }
-        args = ["--master", self.url, "--class", "org.apache.spark.sql.connect.service.SparkConnectServer"]
-        for k, v in conf.items():
-            args += ["--conf", f"{k}={v}"]
-        args.append("spark-internal")
-        self.connect = _launch("connect", args, self.root, self.host, tool="spark-submit")
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.connect.process.poll() is not None:
-                break
-            try:
-                with socket.create_connection((self.host, self.connect_port), timeout=1):
-                    return f"sc://{self.host}:{self.connect_port}"
-            except OSError:
-                time.sleep(0.3)
-        tail = "\n".join(self.connect.text().splitlines()[-30:])
-        raise RuntimeError(f"the Spark Connect server did not start:\n{tail}")
+    def start_connect(self) -> str:
+        """A Spark Connect server whose applications run on this cluster; its ``sc://`` URL."""
+        self.connect, url = start_connect(self.root, self.url, self.host, cores_max=len(self.workers))
+        return url
 
     def stop(self) -> None:
         for daemon in [*([self.connect] if self.connect else []), *self.workers, self.master]:
@@ -268,3 +240,43 @@ def start_cluster(root: Path, workers: int = 2) -> Cluster:
         cluster.stop()
         raise
     return cluster
+
+
+def start_connect(root: Path, master: str, host: Optional[str] = None, cores_max: int = 0) -> Tuple[Daemon, str]:
+    """A Spark Connect server (``SparkConnectServer`` through ``spark-submit``: its own
+    driver JVM) on ``master`` (``local[N]`` or a cluster's URL), listening on ``host``
+    (default: the machine's routable address); it and its ``sc://`` URL once it listens."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "local").mkdir(exist_ok=True)
+    host = host or routable_host()
+    port = free_port(host)
+    conf = {
+        "spark.connect.grpc.binding.address": host,
+        "spark.connect.grpc.binding.port": str(port),
+        "spark.driver.host": host,
+        "spark.driver.bindAddress": host,
+        "spark.executor.cores": "1",
+        "spark.executor.memory": EXECUTOR_MEMORY,
+        "spark.pyspark.python": sys.executable,
+        "spark.ui.enabled": "false",
+        "spark.sql.shuffle.partitions": "2",
+        "spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "1s",
+    }
+    if cores_max:
+        conf["spark.cores.max"] = str(cores_max)
+    args = ["--master", master, "--driver-memory", "512m"]
+    args += ["--class", "org.apache.spark.sql.connect.service.SparkConnectServer"]
+    for k, v in conf.items():
+        args += ["--conf", f"{k}={v}"]
+    args.append("spark-internal")
+    server = _launch("connect", args, root, host, tool="spark-submit")
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline and server.process.poll() is None:
+        try:
+            with socket.create_connection((host, port), timeout=1):
+                return server, f"sc://{host}:{port}"
+        except OSError:
+            time.sleep(0.3)
+    tail = "\n".join(server.text().splitlines()[-30:])
+    server.stop()
+    raise RuntimeError(f"the Spark Connect server did not start:\n{tail}")

@@ -21,7 +21,7 @@ import pyengine as pe
 from pyengine.state import ValueStateDescriptor
 
 pytest.importorskip("pyspark", reason="the Spark runner needs pyspark (the test extra installs it)")
-import spark_cluster  # noqa: E402
+import spark_cluster
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.spark_cluster]
 

@@ -235,9 +235,12 @@ def _executor_check(expected: str) -> None:
         problem = f"cannot import pyengine ({type(exc).__name__}: {exc})"
     if problem is None:
         return
-    cwd = _os.getcwd()
-    parent, leaf = _os.path.split(cwd)
-    executor = leaf if leaf.isdigit() and _os.path.basename(parent).startswith("app-") else "?"
+    # A standalone executor works in <work dir>/app-<id>/<executor id>[/<Connect session>].
+    parts = _os.getcwd().split(_os.sep)
+    executor = "?"
+    for i, part in enumerate(parts[:-1]):
+        if part.startswith("app-") and parts[i + 1].isdigit():
+            executor = parts[i + 1]
     body = {
         "executor": executor,
         "host": _socket.gethostname(),
@@ -267,27 +270,36 @@ def _check_entry(expected: str, index_iter: Iterator[int]) -> Iterator[str]:
         yield _socket.gethostname()
 
 
+_SHIPPED = ("_executor_check", "_task_entry", "_check_entry", "_arrow_entry")
+
+
 def _by_value(fn: Any) -> Any:
     """A copy of module-level ``fn`` that cloudpickle ships by value (its module, as
-    far as pickling goes, is ``__main__``), with the module's other shipped-by-value
-    functions as its only globals: an executor unpickles it without pyengine."""
+    far as pickling goes, is ``__main__``), whose only globals are the other shipped
+    functions (copies too): an executor unpickles it without pyengine."""
     import types
 
-    shipped: Dict[str, Any] = {
-        "__builtins__": __builtins__,
-        "_executor_check": None,
-        "EXECUTOR_CHECK_TAG": EXECUTOR_CHECK_TAG,
-    }
-    check = types.FunctionType(_executor_check.__code__, shipped, "_executor_check")
-    check.__module__ = "__main__"
-    check.__qualname__ = "_pyengine_executor_check"
-    shipped["_executor_check"] = check
-    if fn is _executor_check:
-        return check
-    copy = types.FunctionType(fn.__code__, shipped, fn.__name__, fn.__defaults__)
-    copy.__module__ = "__main__"
-    copy.__qualname__ = f"_pyengine{fn.__name__}"
-    return copy
+    shipped: Dict[str, Any] = {"__builtins__": __builtins__, "EXECUTOR_CHECK_TAG": EXECUTOR_CHECK_TAG}
+    copies = {}
+    for name in _SHIPPED:
+        original = globals()[name]
+        copy = types.FunctionType(original.__code__, shipped, name, original.__defaults__)
+        copy.__module__ = "__main__"
+        copy.__qualname__ = f"_pyengine{name}"
+        copies[name] = copy
+    shipped.update(copies)
+    return copies[fn.__name__]
+
+
+def _arrow_entry(fn: Any, batches: Iterator[Any]) -> Iterator[Any]:
+    """``fn`` (a task body over partition indices) as a ``mapInArrow`` function: the
+    indices come as the ``id`` column of ``spark.range``; what it yields goes back as
+    one ``status`` column (shipped by value, as ``fn`` is)."""
+    import pyarrow as _pa
+
+    indices = [int(i) for batch in batches for i in batch.column(0).to_pylist()]
+    out = [str(line) for line in fn(iter(indices))]
+    yield _pa.RecordBatch.from_pydict({"status": _pa.array(out, _pa.string())})
 
 
 def _run_tasks(payload: bytes, index_iter: Iterator[int]) -> Iterator[str]:
@@ -324,6 +336,114 @@ def _executor_problem(text: str) -> Optional[str]:
         f"packed virtual environment with it: spark.archives=pyengine-env.tar.gz#environment and "
         f"spark.pyspark.python=./environment/bin/python (see the Spark guide, 'Shipping pyengine')"
     )
+
+
+class _Classic:
+    """A classic session: the stage is ``sc.parallelize(range(T), T).barrier().mapPartitions``."""
+
+    connect = False
+
+    def __init__(self, spark: Any) -> None:
+        self.sc = spark.sparkContext
+
+    @property
+    def master(self) -> str:
+        return str(self.sc.master)
+
+    @property
+    def local(self) -> bool:
+        return self.master.startswith("local")
+
+    def slots(self) -> Optional[int]:
+        return int(self.sc.defaultParallelism)
+
+    def driver_host(self) -> str:
+        return _driver_host(self.sc)
+
+    def run_barrier(self, count: int, fn: Any, group: str, description: str) -> List[str]:
+        self.sc.setJobGroup(group, description, interruptOnCancel=True)
+        return list(self.sc.parallelize(range(count), count).barrier().mapPartitions(fn).collect())
+
+    def cancel(self, group: str) -> None:
+        self.sc.cancelJobGroup(group)
+
+
+class _Connect:
+    """A Spark Connect session: no ``SparkContext`` and no RDDs, so the stage is the
+    DataFrame API's barrier mode, ``spark.range(T, numPartitions=T).mapInArrow(...,
+    barrier=True)``, tagged so that it can be interrupted. The coordinator runs in
+    this client process: executors reach it at this machine's address on its route to
+    the Connect server."""
+
+    connect = True
+
+    def __init__(self, spark: Any) -> None:
+        self.spark = spark
+        builder = getattr(getattr(spark, "client", None), "_builder", None)
+        self.server = str(getattr(builder, "host", "") or "localhost")
+
+    @property
+    def master(self) -> str:
+        try:
+            return str(self.spark.conf.get("spark.master", ""))
+        except Exception:  # a serverless platform may not say
+            return ""
+
+    @property
+    def local(self) -> bool:
+        return self.master.startswith("local") and _is_loopback(self.server)
+
+    def slots(self) -> Optional[int]:
+        return None  # Connect has no defaultParallelism: a stage too wide waits for slots, then fails
+
+    def driver_host(self) -> str:
+        return "127.0.0.1" if self.local else _route_to(self.server)
+
+    def run_barrier(self, count: int, fn: Any, group: str, description: str) -> List[str]:
+        import functools
+
+        entry = functools.partial(_by_value(_arrow_entry), fn)
+        self.spark.addTag(group)  # this thread's operations
+        try:
+            frame = self.spark.range(count, numPartitions=count).mapInArrow(entry, "status string", barrier=True)
+            return [str(row[0]) for row in frame.collect()]
+        finally:
+            self.spark.removeTag(group)
+
+    def cancel(self, group: str) -> None:
+        self.spark.interruptTag(group)
+
+
+def _backend(spark: Any) -> Any:
+    if type(spark).__module__.startswith("pyspark.sql.connect"):
+        return _Connect(spark)
+    return _Classic(spark)
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+    import socket
+
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _route_to(host: str) -> str:
+    """This machine's address on its route to ``host`` (no packet is sent)."""
+    import socket
+
+    if _is_loopback(host):
+        return "127.0.0.1"
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((host, 9))
+        return str(probe.getsockname()[0])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+    finally:
+        probe.close()
 
 
 class SparkRunner:
@@ -445,17 +565,17 @@ class _SparkJob(LocalRunner):
             .getOrCreate()
         )
 
-    def _check_slots(self, sc: Any) -> None:
+    def _check_slots(self, backend: Any) -> None:
         needed = len(self._attempts())
-        slots = int(sc.defaultParallelism)
-        if slots < needed:
+        slots = backend.slots()
+        if slots is not None and slots < needed:
             raise RuntimeError(
                 f"the job needs {needed} task slots at once (a barrier stage: {len(self.graph.vertices)} "
                 f"operator chains x parallelism {self.env.parallelism}), but the Spark cluster has {slots}; "
                 f"use local[{needed}] or more executor cores, or lower the parallelism"
             )
 
-    def _submit(self, sc: Any, spec: _TaskSpec) -> None:
+    def _submit(self, backend: Any, spec: _TaskSpec) -> None:
         import functools
 
         from pyspark import cloudpickle
@@ -465,8 +585,7 @@ class _SparkJob(LocalRunner):
 
         def job() -> None:
             try:
-                sc.setJobGroup(self._group, f"pyengine {self.name} attempt {spec.attempt}", interruptOnCancel=True)
-                sc.parallelize(range(count), count).barrier().mapPartitions(run).collect()
+                backend.run_barrier(count, run, self._group, f"pyengine {self.name} attempt {spec.attempt}")
             except BaseException as exc:  # the stage failed or was cancelled
                 self._spark_error = exc
                 problem = _executor_problem(str(exc))
@@ -491,11 +610,10 @@ class _SparkJob(LocalRunner):
         env = self.env
         started = time.monotonic()
         # Spark first: a missing pyspark or too few slots is said before anything is written.
-        spark = self._session()
-        sc = spark.sparkContext
-        self._check_slots(sc)
-        if not str(sc.master).startswith("local"):
-            self._check_executors(sc)
+        backend = _backend(self._session())
+        self._check_slots(backend)
+        if not backend.local:
+            self._check_executors(backend)
         timers = ThreadTimerService()
         try:
             storage, restored_meta = self._start_run(timers)
@@ -516,7 +634,7 @@ class _SparkJob(LocalRunner):
             on_register=self._on_register,
             on_drained=self._on_drained,
             on_failed=self._on_failed,
-            host=_driver_host(sc),
+            host=backend.driver_host(),
         )
         spec_base = dict(
             graph=self.graph,
@@ -528,7 +646,7 @@ class _SparkJob(LocalRunner):
             control=self._control.location,
             token=self._token,
             tls=self._control.tls,
-            local=str(sc.master).startswith("local"),
+            local=backend.local,
         )
         self._check_picklable(_TaskSpec(restored={}, attempt=0, **spec_base))
         restarts, status, cause = 0, "FAILED", None
@@ -543,14 +661,14 @@ class _SparkJob(LocalRunner):
                 restored = dict(restored_meta.operators) if restored_meta is not None else {}
                 self.graph.sink.recover(covered_by(restored_meta))
                 self._attempted = True
-                self._submit(sc, _TaskSpec(restored=restored, attempt=self._attempt_number, **spec_base))
+                self._submit(backend, _TaskSpec(restored=restored, attempt=self._attempt_number, **spec_base))
                 outcome = self._supervise_spark()
                 if outcome == "finished":
                     status = "FINISHED"
                     break
                 for a in self._attempts():
                     self._send(a, {"cmd": "cancel"})
-                sc.cancelJobGroup(self._group)
+                backend.cancel(self._group)
                 if self._spark_thread is not None:
                     self._spark_thread.join(120)
                 from ..io import CheckpointFailureReason
@@ -572,7 +690,7 @@ class _SparkJob(LocalRunner):
             self._close_run(status)
         return self._result(status, cause, restarts, [], storage, started)
 
-    def _check_executors(self, sc: Any) -> None:
+    def _check_executors(self, backend: Any) -> None:
         """Before the run opens: a barrier stage as wide as the job checks that its
         executors import the driver's pyengine (each task of the job checks again,
         before it unpickles anything: executors may come and go)."""
@@ -581,8 +699,7 @@ class _SparkJob(LocalRunner):
         count = len(self._attempts())
         check = functools.partial(_by_value(_check_entry), _version())
         try:
-            sc.setJobGroup(self._group, f"pyengine {self.name}: executor check", interruptOnCancel=True)
-            sc.parallelize(range(count), count).barrier().mapPartitions(check).collect()
+            backend.run_barrier(count, check, self._group, f"pyengine {self.name}: executor check")
         except Exception as exc:
             problem = _executor_problem(str(exc))
             if problem is not None:
