@@ -299,3 +299,33 @@ def test_pickled_sink_stages_where_the_driver_commits(tmp_path) -> None:
     driver.end_run("FINISHED")
     assert _tags(uri) == Counter({"x": 3}) and DeltaTable(uri).version() == 0
     assert not (tmp_path / "t" / "_pyengine" / "staging" / run.lineage_id).exists()
+
+
+def test_a_failed_job_run_again_resumes_its_own_commits_exactly(tmp_path) -> None:
+    """resume="auto": the second run continues the first's lineage, so its app
+    transaction and versions continue too, in the default mode="error"."""
+
+    def run(chaos: Chaos) -> Any:
+        env = pe.StreamEnvironment(
+            parallelism=2,
+            checkpointing=pe.CheckpointConfig(interval_ms=10),
+            checkpoint_storage=str(tmp_path / "ckpt"),
+            buffer_size=16,
+            buffer_timeout_ms=1,
+            channel_capacity=2,
+            restart_attempts=0,
+        )
+        sink = pe.sinks.DeltaSink(str(tmp_path / "table"))
+        env.from_collection(RECORDS).key_by("user").process(Count(chaos)).uid("counter").sink_to(sink)
+        return env.execute("resumed")
+
+    with pytest.raises(pe.JobFailedError):
+        run(Chaos("user", N - 100))
+    first = pyengine_commits(str(tmp_path / "table"))
+    assert first, "the first run committed nothing: the test needs a longer job"
+    result = run(Chaos("none", 1))
+    assert result.checkpoints.counts["restored"] == 1
+    by_delta, by_files = read_back(str(tmp_path / "table"))
+    assert pairs(by_delta) == expected() and pairs(by_files) == expected()
+    runs = {c["pyengine.run_id"] for c in pyengine_commits(str(tmp_path / "table"))}
+    assert len(runs) == 2 and {c["pyengine.lineage_id"] for c in first} == {first[0]["pyengine.run_id"]}
