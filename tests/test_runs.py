@@ -150,7 +150,7 @@ def test_a_storage_root_with_two_jobs_is_refused_unless_the_name_picks_one(tmp_p
         env.execute(name)
     env = counting_env(root)
     counting_job(env, str(tmp_path / "out-gamma"))
-    with pytest.raises(ValueError, match="holding 2 jobs") as info:
+    with pytest.raises(ValueError, match=r"holding 2 job\(s\)") as info:
         env.execute("gamma", restore_from=str(root))
     assert "alpha" in str(info.value) and "beta" in str(info.value)
 
@@ -300,3 +300,88 @@ def test_checkpoints_list_shows_the_jobs_of_a_storage_root(tmp_path, capsys) -> 
     assert main(["checkpoints", "inspect", os.path.join(job_dir, chk), "--json"]) == 0
     body = json.loads(capsys.readouterr().out)["metadata"]
     assert body["job_name"] == "alpha" and body["runs"][0][0] == body["job_id"]
+
+
+# -- what a review found ------------------------------------------------------------------
+
+
+def test_a_root_holding_one_other_job_is_not_restored_under_another_name(tmp_path) -> None:
+    env = counting_env(tmp_path / "ckpt")
+    counting_job(env, str(tmp_path / "out-alpha"))
+    env.execute("alpha")
+    env = counting_env(tmp_path / "ckpt")
+    counting_job(env, str(tmp_path / "out-beta"))
+    with pytest.raises(ValueError, match="none is named 'beta'"):
+        env.execute("beta", restore_from=str(tmp_path / "ckpt"))
+
+
+def test_resume_refuses_an_unfinished_run_that_wrote_elsewhere(tmp_path) -> None:
+    _crash(tmp_path)  # job "crashy" writing to out/
+    env = counting_env(tmp_path / "ckpt")
+    counting_job(env, str(tmp_path / "elsewhere"), step=lambda r: r)
+    with pytest.raises(OutputInUseError, match="another pipeline"):
+        env.execute("crashy")
+
+
+def test_a_dead_run_whose_pid_is_reused_is_not_alive() -> None:
+    from pyengine.storage.jobs import RunRecord
+
+    now = int(time.time() * 1000)
+    mine = RunRecord("r1", now, host=__import__("socket").gethostname(), pid=os.getpid(), heartbeat_ms=now)
+    assert not mine.alive(), "this process holds no lease for r1"
+    parent = RunRecord("r2", now, host=mine.host, pid=os.getppid(), heartbeat_ms=now - 600_000)
+    assert not parent.alive(), "a live pid with a heartbeat ten minutes old is a reused pid"
+    fresh = RunRecord("r3", now, host=mine.host, pid=os.getppid(), heartbeat_ms=now)
+    assert fresh.alive()
+
+
+def test_a_refused_lease_leaves_the_live_runs_record(tmp_path) -> None:
+    from pyengine.storage.jobs import JobLease, read_job
+
+    first = JobLease(str(tmp_path / "job"), "j", "l", "run-1")
+    (tmp_path / "job").mkdir()
+    first.acquire()
+    try:
+        second = JobLease(str(tmp_path / "job"), "j", "l", "run-2")
+        with pytest.raises(OutputInUseError, match="run-1"):
+            second.acquire()
+        second.release("FAILED")
+        job = read_job(str(tmp_path / "job"))
+        assert job is not None and [r.run_id for r in job.runs] == ["run-1"]
+    finally:
+        first.release("FINISHED")
+
+
+def test_a_relative_storage_path_resumes_with_the_incremental_backend(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    seen = [0]
+    lock = threading.Lock()
+
+    def poison(r: Any) -> Any:
+        with lock:
+            seen[0] += 1
+            if seen[0] == 2200:
+                raise RuntimeError("poison")
+        time.sleep(0.0001)
+        return r
+
+    env = counting_env("./ckpt", state_backend="incremental")
+    counting_job(env, "out", step=poison)
+    with pytest.raises(JobFailedError):
+        env.execute("relative")
+    env = counting_env("./ckpt", state_backend="incremental")
+    sink = counting_job(env, "out", step=lambda r: r)
+    result = env.execute("relative")
+    assert result.checkpoints.counts["restored"] == 1
+    assert pairs(sink) == expected_pairs(RECORDS)
+
+
+def test_large_python_records_are_sent_in_pieces_under_the_batch_cap() -> None:
+    from pyengine.runners.flight import _row_payloads
+    from pyengine.state.serializers import SafeSerializer
+
+    rows = [{"doc": "x" * 300_000, "i": i} for i in range(40)]
+    pieces = list(_row_payloads(rows, 1_000_000))
+    assert len(pieces) > 1 and all(len(p) <= 1_000_000 for p in pieces)
+    back = [r for p in pieces for r in SafeSerializer().loads(p)]
+    assert back == rows

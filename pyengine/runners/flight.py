@@ -385,6 +385,20 @@ class GuardedServer(flight.FlightServerBase):
         return self._unserved(context, "DoAction")
 
 
+def _row_payloads(rows: List[Any], limit: int) -> Iterator[bytes]:
+    """A list of Python records as serialized pieces of at most ``limit`` bytes where
+    the records allow (halving the list), so large records in a full buffer stay
+    under the receiver's batch cap as Arrow batches do; the pieces arrive in order as
+    consecutive buffers."""
+    payload = _SAFE.dumps(rows)
+    if len(payload) <= limit or len(rows) < 2:
+        yield payload
+        return
+    middle = len(rows) // 2
+    yield from _row_payloads(rows[:middle], limit)
+    yield from _row_payloads(rows[middle:], limit)
+
+
 def first_call(call: Callable[[], Any]) -> Any:
     """A client's first call, retried while the address refuses, for up to
     CONNECT_TIMEOUT_S: the server may be a moment from listening, and gRPC shares one
@@ -634,8 +648,9 @@ class RemoteChannel:
             for piece in _split(item, self.split_batch_bytes):
                 writer.write_batch(piece)
         elif isinstance(item, list):
-            batch = pa.RecordBatch.from_arrays([pa.array([_SAFE.dumps(item)], pa.binary())], schema=_ROWS_SCHEMA)
-            self._stream(_ROWS_SCHEMA).write_batch(batch)
+            for payload in _row_payloads(item, self.split_batch_bytes):
+                batch = pa.RecordBatch.from_arrays([pa.array([payload], pa.binary())], schema=_ROWS_SCHEMA)
+                self._stream(_ROWS_SCHEMA).write_batch(batch)
         else:
             writer = self._stream(self._schema if self._schema is not None else _ROWS_SCHEMA)
             writer.write_metadata(pa.py_buffer(encode_event(item)))

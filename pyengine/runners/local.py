@@ -57,14 +57,15 @@ def resolve_restore_path(path: str, job_name: Optional[str] = None) -> Tuple[Che
                     f"restore_from={path!r} is not a checkpoint, a savepoint, a job's checkpoint directory or a "
                     f"checkpoint storage root: {first}"
                 ) from None
-            if len(jobs) > 1:
-                named = [j for j in jobs if j.job_name == job_name]
+            named = [j for j in jobs if j.job_name == job_name]
+            others = [j for j in jobs if j.job_name and j.job_name != job_name]
+            if len(jobs) > 1 or (job_name is not None and others):
                 if len(named) != 1:
                     which = "none is" if not named else f"{len(named)} are"
                     raise ValueError(
-                        f"restore_from={path!r} is a checkpoint storage root holding {len(jobs)} jobs, and {which} "
-                        f"named {job_name!r}; pass one job's directory (or one of its chk-<n> directories):\n"
-                        + describe_jobs(jobs)
+                        f"restore_from={path!r} is a checkpoint storage root holding {len(jobs)} job(s), and {which} "
+                        f"named {job_name!r}; pass one job's directory (or one of its chk-<n> directories) to "
+                        "restore it under this name:\n" + describe_jobs(jobs)
                     ) from None
                 jobs = named
             job = jobs[0]
@@ -91,6 +92,19 @@ def covered_by(metadata: Optional[CheckpointMetadata]) -> Tuple[Tuple[str, int],
 
 
 RESUME_MODES = ("auto", "never")
+
+
+def sink_identity(sink: Any) -> str:
+    """Where a sink's output goes, as a job directory records it: a resumed run must
+    write there too (else it is another pipeline that happens to share the name)."""
+    import os
+
+    where = getattr(sink, "path", None) or getattr(sink, "table_uri", None)
+    if isinstance(where, str) and where:
+        if "://" not in where:
+            where = os.path.abspath(where)
+        return f"{type(sink).__name__} {where}"
+    return ""
 
 
 GIL_SWITCH_INTERVAL_S = 0.001
@@ -344,6 +358,14 @@ class LocalRunner:
             )
         if job.finished:
             return None
+        output = sink_identity(self.graph.sink)
+        if job.output and output and job.output != output:
+            raise OutputInUseError(
+                f"job {self.name!r} has an unfinished run in {job.uri} that wrote to {job.output}, but this run "
+                f"writes to {output}: it is another pipeline under the same name, or the output moved. Name the "
+                f"job differently, start fresh with execute({self.name!r}, resume='never'), or write to "
+                f"{job.output} to resume it"
+            )
         return job
 
     def _open_run(self) -> Tuple[CheckpointStorage, Optional[CheckpointMetadata], Optional[str], Any]:
@@ -367,7 +389,9 @@ class LocalRunner:
                 dir_id, lineage_id = resumed.dir_id, resumed.lineage_id
         storage = checkpoint_storage(uri, dir_id)
         storage.probe()
-        self.lease = JobLease(storage.uri_of(storage.root), self.name, lineage_id, self.job_id)
+        self.lease = JobLease(
+            storage.uri_of(storage.root), self.name, lineage_id, self.job_id, sink_identity(self.graph.sink)
+        )
         self.lease.acquire(restored_from=path)
         self.run_info = RunInfo(self.name, self.job_id, lineage_id, covered_by(restored))
         return storage, restored, path, resumed

@@ -625,32 +625,34 @@ class _SparkJob(LocalRunner):
                 self._close_run("FAILED")
             raise
         probe_path = f"{storage.root}/.pyengine-probe"
-        with storage.fs.open_output_stream(probe_path) as out:
-            out.write(b"written by the driver; every executor must read it")
-        assert self.coordinator is not None
-        self._control = ControlServer(
-            self.coordinator,
-            self._token,
-            on_register=self._on_register,
-            on_drained=self._on_drained,
-            on_failed=self._on_failed,
-            host=backend.driver_host(),
-        )
-        spec_base = dict(
-            graph=self.graph,
-            env=env,
-            name=self.name,
-            job_id=storage.job_id,  # the job directory: this run's own, or the one it resumes
-            storage_uri=storage.uri,
-            probe_path=probe_path,
-            control=self._control.location,
-            token=self._token,
-            tls=self._control.tls,
-            local=backend.local,
-        )
-        self._check_picklable(_TaskSpec(restored={}, attempt=0, **spec_base))
         restarts, status, cause = 0, "FAILED", None
+        # Everything after the run opened is undone in the finally below (a job that does
+        # not pickle, say, must not leave its lease, locks and servers behind).
         try:
+            with storage.fs.open_output_stream(probe_path) as out:
+                out.write(b"written by the driver; every executor must read it")
+            assert self.coordinator is not None
+            self._control = ControlServer(
+                self.coordinator,
+                self._token,
+                on_register=self._on_register,
+                on_drained=self._on_drained,
+                on_failed=self._on_failed,
+                host=backend.driver_host(),
+            )
+            spec_base = dict(
+                graph=self.graph,
+                env=env,
+                name=self.name,
+                job_id=storage.job_id,  # the job directory: this run's own, or the one it resumes
+                storage_uri=storage.uri,
+                probe_path=probe_path,
+                control=self._control.location,
+                token=self._token,
+                tls=self._control.tls,
+                local=backend.local,
+            )
+            self._check_picklable(_TaskSpec(restored={}, attempt=0, **spec_base))
             while True:
                 self._failure = None
                 self._drained = set()
@@ -681,6 +683,7 @@ class _SparkJob(LocalRunner):
                 self._attempt_number += 1
                 restored_meta = self.coordinator.restore_latest() or restored_meta
         finally:
+            assert self.coordinator is not None
             self.coordinator.shutdown()
             timers.shutdown()
             if self._control is not None:

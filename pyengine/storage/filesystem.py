@@ -15,6 +15,7 @@ is recorded in its handle and checked when it is read.
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import uuid
@@ -83,7 +84,9 @@ def resolve(uri: str) -> Tuple[pafs.FileSystem, str, str]:
     if uri.startswith("file://"):
         uri = uri[len("file://") :] or "/"
     if "://" not in uri:
-        return pafs.LocalFileSystem(), uri.rstrip("/") or "/", ""
+        # One spelling per local file ("./ckpt/x" and "ckpt/x" alike): paths are compared as
+        # strings when deciding what a checkpoint still uses.
+        return pafs.LocalFileSystem(), os.path.abspath(uri), ""
     try:
         fs, path = pafs.FileSystem.from_uri(uri)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:

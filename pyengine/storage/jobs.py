@@ -45,6 +45,7 @@ JOB_FILE = "_job.json"
 JOB_FORMAT = "pyengine-job"
 HEARTBEAT_S = 5.0
 STALE_S = 60.0
+_LEASED: set = set()  # run ids whose lease this process holds
 
 
 def _now_ms() -> int:
@@ -79,12 +80,17 @@ class RunRecord:
     restored_from: Optional[str] = None
 
     def alive(self) -> bool:
-        """Whether the run may still be writing (see the module docstring)."""
+        """Whether the run may still be writing (see the module docstring). In this
+        process, only a run whose lease is held; on this host, a live pid with a fresh
+        heartbeat (a reused pid, after a restart, says nothing); elsewhere, the heartbeat."""
         if self.status != "RUNNING":
             return False
+        fresh = _now_ms() - self.heartbeat_ms < STALE_S * 1000
         if self.host == socket.gethostname() and self.pid:
-            return _pid_alive(self.pid)
-        return _now_ms() - self.heartbeat_ms < STALE_S * 1000
+            if self.pid == os.getpid():
+                return self.run_id in _LEASED
+            return fresh and _pid_alive(self.pid)
+        return fresh
 
 
 @dataclass
@@ -97,6 +103,7 @@ class JobDirectory:
     lineage_id: str
     runs: List[RunRecord] = field(default_factory=list)
     checkpoints: List[int] = field(default_factory=list)  # completed (with _metadata), oldest first
+    output: str = ""  # where the job's sink writes (its identity), so a resume is not another pipeline's
 
     @property
     def last_run(self) -> Optional[RunRecord]:
@@ -164,6 +171,7 @@ def read_job(uri: str) -> Optional[JobDirectory]:
         lineage_id=str(data.get("lineage_id", dir_id)),
         runs=runs,
         checkpoints=sorted(checkpoints),
+        output=str(data.get("output", "")),
     )
 
 
@@ -198,11 +206,12 @@ class JobLease:
     ``acquire`` (refusing a directory another live run holds), refreshed by a
     heartbeat thread, closed with the run's status at ``release``."""
 
-    def __init__(self, directory_uri: str, job_name: str, lineage_id: str, run_id: str) -> None:
+    def __init__(self, directory_uri: str, job_name: str, lineage_id: str, run_id: str, output: str = "") -> None:
         self.fs, self.root, _ = resolve(directory_uri)
         self.root = self.root.rstrip("/")
         self.job_name = job_name
         self.lineage_id = lineage_id
+        self.output = output
         self.record = RunRecord(
             run_id=run_id, started_ms=_now_ms(), host=socket.gethostname(), pid=os.getpid(), heartbeat_ms=_now_ms()
         )
@@ -210,6 +219,7 @@ class JobLease:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._acquired = False
 
     def acquire(self, restored_from: Optional[str] = None) -> None:
         from ..errors import OutputInUseError
@@ -228,6 +238,8 @@ class JobLease:
             self._runs = existing.runs
         self._runs = [*self._runs, self.record]
         self._write()
+        self._acquired = True
+        _LEASED.add(self.record.run_id)
         self._thread = threading.Thread(target=self._beat, name="pyengine-job-heartbeat", daemon=True)
         self._thread.start()
 
@@ -245,6 +257,7 @@ class JobLease:
             "version": 1,
             "job_name": self.job_name,
             "lineage_id": self.lineage_id,
+            "output": self.output,
             "runs": [asdict(r) for r in self._runs],
         }
         with self._lock:
@@ -254,6 +267,12 @@ class JobLease:
             self.fs.move(temp, f"{self.root}/{JOB_FILE}")
 
     def release(self, status: str) -> None:
+        """Records the run's end; nothing when the lease was refused (the record there
+        is another run's)."""
+        if not self._acquired:
+            return
+        self._acquired = False
+        _LEASED.discard(self.record.run_id)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)

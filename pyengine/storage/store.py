@@ -251,7 +251,12 @@ class CompletedCheckpointStore:
             if sum(1 for m in kept if m.type == "checkpoint") >= self.retained:
                 doomed.append(checkpoint_id)  # retention holds after a crash too
                 continue
-            missing = _missing_files(metadata)
+            try:
+                missing = _missing_files(metadata)
+            except OSError as exc:  # cannot tell: keep it, and delete nothing it might use
+                log.warning("skipping checkpoint %s: cannot check its state files: %s", checkpoint_id, exc)
+                unreadable = True
+                continue
             if missing:
                 log.warning(
                     "checkpoint %s cannot be restored: its state file %s is missing; deleting it",
@@ -304,8 +309,10 @@ def _missing_files(metadata: CheckpointMetadata) -> Optional[str]:
             fs, fs_path, _ = resolve(path)
             if fs.get_file_info(fs_path).type != pafs.FileType.File:
                 return path
-        except (StorageError, OSError):
+        except FileNotFoundError:
             return path
+        # Any other error (storage unreachable for a moment) says nothing about the file:
+        # the caller must not delete a checkpoint for it, so it propagates.
     return None
 
 
