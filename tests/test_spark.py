@@ -182,6 +182,10 @@ def test_a_job_that_cannot_be_pickled_is_refused_before_anything_runs(tmp_path, 
     env, _ = job(tmp_path, step=uses_a_lock)
     with pytest.raises(TypeError, match="cannot be pickled"):
         env.execute("unpicklable", runner=pe.runners.SparkRunner(spark))
+    # The refused run left no lease, lock or server behind: the fixed job runs at once.
+    env, sink = job(tmp_path, step=_unchanged)
+    env.execute("unpicklable", runner=pe.runners.SparkRunner(spark))
+    assert pairs(sink.read_committed()) == expected()
 
 
 def test_collect_sink_is_refused_on_spark(spark) -> None:
