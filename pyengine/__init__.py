@@ -12,6 +12,7 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time these load on 
     from .api import StreamEnvironment
     from .coordinator.config import CheckpointConfig
     from .errors import JobFailedError
+    from .monitoring.config import Monitoring
     from .runtime.operators import KeyedProcessFunction
     from .time import TimeDomain, WatermarkStrategy
 
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointConfig",
     "KeyedProcessFunction",
+    "Monitoring",
     "StreamEnvironment",
     "__version__",
     "JobFailedError",
@@ -36,6 +38,7 @@ _LAZY = {
     "StreamEnvironment": ("pyengine.api", "StreamEnvironment"),
     "CheckpointConfig": ("pyengine.coordinator.config", "CheckpointConfig"),
     "KeyedProcessFunction": ("pyengine.runtime.operators", "KeyedProcessFunction"),
+    "Monitoring": ("pyengine.monitoring.config", "Monitoring"),
     "sinks": ("pyengine.sinks", None),
     "errors": ("pyengine.errors", None),
     "JobFailedError": ("pyengine.errors", "JobFailedError"),

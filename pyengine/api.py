@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional
 
 from .agg import Aggregation
 from .coordinator import CheckpointConfig
+from .monitoring.config import Monitoring
 from .runners.result import JobResult
 from .runtime.aggregate import AggregateOperator
 from .runtime.operators import (
@@ -139,6 +140,7 @@ class StreamEnvironment:
         restart_delay_ms: int = 0,
         channel_capacity: int = 8,
         auto_watermark_interval_ms: int = 200,
+        monitoring: Optional[Monitoring] = Monitoring(),  # noqa: B008 - frozen, so one default serves all
     ) -> None:
         _positive_int("parallelism", parallelism)
         _positive_int("max_parallelism", max_parallelism)
@@ -160,6 +162,8 @@ class StreamEnvironment:
         _positive_int("restart_delay_ms", restart_delay_ms, 0)
         _positive_int("channel_capacity", channel_capacity)
         _positive_int("auto_watermark_interval_ms", auto_watermark_interval_ms)
+        if monitoring is not None and not isinstance(monitoring, Monitoring):
+            raise TypeError(f"StreamEnvironment monitoring must be a pyengine.Monitoring or None, got {monitoring!r}")
         self.parallelism = parallelism
         self.max_parallelism = max_parallelism
         self.checkpointing = checkpointing
@@ -172,6 +176,7 @@ class StreamEnvironment:
         self.restart_delay_ms = restart_delay_ms
         self.channel_capacity = channel_capacity
         self.auto_watermark_interval_ms = auto_watermark_interval_ms  # how often watermarks are generated
+        self.monitoring = monitoring
         self._streams: List[DataStream] = []
         self._sources: List[Source] = []
         self._local_root: Optional[str] = None
@@ -406,6 +411,7 @@ class JobClient:
         self._runner = runner
         self._result: Any = None
         self._error: Optional[BaseException] = None
+        runner.start_monitoring()  # before the job's thread, so monitoring_url is there at once
         self._thread = threading.Thread(target=self._run, name=f"job-{runner.name}", daemon=True)
         self._thread.start()
 
@@ -450,6 +456,24 @@ class JobClient:
     def watermarks(self) -> Dict[str, List[int]]:
         """Each vertex's subtasks' current input watermark (``event_time().watermarks``)."""
         return self.event_time().watermarks
+
+    @property
+    def monitoring_url(self) -> Optional[str]:
+        """Where the job's monitoring server answers (None when monitoring is off or
+        could not listen; ``pyengine.monitoring`` says why)."""
+        monitor = self._runner.monitor
+        return None if monitor is None else monitor.url
+
+    def _repr_html_(self) -> str:
+        from .monitoring.console import checkpoint_summary_html
+
+        stats = self.checkpoints
+        if stats is None:
+            return f"<p>job <b>{self._runner.name}</b> starting</p>"
+        status = "DONE" if self.done() else "RUNNING"
+        return checkpoint_summary_html(
+            stats, name=self._runner.name, status=status, restarts=self.restarts, url=self.monitoring_url
+        )
 
     def done(self) -> bool:
         return not self._thread.is_alive()

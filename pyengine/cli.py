@@ -38,9 +38,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         "list", help="the jobs under a checkpoint storage root, or the completed checkpoints of one job's directory"
     )
     listing.add_argument("dir", help="a checkpoint storage root or a job's checkpoint directory (path or URI)")
+    listing.add_argument("--json", action="store_true", help="print the jobs or checkpoints as JSON")
     inspect = what.add_parser("inspect", help="what one checkpoint or savepoint holds")
     inspect.add_argument("path", help="a chk-<n> or savepoint directory, or its _metadata file")
     inspect.add_argument("--json", action="store_true", help="print the metadata as JSON")
+    stats = what.add_parser("stats", help="a finished run's checkpoint statistics (counts, summary, history)")
+    stats.add_argument("dir", help="a job's checkpoint directory (path or URI)")
+    stats.add_argument("--json", action="store_true", help="print them as the REST API shapes them (Flink's)")
 
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -71,7 +75,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "checkpoints":
         try:
             if args.action == "list":
-                return _list(args.dir)
+                return _list(args.dir, args.json)
+            if args.action == "stats":
+                from .monitoring.history import load_statistics, render_statistics
+
+                data = load_statistics(args.dir)
+                print(json.dumps(data, indent=2, sort_keys=True) if args.json else render_statistics(data))
+                return 0
             return _inspect(args.path, args.json)
         except (OSError, ValueError) as exc:
             print(f"pyengine checkpoints {args.action}: {exc}", file=sys.stderr)
@@ -79,7 +89,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 2  # pragma: no cover - argparse enforces a command
 
 
-def _list(directory: str) -> int:
+def _list(directory: str, as_json: bool = False) -> int:
     from pyarrow.fs import FileSelector
 
     from .storage.filesystem import resolve
@@ -93,11 +103,14 @@ def _list(directory: str) -> int:
     job = read_job(directory)
     if job is None:
         jobs = list_jobs(directory)
+        if jobs and as_json:
+            print(json.dumps({"jobs": [_job_json(j) for j in jobs]}, indent=2))
+            return 0
         if jobs:  # a storage root: one line per job, then `list` one of them for its checkpoints
             print(f"{len(jobs)} job(s) under {directory}:")
             print(describe_jobs(jobs))
             return 0
-    else:
+    elif not as_json:
         runs = ", ".join(f"{r.run_id} {r.status.lower()}" for r in job.runs) or "none recorded"
         print(f"job {job.job_name or '(unnamed)'!r} in {job.uri} ({job.state}); runs: {runs}")
     found: List[Tuple[int, str, Optional[CheckpointMetadata], str]] = []
@@ -111,6 +124,22 @@ def _list(directory: str) -> int:
             found.append((0, path, None, str(exc)))
             continue
         found.append((loaded.checkpoint_id, path, loaded, ""))
+    if as_json:
+        checkpoints = [
+            {"id": c, "path": p, "error": e}
+            if m is None
+            else {
+                "id": c,
+                "path": p,
+                "type": m.type,
+                "timestamp": m.timestamp,
+                "operators": len(m.operators),
+                "state_size": sum(getattr(h, "state_size", 0) for h in m.handles()),
+            }
+            for c, p, m, e in sorted(found, key=lambda f: (f[0], f[1]))
+        ]
+        print(json.dumps({"job": None if job is None else _job_json(job), "checkpoints": checkpoints}, indent=2))
+        return 0 if found else 1
     if not found:
         print(f"no completed checkpoints under {directory}")
         return 1
@@ -125,6 +154,16 @@ def _list(directory: str) -> int:
             f"{size / 1024:>9,.1f} KiB  {path}"
         )
     return 0
+
+
+def _job_json(job: Any) -> Dict[str, Any]:
+    return {
+        "name": job.job_name,
+        "uri": job.uri,
+        "state": job.state,
+        "checkpoints": list(job.checkpoints),
+        "runs": [{"run_id": r.run_id, "status": r.status} for r in job.runs],
+    }
 
 
 def _inspect(path: str, as_json: bool) -> int:

@@ -804,9 +804,7 @@ def test_a_finished_runs_statistics_are_kept_beside_its_checkpoints(scenario: An
 
 # -- through a runner (needs the hooks: see the module docstring of pyengine.monitoring) -------
 
-pe = pytest.importorskip("pyengine")
-HOOKED = "monitoring" in inspect.signature(pe.StreamEnvironment).parameters
-needs_hooks = pytest.mark.skipif(not HOOKED, reason="the runners do not start monitoring yet (hooks not applied)")
+import pyengine as pe  # noqa: E402
 
 
 def _slow(i: int) -> Dict[str, int]:
@@ -815,7 +813,6 @@ def _slow(i: int) -> Dict[str, int]:
     return {"k": i % 7, "v": i}
 
 
-@needs_hooks
 def test_a_running_job_serves_its_own_statistics_and_counts_its_records(tmp_path: Any) -> None:
     n = 200_000
     env = pe.StreamEnvironment(
@@ -850,7 +847,6 @@ def test_a_running_job_serves_its_own_statistics_and_counts_its_records(tmp_path
         urllib.request.urlopen(url + "jobs", timeout=2)  # it served while the job ran, and no longer
 
 
-@needs_hooks
 def test_a_job_whose_port_is_taken_still_runs(capfd: Any) -> None:
     blocker = socket.socket()
     blocker.bind(("127.0.0.1", 0))
@@ -868,7 +864,6 @@ def test_a_job_whose_port_is_taken_still_runs(capfd: Any) -> None:
     assert f"could not listen on 127.0.0.1:{port}" in capfd.readouterr().err
 
 
-@needs_hooks
 def test_the_cli_shows_a_finished_job_as_json(tmp_path: Any, capsys: Any) -> None:
     from pyengine import cli
 
@@ -897,7 +892,6 @@ def test_the_cli_shows_a_finished_job_as_json(tmp_path: Any, capsys: Any) -> Non
     _check_checkpoint(stats["checkpoints"]["latest"]["completed"], tracker.latest_completed)
 
 
-@needs_hooks
 def test_monitoring_off() -> None:
     env = pe.StreamEnvironment(monitoring=None)
     sink = pe.sinks.CollectSink()

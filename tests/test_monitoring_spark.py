@@ -5,7 +5,6 @@ the coordinator's statistics and every record the tasks read."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import sys
@@ -22,10 +21,6 @@ pyspark = pytest.importorskip("pyspark", reason="the Spark runner needs pyspark 
 pytestmark = [
     pytest.mark.spark,
     pytest.mark.slow,
-    pytest.mark.skipif(
-        "monitoring" not in inspect.signature(pe.StreamEnvironment).parameters,
-        reason="the runners do not start monitoring yet (hooks not applied)",
-    ),
 ]
 
 N = 60_000

@@ -63,7 +63,7 @@ class CheckpointStats:
 
 def _summary(values: List[float]) -> Dict[str, float]:
     if not values:
-        return {"min": 0, "avg": 0, "max": 0, "p50": 0, "p99": 0}
+        return {"min": 0, "avg": 0, "max": 0, "p50": 0, "p90": 0, "p95": 0, "p99": 0, "p999": 0}
     ordered = sorted(values)
 
     def pct(p: float) -> float:
@@ -74,7 +74,10 @@ def _summary(values: List[float]) -> Dict[str, float]:
         "avg": sum(ordered) / len(ordered),
         "max": ordered[-1],
         "p50": pct(0.50),
+        "p90": pct(0.90),
+        "p95": pct(0.95),
         "p99": pct(0.99),
+        "p999": pct(0.999),
     }
 
 
@@ -90,6 +93,8 @@ class CheckpointStatsTracker:
         self._checkpointed: List[float] = []
         self._full: List[float] = []
         self._alignment: List[float] = []
+        self._processed: List[float] = []
+        self._persisted: List[float] = []
         self.latest_completed: Optional[CheckpointStats] = None
         self.latest_savepoint: Optional[CheckpointStats] = None
         self.latest_failed: Optional[CheckpointStats] = None
@@ -129,6 +134,8 @@ class CheckpointStatsTracker:
         self._checkpointed.append(stats.checkpointed_size)
         self._full.append(stats.full_size)
         self._alignment.append(stats.alignment_duration_ms)
+        self._processed.append(stats.processed_data)
+        self._persisted.append(stats.persisted_data)
         if stats.type == "checkpoint":
             self.latest_completed = stats
         else:
@@ -165,6 +172,8 @@ class CheckpointStatsTracker:
             "checkpointed_size": _summary(self._checkpointed),
             "full_size": _summary(self._full),
             "alignment_duration_ms": _summary(self._alignment),
+            "processed_data": _summary(self._processed),
+            "persisted_data": _summary(self._persisted),
         }
 
     def to_json(self) -> Dict[str, Any]:

@@ -87,6 +87,9 @@ class ControlServer(GuardedServer):
     the token, to connect), unless ``plaintext=True`` says the network is trusted.
     Every executor must reach this host at ``self.port``."""
 
+    # Set by the runner when the job is monitored: hears each task's counters.
+    on_counters: Optional[Callable[[ExecutionAttempt, Any], None]] = None
+
     def __init__(
         self,
         coordinator: Any,
@@ -158,6 +161,8 @@ class ControlServer(GuardedServer):
             self._on_register(attempt, str(body["location"]))
             return None
         if kind == "poll":
+            if "counters" in body and self.on_counters is not None:  # the task's own: see monitoring.metrics
+                self.on_counters(attempt, body["counters"])
             wait_s = min(max(float(body.get("wait_ms", 100)), 0.0), 5000.0) / 1000
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._commands.get(attempt)), wait_s)
@@ -213,9 +218,12 @@ class ControlClient:
     def register(self, channel_location: str) -> None:
         self._call("register", location=channel_location)
 
-    def poll(self, wait_ms: int = 100) -> List[Dict[str, Any]]:
-        """Commands queued for this task, waiting up to ``wait_ms`` for the first."""
-        return list(self._call("poll", wait_ms=wait_ms) or [])
+    def poll(self, wait_ms: int = 100, counters: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
+        """Commands queued for this task, waiting up to ``wait_ms`` for the first;
+        ``counters`` (the task's metrics, for the driver's monitoring) ride along."""
+        if counters is None:
+            return list(self._call("poll", wait_ms=wait_ms) or [])
+        return list(self._call("poll", wait_ms=wait_ms, counters=counters) or [])
 
     def acknowledge(self, checkpoint_id: int, snapshot: TaskStateSnapshot, metrics: SubtaskMetrics) -> None:
         self._call(

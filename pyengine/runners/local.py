@@ -199,6 +199,7 @@ class LocalRunner:
         self._temp: Optional[tempfile.TemporaryDirectory] = None
         self._stop_with_savepoint = threading.Event()
         self._cancel = threading.Event()
+        self.monitor: Any = None  # pyengine.monitoring.JobMonitor, while the job runs
 
     # -- the JobGateway ----------------------------------------------------------------------
 
@@ -322,10 +323,35 @@ class LocalRunner:
         # ~1 ms at 1 ms. Throughput did not change measurably, so jobs run at 1 ms.
         interval = sys.getswitchinterval()
         sys.setswitchinterval(min(interval, GIL_SWITCH_INTERVAL_S))
+        self.start_monitoring()
+        status = "FAILED"
         try:
-            return self._run()
+            result = self._run()
+            status = result.status
+            return result
         finally:
             sys.setswitchinterval(interval)
+            if self.monitor is not None:
+                self.monitor.stop(status)
+            if self._attempted and self.env.checkpointing is not None:
+                from ..monitoring.history import save_run_statistics
+
+                save_run_statistics(self, status)  # for `pyengine checkpoints stats`
+
+    def start_monitoring(self) -> Optional[str]:
+        """Starts the job's monitoring server (``env.monitoring``), once; returns its
+        URL (None when off, or when it could not listen: the job runs all the same)."""
+        if self.monitor is None:
+            from ..monitoring import start_monitor
+
+            self.monitor = start_monitor(self, getattr(self.env, "monitoring", None))
+        return None if self.monitor is None else self.monitor.url
+
+    def task_metrics(self) -> List[Dict[str, Any]]:
+        """Each live subtask's counters, for the monitor's sampling thread."""
+        from ..monitoring.metrics import task_counters
+
+        return [task_counters(t) for t in list(self._tasks)]
 
     # -- the run's identity: where it writes, what it restores, who else is there ---------
 
@@ -555,6 +581,7 @@ class LocalRunner:
             duration_s=time.monotonic() - started,
             _temp=self._temp,
             event_time=event_time_statistics(self._tasks) if getattr(self.graph, "event_time", False) else None,
+            monitoring_url=None if self.monitor is None else self.monitor.url,
         )
 
     def _supervise(self) -> str:

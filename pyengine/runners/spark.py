@@ -43,6 +43,7 @@ __all__ = ["SparkRunner"]
 
 
 REGISTRATION_TIMEOUT_S = 120.0
+COUNTERS_INTERVAL_S = 1.0  # how often a task sends its counters to the driver's monitoring
 
 
 @dataclass
@@ -150,10 +151,19 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
     channels: List[Any] = []
     stop = threading.Event()
 
+    report = getattr(env, "monitoring", None) is not None
+    next_report = 0.0
+
     def commands() -> None:
+        nonlocal next_report
         while not stop.is_set():
+            counters = None
+            if report and time.monotonic() >= next_report:
+                from ..monitoring.metrics import task_counters
+
+                counters, next_report = task_counters(task), time.monotonic() + COUNTERS_INTERVAL_S
             try:
-                batch = poll_client.poll(wait_ms=50)
+                batch = poll_client.poll(wait_ms=50, counters=counters)
             except Exception:
                 if not stop.is_set():
                     task.cancel()
@@ -195,6 +205,11 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
         task.finished.wait()
         for channel in channels:
             channel.flush(60)
+        if report:  # the final counters, so the driver's monitoring counts every record
+            from ..monitoring.metrics import task_counters
+
+            with proxy._lock:
+                client.poll(wait_ms=0, counters=task_counters(task))
     finally:
         stop.set()
         poller.join(5)
@@ -640,6 +655,8 @@ class _SparkJob(LocalRunner):
                 on_failed=self._on_failed,
                 host=backend.driver_host(),
             )
+            if self.monitor is not None:
+                self._control.on_counters = self.monitor.report_task_counters
             spec_base = dict(
                 graph=self.graph,
                 env=env,

@@ -376,6 +376,14 @@ class StreamTask:
         self._timer_ops: List[Any] = []  # (index, operator) with processing-time timers
         self._watermark_interval_s = 0.2
         self._next_watermark_poll = 0.0
+        # Counters for monitoring, read from other threads (pyengine.monitoring.metrics):
+        # records counted per buffer, waits timed where the task already waits.
+        self.records_in = 0
+        self.records_out = 0
+        self.idle_ns = 0
+        self.backpressured_ns = 0
+        self.started_ns = 0
+        self.ended_ns = 0
         self.thread = threading.Thread(target=self._run, name=f"task-{attempt}", daemon=True)
 
     # -- the gate's listener -----------------------------------------------------------------
@@ -547,6 +555,7 @@ class StreamTask:
                 return
             records = op.process(records)
         if records and self.output is not None:
+            self.records_out += len(records)  # rows of a list or of an Arrow batch
             self.output.emit(records)
 
     def _restore(self) -> None:
@@ -680,6 +689,7 @@ class StreamTask:
         return [r for _, r in entries][me::p]
 
     def _run(self) -> None:
+        self.started_ns = time.perf_counter_ns()
         try:
             self._restore()
             self.running.set()
@@ -702,6 +712,7 @@ class StreamTask:
             if not self.cancelled.is_set():
                 self.on_failure(exc)
         finally:
+            self.ended_ns = time.perf_counter_ns()
             self.running.clear()
             self.finished.set()
             for op in self.chain:
@@ -725,7 +736,9 @@ class StreamTask:
             return False
         if self.gate is not None:
             self.gate.poll_priority()  # an unaligned barrier does not wait for the room
+        started = time.perf_counter_ns()
         output.wait_for_room(0.005)
+        self.backpressured_ns += time.perf_counter_ns() - started
         return True
 
     def _end_of_data(self) -> None:
@@ -747,10 +760,13 @@ class StreamTask:
     def _wait_mailbox(self, seconds: float) -> None:
         """A source with nothing to read waits here: a checkpoint trigger or a
         notification ends the wait at once instead of after it."""
+        started = time.perf_counter_ns()
         try:
             action = self.mailbox.get(timeout=seconds)
         except queue.Empty:
             return
+        finally:
+            self.idle_ns += time.perf_counter_ns() - started
         action()
 
     def _run_source(self, source: SourceOperator) -> None:
@@ -762,6 +778,7 @@ class StreamTask:
                 continue
             if not source.exhausted:
                 records = source.read(self.buffer_size)
+                self.records_in += len(records)
                 self._emit(records, start=1)
                 self._time_tick()
                 self._maybe_flush()
@@ -802,14 +819,18 @@ class StreamTask:
                 if gate.is_finished:
                     break
                 self._maybe_flush()
+                waited = time.perf_counter_ns()
                 got = gate.next(timeout=0.02)
+                self.idle_ns += time.perf_counter_ns() - waited
                 if got is None:
                     continue
                 batch = [got]
             started = time.perf_counter()
             buffers = 0
+            rows = 0
             for channel, item in batch:
                 if type(item) is list or type(item) is pa.RecordBatch:
+                    rows += len(item)
                     self._emit(item)
                     buffers += 1
                 elif type(item) is Watermark or type(item) is WatermarkStatus:
@@ -818,6 +839,7 @@ class StreamTask:
                     ended.add(channel)
                     if len(ended) == gate.num_channels and not self._input_ended:
                         self._end_of_data()
+            self.records_in += rows
             if buffers:
                 # Buffers taken from the gate are past any barrier that could still
                 # overtake them, so a batch that takes long delays checkpoints: size
