@@ -127,16 +127,21 @@ cdef class ColumnarGroup:
     def remove(self, int64_t key):
         """Deletes ``key``; True if it was there."""
         cdef int64_t pos, last_key
-        cdef Py_ssize_t last
+        cdef Py_ssize_t last, itemsize
+        cdef int64_t* keys
+        cdef char* data
         if pe_i64map_get(&self.index, key) < 0:
             return False
         self.own()
         pe_i64map_remove(&self.index, key, &pos)
         last = self.n - 1
-        if pos != last:
-            last_key = self.keys[last]
-            self.keys[pos] = last_key
-            self.values[pos] = self.values[last]
+        if pos != last:  # the last entry moves into the hole: raw copies, no NumPy scalar per call
+            keys = <int64_t*>cnp.PyArray_DATA(<cnp.ndarray>self.keys)
+            last_key = keys[last]
+            keys[pos] = last_key
+            itemsize = (<cnp.ndarray>self.values).itemsize
+            data = <char*>cnp.PyArray_DATA(<cnp.ndarray>self.values)
+            memcpy(data + pos * itemsize, data + last * itemsize, itemsize)
             pe_i64map_put(&self.index, last_key, pos, &PY_ALLOC)
             self.mark(pos)  # another key now lives here; a mark on `last` stays, unused past n
         self.n -= 1

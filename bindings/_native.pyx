@@ -899,3 +899,4 @@ cdef int dispatch(list notes) except -1:
     return 0
 include "_columnar.pxi"
 include "_keygroups.pxi"
+include "_timers.pxi"

@@ -78,3 +78,39 @@ def take_changes(groups: List[ColumnarGroup]) -> Tuple[Any, Any, Any, Any, Any]:
     """What changed in many change-tracking groups since their last take (as gather_changes), and resets them."""
 
 def int_key_group(key: Any, max_parallelism: int) -> int: ...
+
+class TimerHeap:
+    """The index of a keyed operator's timers with int64 keys (``pyengine.state.timers``): a
+    min-heap of (timestamp, arrival) entries with their key and key-group index over the typed
+    columnar slot states, which say whether an entry is still a timer."""
+
+    slots: List[str]
+    max_slots: int
+    disabled: bool
+    def __init__(
+        self, backend: Any, tables: Any, slots: List[str], max_slots: int, fallback: Callable[[int], None]
+    ) -> None: ...
+    def __len__(self) -> int: ...
+    def push(self, ts: int, key: int, index: int) -> None: ...
+    def push_many(self, timestamps: Any, keys: Any, indexes: Any) -> None: ...
+    def peek(self) -> Optional[int]: ...
+    def drain(self) -> Tuple[List[int], List[int], List[int]]: ...
+    def register(self, ts: int) -> None:
+        """The backend's current key's timer at ``ts``: stored in the key's first free slot and
+        pushed when new; already there: nothing; else ``fallback(ts)``."""
+    def remove_current(self, ts: int) -> int:
+        """Removes the current key's timer: 1 removed, 0 absent, -1 ask Python, 2 removed (refill)."""
+    def pop_due(self, upto: int, start: int) -> Optional[Tuple[int, int, int]]:
+        """The next timer at or before ``upto`` as (key, ts, code) with the backend's key set."""
+    def fire_due(
+        self,
+        upto: int,
+        start: int,
+        ctx: Any,
+        on_timer: Callable[[int, Any], Any],
+        out: List[Any],
+        check: Callable[[int], bool],
+        refill: Callable[[], None],
+    ) -> int:
+        """Fires every timer at or before ``upto`` in order, calling ``on_timer(ts, ctx)`` with the
+        backend's current key and ``ctx`` set, its results into ``out``; returns how many fired."""

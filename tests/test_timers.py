@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import pyengine as pe
 from pyengine.runtime.sources import Source
 from pyengine.state import ValueStateDescriptor, create_keyed_backend, key_group_range_for_subtask, read_keyed_state
-from pyengine.state.timers import SEVERAL, InternalTimerService
+from pyengine.state.timers import InternalTimerService
 from pyengine.storage import checkpoint_storage
 from pyengine.time import MIN_WATERMARK, TimeDomain
 
@@ -98,17 +98,30 @@ def test_timers_are_snapshotted_copy_on_write_and_rescaled_by_key_group(tmp_path
     assert sorted(fired, key=str) == sorted(((k, t) for k, ts in expected.items() for t in ts), key=str)
 
 
-def test_the_primary_timer_state_is_typed_for_integer_keys() -> None:
+def test_timers_fill_typed_slots_then_the_overflow_and_keep_no_holes() -> None:
+    from pyengine.state.columnar import ColumnarValueTable
+    from pyengine.state.timers import MAX_SLOTS
+
     backend = create_keyed_backend("heap")
     service = InternalTimerService(backend, MIN_WATERMARK)
     _register(service, backend, 1, 10)
-    _register(service, backend, 2, 10)
-    _register(service, backend, 2, 20)
-    from pyengine.state.columnar import ColumnarValueTable
-
-    assert isinstance(backend._tables["_timer_state/event_timers"], ColumnarValueTable)
+    for ts in range(100, 100 + MAX_SLOTS + 3):  # key 2: every slot, and three in the overflow
+        _register(service, backend, 2, ts)
+    tables = backend._tables
+    assert isinstance(tables["_timer_state/event_timers"], ColumnarValueTable)
+    assert isinstance(tables[f"_timer_state/event_timers@{MAX_SLOTS - 1}"], ColumnarValueTable)
     backend.set_current_key(2)
-    assert backend.get_state(ValueStateDescriptor("_timer_state/event_timers", None, pa.int64())).value() == SEVERAL
+    more = backend.get_state(ValueStateDescriptor("_timer_state/event_timers_more")).value()
+    assert sorted(more) == [100 + MAX_SLOTS, 101 + MAX_SLOTS, 102 + MAX_SLOTS]
+    assert service.event.delete(100)  # a slot frees: the last slot's and then one overflow timer move up
+    assert service.event.timestamps() == tuple(range(101, 100 + MAX_SLOTS + 3))
+    assert not service.event.delete(100)
+    backend.set_current_key(1)
+    assert service.event.timestamps() == (10,)
+    assert list(service.advance_watermark(10**6)) == [(1, 10)] + [(2, t) for t in range(101, 100 + MAX_SLOTS + 3)]
+    backend.set_current_key(2)
+    assert service.event.timestamps() == ()
+    assert all(len(tables[_name]) == 0 for _name in tables if _name.startswith("_timer_state/"))
 
 
 # -- timers in jobs ------------------------------------------------------------------------------

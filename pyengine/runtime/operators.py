@@ -357,6 +357,7 @@ class _KeyedContext:
         self._record: Any = None
         self._timer_ts: Optional[int] = None
         self._domain: Any = None
+        self._service: Any = None  # the operator's TimerService, once made
 
     def get_state(self, descriptor: Any) -> Any:
         assert self._op.backend is not None
@@ -367,7 +368,8 @@ class _KeyedContext:
 
     def timer_service(self) -> Any:
         """Register and delete the current key's timers; read the clocks."""
-        return self._op.timer_service()
+        service = self._service
+        return service if service is not None else self._op.timer_service()
 
     def timestamp(self) -> Optional[int]:
         """The event time of the record being processed (None when the stream has
@@ -460,7 +462,7 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
 
         key = self.backend.current_key
         self._timers = InternalTimerService(self.backend, self.current_watermark)
-        self._timer_service = TimerService(self._timers)
+        self._timer_service = self._kctx._service = TimerService(self._timers)
         if key is not None:
             self.backend.set_current_key(key)
         return self._timer_service
@@ -494,17 +496,12 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
             kctx._record = None
         return out
 
-    def _fire(self, due: Any, domain: Any) -> List[Any]:
+    def _fire(self, queue: Any, upto: int, domain: Any) -> List[Any]:
         out: List[Any] = []
-        kctx, fn = self._kctx, self.fn
+        kctx = self._kctx
         kctx._domain = domain
         try:
-            for key, ts in due:
-                kctx.current_key = key
-                kctx._timer_ts = ts
-                produced = fn.on_timer(ts, kctx)
-                if produced is not None:
-                    out.extend(produced)
+            queue.fire(upto, kctx, self.fn.on_timer, out)
         except NonRetryableError:
             raise
         except Exception as exc:
@@ -520,7 +517,8 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
         self.current_watermark = watermark
         if self._timers is None:
             return []
-        return self._fire(self._timers.advance_watermark(watermark), TimeDomain.EVENT_TIME)
+        self._timers.current_watermark = watermark
+        return self._fire(self._timers.event, watermark, TimeDomain.EVENT_TIME)
 
     def next_processing_time(self) -> Optional[int]:
         return self._timers.next_processing_time() if self._timers is not None else None
@@ -528,7 +526,7 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
     def on_processing_time(self, now_ms: int) -> List[Any]:
         if self._timers is None:
             return []
-        return self._fire(self._timers.fire_processing(now_ms), TimeDomain.PROCESSING_TIME)
+        return self._fire(self._timers.processing, now_ms, TimeDomain.PROCESSING_TIME)
 
     def snapshot(self, checkpoint_id: int, location: CheckpointStorageLocation) -> Callable[[], SubtaskState]:
         self._save_watermark()

@@ -189,6 +189,11 @@ class ColumnarValueState:
 
     def clear(self) -> None:
         if self._fallback is None:
+            b = self._backend
+            key = b._key
+            if type(key) is int and b._key_index >= 0 and _INT64_MIN <= key <= _INT64_MAX:  # as value(): inline
+                self._table.groups[b._key_index].remove(key)
+                return
             group = self._group()
             if group is not None:
                 group.remove(self._backend._key)

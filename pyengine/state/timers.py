@@ -4,23 +4,26 @@ A timer is a (key, timestamp) pair, in one of two domains (event time and
 processing time). Registering one twice is one timer; deleting one that is not
 there does nothing.
 
-Where they are kept: two value states per domain in the operator's keyed
-backend, so timers are snapshotted, restored and rescaled by key group exactly
-like the rest of the keyed state, by either backend, with no code of their own:
+Where they are kept: value states in the operator's keyed backend, so timers are
+snapshotted, restored and rescaled by key group exactly like the rest of the
+keyed state, by either backend, with no code of their own:
 
-* ``_timer_state/<domain>_timers``, typed int64: the key's timer when it has
-  one (the common case; with int keys this is columnar storage, written as one
-  Arrow column), or ``-2**63`` when it has several;
-* ``_timer_state/<domain>_timers_more``: the tuple of a key's timestamps when it
-  has several.
+* *slots* ``_timer_state/<domain>_timers``, ``..._timers@1``, ... up to
+  ``MAX_SLOTS``, typed int64: a key's timers fill slots 0, 1, ... without holes
+  (removing one moves the key's last one into its place); with int keys these
+  are columnar, written as Arrow columns;
+* ``_timer_state/<domain>_timers_more``: a key's further timestamps (a tuple)
+  once all its slots are taken.
 
 ``pe.state.read_keyed_state(checkpoint, uid, "_timer_state/event_timers")``
-lists them. The synchronous part of a snapshot freezes them copy-on-write like
-any state (O(key groups)).
+lists the first slot (most keys have one timer). The synchronous part of a
+snapshot freezes them copy-on-write like any state (O(key groups)).
 
 Which timer fires next is an index in memory, rebuilt from the states on
-restore: a heap of distinct timestamps and, per timestamp, the keys that
-registered one. It is never snapshotted; deletions leave stale entries in it,
+restore and never snapshotted: for int keys (columnar storage) the native
+``TimerHeap`` (``bindings/_timers.pxi``), which also does the common register,
+remove and fire in C; for other keys a heap of distinct timestamps with, per
+timestamp, the keys that registered one. Deletions leave stale entries in it,
 which firing skips by checking the state (the state is the truth)."""
 
 from __future__ import annotations
@@ -34,231 +37,301 @@ import pyarrow as pa
 from .columnar import ColumnarValueTable
 from .descriptors import ValueStateDescriptor
 
-__all__ = ["EVENT", "PROCESSING", "SEVERAL", "InternalTimerService", "TimerQueue"]
+__all__ = ["EVENT", "MAX_SLOTS", "PROCESSING", "SEVERAL", "InternalTimerService", "TimerQueue"]
 
 SEVERAL = -(2**63)
-"""What the primary timer state holds for a key with several timers."""
+"""Never a timer's timestamp (Flink's ``Long.MIN_VALUE``: before any watermark)."""
+
+MAX_SLOTS = 8
+"""Slot states per domain: a key's timers past this many go to the overflow tuple."""
 
 EVENT, PROCESSING = "event", "processing"
-
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
+def _slot_name(base: str, j: int) -> str:
+    return base if j == 0 else f"{base}@{j}"
+
+
 class TimerQueue:
     """The timers of one domain; see the module docstring. Methods act on the
-    backend's current key, except ``due``, which sets it to each firing key.
+    backend's current key, except ``due`` and ``fire``, which set it to each firing
+    key.
 
-    Registering a timer and firing one happen once per record in a job that sets a
-    timer per record, so the common case (one timer per key) reads and writes the
-    backend's tables directly: a columnar group's ``get``/``put``/``remove`` for int
-    keys, the key group's dict through ``StateTable.store``/``delete`` otherwise
-    (both keep copy-on-write and the incremental change log). Anything else goes
-    through the state objects."""
+    ``register`` is the native heap's own method while the slot states are columnar
+    (int keys), so a job that sets a timer per record pays one C call for it; what the
+    native code does not do itself (a key with every slot taken, a key that is not an
+    int) comes back to ``_register``. The first non-int key turns the slot states into
+    dicts: the index then moves to Python for good."""
 
     def __init__(self, backend: Any, domain: str) -> None:
+        from .. import _native
+
         self.domain = domain
         self._backend = backend
-        self._one_name = f"_timer_state/{domain}_timers"
+        self._base = f"_timer_state/{domain}_timers"
         self._more_name = f"_timer_state/{domain}_timers_more"
-        self._one = backend.get_state(ValueStateDescriptor(self._one_name, None, pa.int64()))
-        self._more = backend.get_state(ValueStateDescriptor(self._more_name))
         self._tables = backend._tables
-        self._heap: List[int] = []
+        self._slots: List[str] = []
+        self._add_slot()
+        while _slot_name(self._base, len(self._slots)) in self._tables:  # restored ones
+            self._add_slot()
+        self._more = backend.get_state(ValueStateDescriptor(self._more_name))
+        self._native: Any = _native.TimerHeap(backend, self._tables, self._slots, MAX_SLOTS, self._register)
+        self._heap: List[int] = []  # the Python index: distinct timestamps
         self._keys: Dict[int, List[Tuple[Any, int]]] = {}  # timestamp -> (key, key group index)
+        self.register: Callable[[int], None] = self._native.register
         self._rebuild()
 
-    # -- the state ---------------------------------------------------------------------------
+    def _add_slot(self) -> str:
+        name = _slot_name(self._base, len(self._slots))
+        self._backend.get_state(ValueStateDescriptor(name, None, pa.int64()))
+        if getattr(self, "_native", True) is None and type(self._tables[name]) is ColumnarValueTable:
+            self._backend._columnar_table_to_dict(name)  # the slots are dicts already: this one too
+            self._backend._states.pop(name, None)
+        self._slots.append(name)  # the native heap holds this very list
+        return name
 
-    def register(self, ts: int) -> None:
-        if type(ts) is not int:
-            ts = _timestamp(ts)
-        if ts == SEVERAL:
-            raise ValueError(f"a timer cannot be registered at {SEVERAL} (the smallest int64)")
-        b = self._backend
-        key, index = b._key, b._key_index
-        table = self._tables[self._one_name]
-        if index < 0 or (
-            type(table) is ColumnarValueTable and not (type(key) is int and _INT64_MIN <= key <= _INT64_MAX)
-        ):
-            if not self._register_slow(ts):  # no current key (it raises), or the first key that is no int
-                return
-        else:
-            group = table.groups[index]
-            current = group.get(key)
-            if current is None:
-                if type(table) is ColumnarValueTable:
-                    group.put(key, ts)
-                else:
-                    table.store(index, key, ts)
-            elif current == ts:
-                return
-            else:
-                more_table = self._tables[self._more_name]
-                if current == SEVERAL:
-                    more = more_table.groups[index][key]
-                    if ts in more:
-                        return
-                    more_table.store(index, key, (*more, ts))
-                else:
-                    more_table.store(index, key, (current, ts))
-                    if type(table) is ColumnarValueTable:
-                        group.put(key, SEVERAL)
-                    else:
-                        table.store(index, key, SEVERAL)
-        entry = (key, index)
+    # -- the state, in Python ----------------------------------------------------------------
+
+    def _to_dicts(self) -> None:
+        """A key that is no int64: the slot states go to dict storage (as a typed value
+        state does at its first such key), and the index to Python."""
+        for name in self._slots:
+            if type(self._tables[name]) is ColumnarValueTable:
+                self._backend._columnar_table_to_dict(name)
+                self._backend._states.pop(name, None)  # its state object read the columns: a new one reads the dicts
+        if self._native is not None:
+            self._native.disabled = True  # its cached columns are gone: TimerService's bound register falls back
+            ts, keys, indexes = self._native.drain()
+            self._native = None
+            self.register = self._register
+            for t, key, index in zip(ts, keys, indexes, strict=True):
+                self._index(t, key, index)
+
+    def _index(self, ts: int, key: Any, index: int) -> None:
+        if self._native is not None:
+            self._native.push(ts, key, index)
+            return
         bucket = self._keys.get(ts)
         if bucket is None:
-            self._keys[ts] = [entry]
+            self._keys[ts] = [(key, index)]
             heapq.heappush(self._heap, ts)
         else:
-            bucket.append(entry)
+            bucket.append((key, index))
 
-    def _register_slow(self, ts: int) -> bool:
-        """Through the state objects; True when the timer is new."""
-        current = self._one.value()
-        if current is None:
-            self._one.update(ts)
-            return True
-        if current == ts:
-            return False
-        if current == SEVERAL:
-            more = self._more.value()
-            if ts in more:
-                return False
-            self._more.update((*more, ts))
+    def _get(self, name: str, index: int, key: Any) -> Any:
+        return self._tables[name].groups[index].get(key)
+
+    def _put(self, name: str, index: int, key: Any, ts: int) -> None:
+        table = self._tables[name]
+        if type(table) is ColumnarValueTable:
+            table.groups[index].put(key, ts)
         else:
-            self._one.update(SEVERAL)
-            self._more.update((current, ts))
-        return True
+            table.store(index, key, ts)
+
+    def _drop(self, name: str, index: int, key: Any) -> None:
+        table = self._tables[name]
+        if type(table) is ColumnarValueTable:
+            table.groups[index].remove(key)
+        else:
+            table.delete(index, key)
+
+    def _current(self) -> Tuple[Any, int]:
+        b = self._backend
+        key, index = b._key, b._key_index
+        if index < 0:
+            from .heap import NoCurrentKeyError
+
+            raise NoCurrentKeyError("a timer was used before set_current_key()")
+        if not (type(key) is int and _INT64_MIN <= key <= _INT64_MAX) and self._native is not None:
+            self._to_dicts()
+        return key, index
+
+    def _register(self, ts: int) -> None:
+        """Registers the current key's timer at ``ts`` in Python: what the native
+        ``register`` hands over (a key with every slot state taken, other keys)."""
+        if type(ts) is not int:
+            ts = _timestamp(ts)
+        if not _INT64_MIN < ts <= _INT64_MAX:
+            raise ValueError(f"a timer's timestamp must be an int64 above {SEVERAL}, got {ts}")
+        key, index = self._current()
+        for name in self._slots:
+            current = self._get(name, index, key)
+            if current is None:
+                self._put(name, index, key, ts)
+                self._index(ts, key, index)
+                return
+            if current == ts:
+                return
+        if len(self._slots) < MAX_SLOTS:
+            self._put(self._add_slot(), index, key, ts)
+            self._index(ts, key, index)
+            return
+        more_table = self._tables[self._more_name]
+        more = more_table.groups[index].get(key, ())
+        if ts in more:
+            return
+        more_table.store(index, key, (*more, ts))
+        self._index(ts, key, index)
 
     def delete(self, ts: int) -> bool:
         """Removes the current key's timer at ``ts``; True if there was one."""
-        b = self._backend
-        key, index = b._key, b._key_index
-        table = self._tables[self._one_name]
-        if index < 0 or (
-            type(table) is ColumnarValueTable and not (type(key) is int and _INT64_MIN <= key <= _INT64_MAX)
-        ):
-            return self._delete_slow(ts)
-        columnar = type(table) is ColumnarValueTable
-        group = table.groups[index]
-        current = group.get(key)
-        if current == ts:
-            if columnar:
-                group.remove(key)
-            else:
-                table.delete(index, key)
+        if self._native is not None:
+            code = self._native.remove_current(ts)
+            if code == 1:
+                return True
+            if code == 0:
+                return False
+            if code == 2:
+                self._refill()
+                return True
+        return self._delete_python(ts)
+
+    def _delete_python(self, ts: int) -> bool:
+        key, index = self._current()
+        found, last = -1, -1
+        for j, name in enumerate(self._slots):
+            current = self._get(name, index, key)
+            if current is None:
+                break
+            last = j
+            if found < 0 and current == ts:
+                found = j
+        full = last == MAX_SLOTS - 1
+        if found >= 0:
+            if found != last:  # no holes: the key's last timer moves into this one's place
+                self._put(self._slots[found], index, key, self._get(self._slots[last], index, key))
+            self._drop(self._slots[last], index, key)
+            if full:
+                self._refill()
             return True
-        if current != SEVERAL:
+        if not full:
             return False
         more_table = self._tables[self._more_name]
-        more = more_table.groups[index][key]
+        more = more_table.groups[index].get(key, ())
         if ts not in more:
             return False
         rest = tuple(t for t in more if t != ts)
-        if len(rest) == 1:
-            more_table.delete(index, key)
-            if columnar:
-                group.put(key, rest[0])
-            else:
-                table.store(index, key, rest[0])
-        else:
+        if rest:
             more_table.store(index, key, rest)
+        else:
+            more_table.delete(index, key)
         return True
 
-    def _delete_slow(self, ts: int) -> bool:
-        one = self._one
-        current = one.value()
-        if current is None:
-            return False
-        if current == ts:
-            one.clear()
-        elif current == SEVERAL:
-            more = self._more.value()
-            if ts not in more:
-                return False
-            rest = tuple(t for t in more if t != ts)
-            if len(rest) == 1:
-                one.update(rest[0])
-                self._more.clear()
-            else:
-                self._more.update(rest)
+    def _refill(self) -> None:
+        """A timer left a key whose slots were all taken: one from its overflow, if
+        any, takes the last slot (a key's overflow exists only while its slots are full)."""
+        b = self._backend
+        key, index = b._key, b._key_index
+        more_table = self._tables[self._more_name]
+        more = more_table.groups[index].get(key)
+        if not more:
+            return
+        self._put(self._slots[MAX_SLOTS - 1], index, key, more[0])
+        if len(more) > 1:
+            more_table.store(index, key, more[1:])
         else:
-            return False
-        return True
+            more_table.delete(index, key)
 
     def timestamps(self) -> Tuple[int, ...]:
-        """The current key's timers."""
-        current = self._one.value()
-        if current is None:
-            return ()
-        return tuple(sorted(self._more.value())) if current == SEVERAL else (current,)
+        """The current key's timers, in order."""
+        key, index = self._current()
+        out = []
+        for name in self._slots:
+            current = self._get(name, index, key)
+            if current is None:
+                break
+            out.append(current)
+        out.extend(self._tables[self._more_name].groups[index].get(key, ()))
+        return tuple(sorted(out))
 
     # -- the index ---------------------------------------------------------------------------
 
     def next_time(self) -> Optional[int]:
         """The earliest timestamp in the index (possibly a deleted timer's), or None."""
+        if self._native is not None:
+            return self._native.peek()  # type: ignore[no-any-return]
         return self._heap[0] if self._heap else None
 
     def due(self, upto: int) -> Iterator[Tuple[Any, int]]:
         """Timers at or before ``upto``, in timestamp order, each removed from the state
         just before it is yielded with the backend's current key set to its key. Timers
         registered meanwhile at or before ``upto`` are yielded too (as Flink fires them)."""
-        heap, index_of, b = self._heap, self._keys, self._backend
+        b = self._backend
         start = b.key_group_range.start
-        delete = self.delete
-        while heap and heap[0] <= upto:
-            ts = heapq.heappop(heap)
-            for key, index in index_of.pop(ts):
-                # the backend's current key, set without rehashing: the index knows its key group
-                b._key, b._key_group, b._key_index = key, start + index, index
-                if delete(ts):  # else deleted meanwhile (or a second entry of one re-registered)
-                    yield key, ts
+        while True:
+            native = self._native
+            if native is not None:
+                got = native.pop_due(upto, start)
+                if got is None:
+                    return
+                key, ts, code = got
+                if code == 2:
+                    self._refill()
+                elif code == -1 and not self._delete_python(ts):
+                    continue
+                yield key, ts
+                continue
+            heap = self._heap
+            if not heap or heap[0] > upto:
+                return
+            ts = heap[0]
+            bucket = self._keys[ts]
+            if not bucket:
+                heapq.heappop(heap)
+                del self._keys[ts]
+                continue
+            key, index = bucket.pop()
+            b._key, b._key_group, b._key_index = key, start + index, index
+            if self._delete_python(ts):  # else deleted meanwhile (or a second entry of one re-registered)
+                yield key, ts
+
+    def fire(self, upto: int, ctx: Any, on_timer: Callable[[int, Any], Any], out: List[Any]) -> None:
+        """Fires the timers at or before ``upto`` in order: for each, the backend's
+        current key and ``ctx.current_key`` / ``ctx._timer_ts`` set, ``on_timer(ts,
+        ctx)``, its results into ``out``. The native heap does the loop itself (one C
+        iteration and the call per timer); the Python index, if any, follows."""
+        if self._native is not None:
+            start = self._backend.key_group_range.start
+            self._native.fire_due(upto, start, ctx, on_timer, out, self._delete_python, self._refill)
+        for key, ts in self.due(upto):
+            ctx.current_key = key
+            ctx._timer_ts = ts
+            result = on_timer(ts, ctx)
+            if result is not None:
+                out.extend(result)
 
     def __len__(self) -> int:
         """Timers in the index, stale ones included (an upper bound of the live ones)."""
-        return sum(len(k) for k in self._keys.values())
+        native = len(self._native) if self._native is not None else 0
+        return native + sum(len(k) for k in self._keys.values())
 
     def _rebuild(self) -> None:
         """The index from the states (after a restore: this subtask's key groups)."""
-        self._heap, self._keys = [], {}
-        keys: List[Any] = []
-        indexes: List[int] = []
-        times: List[int] = []
-        table = self._tables.get(self._one_name)
-        if table is None:
-            return
         b = self._backend
         start = b.key_group_range.start
-        for index, group in enumerate(table.groups):
-            if type(table) is ColumnarValueTable:
-                group_keys, group_times = (a.tolist() for a in group.arrays())
-            else:
-                group_keys, group_times = list(group), list(group.values())
-            for key, ts in zip(group_keys, group_times, strict=True):
-                if ts == SEVERAL:
-                    b._key, b._key_group, b._key_index = key, start + index, index
-                    for more in self._more.value() or ():
-                        keys.append(key)
-                        indexes.append(index)
-                        times.append(more)
+        if any(type(self._tables[name]) is not ColumnarValueTable for name in self._slots):
+            self._to_dicts()
+        for name in self._slots:
+            table = self._tables[name]
+            for index, group in enumerate(table.groups):
+                if type(table) is ColumnarValueTable:
+                    keys, times = group.arrays()
+                    if len(keys):
+                        self._native.push_many(times, keys, np.full(len(keys), index))
                 else:
-                    keys.append(key)
-                    indexes.append(index)
-                    times.append(ts)
-        if not times:
-            return
-        order = np.argsort(np.array(times, np.int64), kind="stable").tolist()
-        index_of = self._keys
-        for i in order:
-            ts = times[i]
-            bucket = index_of.get(ts)
-            if bucket is None:
-                index_of[ts] = [(keys[i], indexes[i])]
-            else:
-                bucket.append((keys[i], indexes[i]))
-        self._heap = list(index_of)  # ascending: already a heap
+                    for key, ts in list(group.items()):
+                        self._index(ts, key, index)
+        more = self._tables.get(self._more_name)
+        for index, group in enumerate(more.groups if more is not None else []):
+            for key, times in list(group.items()):
+                if self._native is not None and not (type(key) is int and _INT64_MIN <= key <= _INT64_MAX):
+                    b._key, b._key_group, b._key_index = key, start + index, index
+                    self._to_dicts()
+                for ts in times:
+                    self._index(ts, key, index)
 
 
 def _timestamp(ts: Any) -> int:

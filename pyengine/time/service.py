@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from .domain import now_ms
 
@@ -17,28 +17,34 @@ class TimerService:
     An event-time timer fires (``on_timer``) once the watermark reaches its
     timestamp, before the watermark goes on downstream; a processing-time timer once
     the wall clock does, from the task's mailbox, between buffers. Timers are keyed
-    state: checkpointed, restored and rescaled with it."""
+    state: checkpointed, restored and rescaled with it.
 
-    __slots__ = ("_service",)
+    The four timer methods are the timer queues' own, bound when the service is made:
+    a job that sets a timer per record pays no call through this class."""
+
+    __slots__ = (
+        "_service",
+        "delete_event_time_timer",
+        "delete_processing_time_timer",
+        "register_event_time_timer",
+        "register_processing_time_timer",
+    )
+
+    register_event_time_timer: Callable[[int], None]
+    """Calls ``on_timer(timestamp, ctx)`` for the current key when the watermark
+    reaches ``timestamp`` (at the next watermark if it already has)."""
+    register_processing_time_timer: Callable[[int], None]
+    """Calls ``on_timer`` for the current key once the wall clock (ms since the epoch,
+    ``current_processing_time()``) reaches ``timestamp``."""
+    delete_event_time_timer: Callable[[int], Any]
+    delete_processing_time_timer: Callable[[int], Any]
 
     def __init__(self, service: Any) -> None:
         self._service = service
-
-    def register_event_time_timer(self, timestamp: int) -> None:
-        """Calls ``on_timer(timestamp, ctx)`` for the current key when the watermark
-        reaches ``timestamp`` (at once at the next watermark if it already has)."""
-        self._service.event.register(timestamp)
-
-    def register_processing_time_timer(self, timestamp: int) -> None:
-        """Calls ``on_timer`` for the current key once the wall clock (ms since the
-        epoch, ``current_processing_time()``) reaches ``timestamp``."""
-        self._service.processing.register(timestamp)
-
-    def delete_event_time_timer(self, timestamp: int) -> None:
-        self._service.event.delete(timestamp)
-
-    def delete_processing_time_timer(self, timestamp: int) -> None:
-        self._service.processing.delete(timestamp)
+        self.register_event_time_timer = service.event.register
+        self.register_processing_time_timer = service.processing.register
+        self.delete_event_time_timer = service.event.delete
+        self.delete_processing_time_timer = service.processing.delete
 
     def current_watermark(self) -> int:
         """The operator's event time: ``-2**63`` before the first watermark."""

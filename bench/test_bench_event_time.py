@@ -1,0 +1,197 @@
+"""Event time: windows against the plain aggregate, timers against the same function
+without them, and checkpoints with a million pending timers.
+
+Each target is a ratio measured in one run (this machine is shared and noisy: the
+variants run interleaved and the best of each counts); the figures go to the
+summary table. The jobs run with the environment's default settings but for
+parallelism (2, as the other job benchmarks) and, for the windowed count, the
+same buffer size as the plain aggregate it is compared with."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Dict, List, Tuple
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from conftest import SUMMARY
+
+import pyengine as pe
+from pyengine.state import ValueStateDescriptor
+
+RECORDS = int(os.environ.get("PYENGINE_BENCH_RECORDS", 10_000_000))
+KEYS = 100_000
+TIMER_RECORDS = max(RECORDS // 4, 100_000)  # a Python call per record: a quarter is enough to measure
+PENDING = int(os.environ.get("PYENGINE_BENCH_PENDING_TIMERS", 1_000_000))
+
+
+def _best_interleaved(runs: Dict[str, Callable[[], float]], rounds: int) -> Dict[str, float]:
+    best: Dict[str, float] = {}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            elapsed = run()
+            best[name] = min(best.get(name, elapsed), elapsed)
+    return best
+
+
+# -- 1. a tumbling-window count against the plain keyed count -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def clicks() -> pa.Table:
+    rng = np.random.default_rng(0)
+    return pa.table(
+        {
+            "user": rng.integers(0, KEYS, RECORDS),
+            "v": rng.integers(0, 1000, RECORDS),
+            "ts": np.arange(RECORDS, dtype=np.int64) // 10,  # 10 records per ms: 1,000 s of event time for 10M
+        }
+    )
+
+
+def _count(table: pa.Table, windowed: bool) -> float:
+    env = pe.StreamEnvironment(parallelism=2, buffer_size=16384)
+    if windowed:
+        strategy = pe.WatermarkStrategy.for_bounded_out_of_orderness(1000).with_timestamp_assigner("ts")
+        stream = env.from_collection(table, watermark_strategy=strategy).key_by("user")
+        out = stream.window(pe.windows.tumbling(60_000)).aggregate(pe.agg.count())
+    else:
+        out = env.from_collection(table).key_by("user").aggregate(pe.agg.count())
+    out.sink_to(pe.sinks.DiscardSink())
+    start = time.perf_counter()
+    result = env.execute("windowed-count" if windowed else "keyed-count")
+    elapsed = time.perf_counter() - start
+    assert result.status == "FINISHED"
+    return elapsed
+
+
+def test_tumbling_window_count_against_the_plain_aggregate(benchmark: Any, clicks: pa.Table) -> None:
+    best = _best_interleaved({"plain": lambda: _count(clicks, False), "window": lambda: _count(clicks, True)}, 3)
+    ratio = best["plain"] / best["window"]
+    benchmark.group = "event-time"
+    benchmark.pedantic(lambda: None, rounds=1)
+    benchmark.extra_info.update(window_records_per_s=RECORDS / best["window"], ratio_to_aggregate=ratio)
+    SUMMARY.append(
+        f"tumbling-window count (1 min windows), {RECORDS:,} records / {KEYS:,} keys, p=2: "
+        f"{RECORDS / best['window'] / 1e6:.2f} M records/s, plain aggregate {RECORDS / best['plain'] / 1e6:.2f} M/s "
+        f"-> {ratio:.0%} (target >= 80%)"
+    )
+    assert ratio >= 0.8, f"windowed count at {ratio:.0%} of the plain aggregate"
+
+
+# -- 2. a KeyedProcessFunction with a timer per record against the same without ----------------
+
+COUNT = ValueStateDescriptor("count", 0, pa.int64())
+
+
+class Expiring(pe.KeyedProcessFunction):
+    """Counts a user's clicks; with timers, each click (re)arms an event-time timer a
+    second later and the count is cleared when one fires."""
+
+    def __init__(self, timers: bool) -> None:
+        self.timers = timers
+
+    def open(self, ctx: Any) -> None:
+        self.count = ctx.get_state(COUNT)
+
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        self.count.update(self.count.value() + 1)
+        if self.timers:
+            ctx.timer_service().register_event_time_timer(value["ts"] + 1000)
+        return ()
+
+    def on_timer(self, timestamp: int, ctx: Any) -> Any:
+        self.count.clear()
+        return ()
+
+
+def _expiring(records: List[Dict[str, Any]], timers: bool) -> float:
+    env = pe.StreamEnvironment(parallelism=2)
+    strategy = pe.WatermarkStrategy.for_bounded_out_of_orderness(100).with_timestamp_assigner("ts")
+    env.from_collection(records, watermark_strategy=strategy).key_by("user").process(Expiring(timers)).sink_to(
+        pe.sinks.DiscardSink()
+    )
+    start = time.perf_counter()
+    result = env.execute("timers" if timers else "no-timers")
+    elapsed = time.perf_counter() - start
+    assert result.status == "FINISHED"
+    return elapsed
+
+
+def test_a_timer_per_record_against_the_same_function_without(benchmark: Any) -> None:
+    rng = np.random.default_rng(1)
+    users = rng.integers(0, KEYS, TIMER_RECORDS).tolist()
+    records = [{"user": u, "ts": i // 10} for i, u in enumerate(users)]
+    best = _best_interleaved(
+        {"plain": lambda: _expiring(records, False), "timers": lambda: _expiring(records, True)}, 3
+    )
+    ratio = best["plain"] / best["timers"]
+    benchmark.group = "event-time"
+    benchmark.pedantic(lambda: None, rounds=1)
+    benchmark.extra_info.update(timer_records_per_s=TIMER_RECORDS / best["timers"], ratio_to_no_timers=ratio)
+    SUMMARY.append(
+        f"KeyedProcessFunction, one event-time timer per record (state cleared when it fires), {TIMER_RECORDS:,} "
+        f"records / {KEYS:,} keys, p=2: {TIMER_RECORDS / best['timers'] / 1e6:.2f} M records/s, without timers "
+        f"{TIMER_RECORDS / best['plain'] / 1e6:.2f} M/s -> {ratio:.0%} (target >= 70%)"
+    )
+    assert ratio >= 0.7, f"timers at {ratio:.0%} of the function without them"
+
+
+# -- 3. a checkpoint of a million pending timers -------------------------------------------------
+
+
+def _snapshot(backend: Any, storage: Any, checkpoint_id: int) -> Tuple[float, float]:
+    """(synchronous part, asynchronous part) of one snapshot of ``backend``, in seconds."""
+    started = time.perf_counter()
+    snapshot = backend.snapshot(checkpoint_id, storage.location(checkpoint_id))
+    sync = time.perf_counter() - started
+    started = time.perf_counter()
+    snapshot.run()
+    return sync, time.perf_counter() - started
+
+
+def test_a_checkpoint_with_a_million_pending_timers(benchmark: Any, tmp_path: Any) -> None:
+    """The same keyed state (a count per key, as the function above keeps) with and
+    without a pending event-time timer per key, on the heap backend: the whole
+    checkpoint, and its synchronous part against its asynchronous part."""
+    from pyengine.state import create_keyed_backend
+    from pyengine.state.timers import InternalTimerService
+    from pyengine.storage import checkpoint_storage
+
+    keys = np.arange(PENDING, dtype=np.int64)
+    backends = {}
+    for timers in (False, True):
+        backend = create_keyed_backend("heap")
+        count = backend.get_state(COUNT)
+        count.update_many(keys, np.ones(PENDING, np.int64))
+        if timers:
+            service = InternalTimerService(backend, -(2**63))
+            register = service.event.register
+            for k in keys.tolist():
+                backend.set_current_key(k)
+                register(k + 10**9)
+            assert len(service.event) == PENDING
+        backends[timers] = backend
+    storage = checkpoint_storage(str(tmp_path / "ckpt"), "timers")
+    ids = iter(range(1, 100))
+    best: Dict[bool, Tuple[float, float]] = {}
+    for _ in range(3):
+        for timers, backend in backends.items():
+            sync, async_ = _snapshot(backend, storage, next(ids))
+            if timers not in best or sync + async_ < sum(best[timers]):
+                best[timers] = (sync, async_)
+    without, with_timers = sum(best[False]), sum(best[True])
+    ratio = with_timers / without
+    sync_share = best[True][0] / best[True][1]
+    benchmark.group = "event-time"
+    benchmark.pedantic(lambda: None, rounds=1)
+    benchmark.extra_info.update(checkpoint_ratio=ratio, sync_to_async=sync_share)
+    SUMMARY.append(
+        f"checkpoint of {PENDING:,} keys with a pending timer each: {with_timers * 1000:.0f} ms "
+        f"(sync {best[True][0] * 1000:.1f} ms, async {best[True][1] * 1000:.0f} ms), same state without timers "
+        f"{without * 1000:.0f} ms -> {ratio:.2f}x (target <= 1.5x); sync/async {sync_share:.1%} (target <= 5%)"
+    )
+    assert ratio <= 1.5, f"a checkpoint with the timers takes {ratio:.2f}x"
+    assert sync_share <= 0.05, f"the synchronous part is {sync_share:.1%} of the asynchronous part"

@@ -1,0 +1,397 @@
+# Included by _native.pyx: the index of a keyed operator's timers (pyengine.state.timers).
+#
+# The timers themselves are keyed state: "slots", typed int64 value states keyed by
+# the record key, per key group a ColumnarGroup. A key's timers fill slots 0..m-1
+# (one timestamp each, no holes: removing one moves the key's last into its place);
+# past the last slot they go to an overflow state that Python keeps. TimerHeap is the
+# index over them for int keys: a binary min-heap of (timestamp, arrival) entries
+# with their key and key-group index, never snapshotted (rebuilt from the state on
+# restore). The heap says which timer may be due next; the slots say whether it
+# still is (a deleted timer's entry is skipped when it comes up).
+#
+# register(), remove and firing run once per record in a job that sets a timer per
+# record, so their common case is here in C. Everything else (no current key, a key
+# that is not an int64, a table that left columnar storage, a key with every slot
+# taken) goes back to Python.
+
+from libc.stdint cimport INT64_MIN
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memmove
+
+
+cdef struct TimerEntry:
+    int64_t ts
+    int64_t seq
+    int64_t key
+    Py_ssize_t index
+
+
+cdef inline bint timer_before(TimerEntry* a, TimerEntry* b) noexcept nogil:
+    return a.ts < b.ts or (a.ts == b.ts and a.seq < b.seq)
+
+
+cdef inline int64_t* timer_values(ColumnarGroup g):
+    return <int64_t*>cnp.PyArray_DATA(<cnp.ndarray>g.values)
+
+
+cdef int timer_group_remove(ColumnarGroup g, int64_t key) except -1:
+    """ColumnarGroup.remove for an int64 group, without a Python call."""
+    cdef int64_t pos, last_key
+    cdef Py_ssize_t last
+    cdef int64_t* keys
+    cdef int64_t* values
+    if pe_i64map_get(&g.index, key) < 0:
+        return 0
+    g.own()
+    pe_i64map_remove(&g.index, key, &pos)
+    last = g.n - 1
+    if pos != last:
+        keys = <int64_t*>cnp.PyArray_DATA(<cnp.ndarray>g.keys)
+        values = timer_values(g)
+        last_key = keys[last]
+        keys[pos] = last_key
+        values[pos] = values[last]
+        pe_i64map_put(&g.index, last_key, pos, &PY_ALLOC)
+        g.mark(pos)
+    g.n -= 1
+    if g.tracking:
+        g.removed.add(key)
+    return 1
+
+
+cdef enum:  # results of TimerHeap._remove
+    REMOVED = 1
+    ABSENT = 0
+    ASK_PYTHON = -1  # all slots taken and ts not in them (it may be in the overflow), or not columnar
+    REMOVED_FULL = 2  # removed from a key whose every slot was taken: Python refills from the overflow
+
+
+cdef class TimerHeap:
+    """Min-heap of int64-keyed timers by (timestamp, arrival) over slot states; see _timers.pxi."""
+
+    cdef TimerEntry* entries  # the heap
+    cdef Py_ssize_t n
+    cdef Py_ssize_t cap
+    cdef TimerEntry* run  # a sorted run: entries that came in timestamp order, popped from run_head
+    cdef Py_ssize_t run_head
+    cdef Py_ssize_t run_tail
+    cdef Py_ssize_t run_cap
+    cdef int64_t seq
+    cdef object backend  # the keyed backend: its current key and key-group index
+    cdef object tables  # the backend's tables by name
+    cdef public list slots  # the slot states' names, in order (Python appends one when it makes it)
+    cdef public Py_ssize_t max_slots  # slots a key may use before the overflow
+    cdef object fallback  # fallback(ts): registers through Python
+    cdef list groups  # per slot: its table's list of groups (cached; the tables stay while columnar)
+    cdef public bint disabled  # the state left columnar storage: everything goes to Python
+
+    def __cinit__(self, backend, tables, list slots, Py_ssize_t max_slots, fallback):
+        self.cap = 256
+        self.entries = <TimerEntry*>malloc(self.cap * sizeof(TimerEntry))
+        self.run_cap = 256
+        self.run = <TimerEntry*>malloc(self.run_cap * sizeof(TimerEntry))
+        if self.entries == NULL or self.run == NULL:
+            raise MemoryError()
+        self.run_head = self.run_tail = 0
+        self.n = 0
+        self.seq = 0
+        self.backend = backend
+        self.tables = tables
+        self.slots = slots
+        self.max_slots = max_slots
+        self.fallback = fallback
+        self.groups = []
+        self.disabled = False
+
+    cdef ColumnarGroup group(self, Py_ssize_t slot, Py_ssize_t index):
+        """Slot ``slot``'s group of key group ``index``, or None if it is not an int64
+        ColumnarGroup (the caller hands over to Python)."""
+        cdef list groups
+        while len(self.groups) < len(self.slots):  # a slot Python made since
+            self.groups.append(self.tables[self.slots[len(self.groups)]].groups)
+        groups = <list>self.groups[slot]
+        if index >= len(groups):
+            raise IndexError(f"timer key group index {index} out of range")
+        group = groups[index]
+        if type(group) is not ColumnarGroup:
+            return None
+        if (<cnp.ndarray>(<ColumnarGroup>group).values).descr.type_num != cnp.NPY_INT64:
+            return None
+        return <ColumnarGroup>group
+
+    def __dealloc__(self):
+        free(self.entries)
+        free(self.run)
+
+    def __len__(self):
+        return self.n + self.run_tail - self.run_head
+
+    # Timers mostly come in timestamp order (an event time plus a delay, a window's
+    # end): those go to the sorted run, O(1) in and out with memory read in order; the
+    # rest to the heap. The next timer is the earlier of the two heads, by (ts, seq).
+
+    cdef int _push(self, int64_t ts, int64_t key, Py_ssize_t index) except -1:
+        cdef TimerEntry* grown
+        cdef Py_ssize_t live
+        if self.run_tail == self.run_head or ts >= self.run[self.run_tail - 1].ts:
+            if self.run_tail == self.run_cap:
+                live = self.run_tail - self.run_head
+                if self.run_head >= self.run_cap // 2:  # room at the front: move the live part there
+                    memmove(self.run, self.run + self.run_head, live * sizeof(TimerEntry))
+                else:
+                    grown = <TimerEntry*>realloc(self.run, 2 * self.run_cap * sizeof(TimerEntry))
+                    if grown == NULL:
+                        raise MemoryError()
+                    self.run = grown
+                    self.run_cap *= 2
+                    memmove(self.run, self.run + self.run_head, live * sizeof(TimerEntry))
+                self.run_head, self.run_tail = 0, live
+            self.seq += 1
+            self.run[self.run_tail].ts = ts
+            self.run[self.run_tail].seq = self.seq
+            self.run[self.run_tail].key = key
+            self.run[self.run_tail].index = index
+            self.run_tail += 1
+            return 0
+        return self._heap_push(ts, key, index)
+
+    cdef inline bint _count(self) noexcept:
+        return self.n > 0 or self.run_tail > self.run_head
+
+    cdef inline bint _due(self, int64_t upto) noexcept:
+        return (self.n > 0 and self.entries[0].ts <= upto) or (
+            self.run_tail > self.run_head and self.run[self.run_head].ts <= upto
+        )
+
+    cdef TimerEntry _pop(self) noexcept:
+        """The earliest entry (there is one)."""
+        cdef TimerEntry e
+        if self.run_tail > self.run_head and (self.n == 0 or timer_before(&self.run[self.run_head], &self.entries[0])):
+            e = self.run[self.run_head]
+            self.run_head += 1
+            if self.run_head == self.run_tail:
+                self.run_head = self.run_tail = 0
+            return e
+        return self._heap_pop()
+
+    cdef int _heap_push(self, int64_t ts, int64_t key, Py_ssize_t index) except -1:
+        cdef TimerEntry* grown
+        cdef TimerEntry e
+        cdef Py_ssize_t i, parent
+        if self.n == self.cap:
+            grown = <TimerEntry*>realloc(self.entries, 2 * self.cap * sizeof(TimerEntry))
+            if grown == NULL:
+                raise MemoryError()
+            self.entries = grown
+            self.cap *= 2
+        self.seq += 1
+        e.ts, e.seq, e.key, e.index = ts, self.seq, key, index
+        i = self.n
+        self.n += 1
+        while i > 0:
+            parent = (i - 1) >> 1
+            if timer_before(&e, &self.entries[parent]):
+                self.entries[i] = self.entries[parent]
+                i = parent
+            else:
+                break
+        self.entries[i] = e
+        return 0
+
+    cdef TimerEntry _heap_pop(self) noexcept:
+        cdef TimerEntry top = self.entries[0]
+        cdef TimerEntry last
+        cdef Py_ssize_t i = 0, child
+        self.n -= 1
+        if self.n > 0:
+            last = self.entries[self.n]
+            while True:
+                child = 2 * i + 1
+                if child >= self.n:
+                    break
+                if child + 1 < self.n and timer_before(&self.entries[child + 1], &self.entries[child]):
+                    child += 1
+                if timer_before(&self.entries[child], &last):
+                    self.entries[i] = self.entries[child]
+                    i = child
+                else:
+                    break
+            self.entries[i] = last
+        return top
+
+    cdef int _remove(self, int64_t key, Py_ssize_t index, int64_t ts) except -2:
+        """Removes timer ``ts`` of ``key`` from its slot, keeping the key's slots without
+        holes; see the REMOVED / ABSENT / ASK_PYTHON / REMOVED_FULL results."""
+        cdef Py_ssize_t j, m = 0, found = -1, nslots = len(self.slots)
+        cdef ColumnarGroup g, last
+        cdef int64_t pos, last_pos
+        cdef ColumnarGroup found_group = None
+        cdef int64_t found_pos = -1
+        if self.disabled:
+            return ASK_PYTHON
+        for j in range(nslots):
+            g = self.group(j, index)
+            if g is None:
+                return ASK_PYTHON
+            pos = pe_i64map_get(&g.index, key)
+            if pos < 0:
+                break
+            m = j + 1
+            if found < 0 and timer_values(g)[pos] == ts:
+                found, found_group, found_pos = j, g, pos
+        if found < 0:
+            return ASK_PYTHON if m == self.max_slots else ABSENT
+        if found != m - 1:  # the key's last timer fills the hole
+            last = self.group(m - 1, index)
+            last_pos = pe_i64map_get(&last.index, key)
+            found_group.own()
+            timer_values(found_group)[found_pos] = timer_values(last)[last_pos]
+            found_group.mark(found_pos)
+            timer_group_remove(last, key)
+        else:
+            timer_group_remove(found_group, key)
+        return REMOVED_FULL if m == self.max_slots else REMOVED
+
+    def push(self, int64_t ts, int64_t key, Py_ssize_t index):
+        """Adds an entry (the state already holds the timer)."""
+        self._push(ts, key, index)
+
+    def push_many(self, timestamps, keys, indexes):
+        """Adds many entries (a restore): int64 arrays and an index array of one length."""
+        cdef const int64_t[::1] t = np.ascontiguousarray(timestamps, dtype=np.int64)
+        cdef const int64_t[::1] k = np.ascontiguousarray(keys, dtype=np.int64)
+        cdef const int64_t[::1] x = np.ascontiguousarray(indexes, dtype=np.int64)
+        cdef Py_ssize_t i
+        if t.shape[0] != k.shape[0] or t.shape[0] != x.shape[0]:
+            raise ValueError("push_many: timestamps, keys and indexes differ in length")
+        for i in range(t.shape[0]):
+            self._push(t[i], k[i], <Py_ssize_t>x[i])
+
+    def peek(self):
+        """The earliest timestamp in the heap (perhaps a deleted timer's), or None."""
+        cdef TimerEntry e
+        if not self._count():
+            return None
+        if self.run_tail > self.run_head and (self.n == 0 or timer_before(&self.run[self.run_head], &self.entries[0])):
+            return self.run[self.run_head].ts
+        return self.entries[0].ts
+
+    def drain(self):
+        """Every entry, earliest first, as three lists (ts, keys, indexes); empties the heap."""
+        cdef TimerEntry e
+        ts, keys, indexes = [], [], []
+        while self._count():
+            e = self._pop()
+            ts.append(e.ts)
+            keys.append(e.key)
+            indexes.append(e.index)
+        return ts, keys, indexes
+
+    def register(self, ts):
+        """The current key's timer at ``ts``: already there, nothing; else stored in the
+        key's first free slot and pushed; with every slot state taken (or anything
+        unusual), ``fallback(ts)``."""
+        cdef ColumnarGroup g
+        cdef int64_t k, t, pos
+        cdef Py_ssize_t j, i
+        backend = self.backend
+        key = backend._key
+        index = backend._key_index
+        if self.disabled or type(ts) is not int or type(key) is not int or index < 0:
+            return self.fallback(ts)
+        try:
+            k = key
+            t = ts
+        except OverflowError:
+            return self.fallback(ts)
+        if t == INT64_MIN:
+            return self.fallback(ts)
+        i = index
+        for j in range(len(self.slots)):
+            g = self.group(j, i)
+            if g is None:
+                return self.fallback(ts)
+            pos = pe_i64map_get(&g.index, k)
+            if pos < 0:
+                g.own()
+                pos = g.append(k)
+                timer_values(g)[pos] = t
+                g.mark(pos)
+                self._push(t, k, i)
+                return None
+            if timer_values(g)[pos] == t:
+                return None  # registered already: one timer per key and timestamp
+        return self.fallback(ts)
+
+    def remove_current(self, int64_t ts):
+        """Removes the current key's timer ``ts``: 1 removed, 0 not there, -1 Python
+        must look (overflow, or not columnar), 2 removed from a key whose slots were all
+        taken (Python refills from the overflow)."""
+        backend = self.backend
+        key = backend._key
+        index = backend._key_index
+        if type(key) is not int or index < 0:
+            return ASK_PYTHON
+        try:
+            return self._remove(key, index, ts)
+        except OverflowError:
+            return ASK_PYTHON
+
+    def fire_due(self, int64_t upto, Py_ssize_t start, ctx, on_timer, list out, check, refill):
+        """Fires every timer at or before ``upto``, in order: for each, the backend's
+        current key (``_key``, ``_key_group``, ``_key_index``) and ``ctx.current_key`` /
+        ``ctx._timer_ts`` are set, the timer is removed from its slot, then
+        ``on_timer(ts, ctx)`` runs and what it returns (an iterable, or None) goes into
+        ``out``. Where the slots cannot tell, ``check(ts)`` (Python, key set) removes
+        the timer and says whether it was live; ``refill()`` after a removal from a key
+        whose slots were all taken. Entries of deleted timers are skipped. Returns how
+        many fired."""
+        cdef TimerEntry e
+        cdef Py_ssize_t fired = 0
+        cdef int r
+        cdef bint live
+        backend = self.backend
+        while self._due(upto):
+            e = self._pop()
+            key = e.key
+            ts = e.ts
+            backend._key = key
+            backend._key_group = start + e.index
+            backend._key_index = e.index
+            r = self._remove(e.key, e.index, e.ts)
+            if r == REMOVED:
+                live = True
+            elif r == ABSENT:
+                live = False
+            elif r == REMOVED_FULL:
+                refill()
+                live = True
+            else:
+                live = check(ts)
+            if not live:
+                continue
+            ctx.current_key = key
+            ctx._timer_ts = ts
+            result = on_timer(ts, ctx)
+            if result is not None:
+                out.extend(result)
+            fired += 1
+        return fired
+
+    def pop_due(self, int64_t upto, Py_ssize_t start):
+        """The next timer at or before ``upto``, with the backend's current key set to its
+        key: ``(key, ts, code)``, ``code`` as ``remove_current``'s (1 or 2: removed; -1:
+        Python decides); None when nothing more is due. Entries of deleted timers are
+        skipped."""
+        cdef TimerEntry e
+        cdef int r
+        backend = self.backend
+        while self._due(upto):
+            e = self._pop()
+            backend._key = e.key
+            backend._key_group = start + e.index
+            backend._key_index = e.index
+            r = self._remove(e.key, e.index, e.ts)
+            if r != ABSENT:
+                return (e.key, e.ts, r)
+        return None
