@@ -322,6 +322,13 @@ class StreamEnvironment:
             runner = SparkRunner()
         if not hasattr(runner, "job") or isinstance(runner, str):
             raise ValueError(f"runner must be 'embedded', 'spark' or a SparkRunner, got {runner!r}")
+        if graph.event_time and not getattr(runner, "supports_event_time", False):
+            # Watermarks travel between Spark tasks as Flight metadata events, which the
+            # Flight channels do not carry yet (pyengine.io.events.time_event_to_json).
+            raise ValueError(
+                "this job uses event time (a watermark strategy, a window or timers), which the Spark runner does not "
+                "run yet: run it embedded (execute(..., runner='embedded'))"
+            )
         return runner.job(graph, self, name, restore_from, resume)
 
     def execute(

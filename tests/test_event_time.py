@@ -351,3 +351,21 @@ def test_an_idle_split_holds_windows_back_only_without_idleness() -> None:
     held, result = _idle_run(idleness=False)
     assert held == [-1, -1], f"without idleness the quiet split (its one record at ts 0) holds it back: {held}"
     assert len(result.records) == 41, "every window fires at the end of input all the same"
+
+
+def test_a_runner_without_event_time_refuses_an_event_time_job_up_front() -> None:
+    class Elsewhere:  # stands for the Spark runner, whose Flight channels carry no watermarks yet
+        def job(self, *args: Any) -> Any:
+            raise AssertionError("the job must be refused before the runner gets it")
+
+    env = pe.StreamEnvironment()
+    strategy = WatermarkStrategy.for_monotonous_timestamps().with_timestamp_assigner("ts")
+    env.from_collection([{"k": 1, "ts": 1}], watermark_strategy=strategy).key_by("k").window(
+        pe.windows.tumbling(10)
+    ).aggregate(pe.agg.count()).sink_to(pe.sinks.CollectSink())
+    with pytest.raises(ValueError, match="uses event time"):
+        env.execute("elsewhere", runner=Elsewhere())
+    plain = pe.StreamEnvironment()
+    plain.from_collection([{"k": 1}]).key_by("k").aggregate(pe.agg.count()).sink_to(pe.sinks.CollectSink())
+    with pytest.raises(AssertionError, match="refused before"):  # a job without event time goes through
+        plain.execute("elsewhere", runner=Elsewhere())
