@@ -181,6 +181,14 @@ def test_stop_with_savepoint_then_resume_at_another_parallelism(tmp_path, backen
     first = client.wait(60)
     assert first.status == "FINISHED"
     assert len(sink.read_committed()) < len(RECORDS), "the job ended before the savepoint stopped it"
+    # A stopped run delivered exactly what its savepoint covers: each user's counts 1..n,
+    # n the count in the savepoint's state (committed even if the tasks stopped first).
+    from pyengine.state.reader import read_keyed_state
+
+    state = read_keyed_state(savepoint, "counter", "count").to_pydict()
+    counts = dict(zip(state["key"], state["value"], strict=True))
+    committed = Counter((r["user"], r["n"]) for r in sink.read_committed())
+    assert committed == Counter({(u, n): 1 for u, c in counts.items() for n in range(1, c + 1)})
     # the savepoint is self-contained: it survives the checkpoints being deleted
     import shutil
 

@@ -198,6 +198,7 @@ class LocalRunner:
         self.restarts = 0  # so far, for progress reports while the job runs
         self._temp: Optional[tempfile.TemporaryDirectory] = None
         self._stop_with_savepoint = threading.Event()
+        self._stop_savepoint: Optional[CheckpointMetadata] = None  # what stop_with_savepoint took
         self._cancel = threading.Event()
         self.monitor: Any = None  # pyengine.monitoring.JobMonitor, while the job runs
 
@@ -523,6 +524,9 @@ class LocalRunner:
                 # Whatever was triggered meanwhile waits for acks of tasks that are gone.
                 self.coordinator.abort_pending_checkpoints(CheckpointFailureReason.JOB_FAILOVER_REGION)  # type: ignore[union-attr]
                 if outcome == "stopped":
+                    # The tasks may have been cancelled before the savepoint's commit reached
+                    # them: the sink commits what the savepoint covers here, and nothing after.
+                    self.graph.sink.recover(covered_by(self._stop_savepoint))
                     status = "FINISHED"
                     break
                 if outcome == "cancelled":
@@ -647,14 +651,17 @@ class LocalRunner:
     # -- savepoints (from a JobClient) -------------------------------------------------------
 
     def trigger_savepoint(self, directory: str, timeout_s: float = 600) -> str:
+        return self._savepoint(directory, timeout_s)[0]
+
+    def _savepoint(self, directory: str, timeout_s: float) -> Tuple[str, CheckpointMetadata]:
         coordinator = self.coordinator
         if coordinator is None:
             raise RuntimeError("the job is not running")
         metadata = coordinator.trigger_savepoint(directory).result(timeout=timeout_s)
         stats = coordinator.stats.latest_savepoint
         if stats is not None and stats.id == metadata.checkpoint_id and stats.external_path:
-            return stats.external_path
-        return directory
+            return stats.external_path, metadata
+        return directory, metadata
 
     def cancel(self) -> None:
         """Ends the job now, without a savepoint (Flink's cancel): its tasks stop, what
@@ -664,7 +671,7 @@ class LocalRunner:
         self._wake.set()
 
     def stop_with_savepoint(self, directory: str, timeout_s: float = 600) -> str:
-        path = self.trigger_savepoint(directory, timeout_s)
+        path, self._stop_savepoint = self._savepoint(directory, timeout_s)
         self._stop_with_savepoint.set()
         self._wake.set()
         return path
