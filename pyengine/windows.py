@@ -41,7 +41,7 @@ import pyarrow as pa
 from .agg import Aggregation
 from .errors import NonRetryableError
 from .io.events import MAX_WATERMARK
-from .runtime.aggregate import AggregateInputError
+from .runtime.aggregate import AggregateInputError, needed_accumulators
 from .runtime.operators import (
     EventTimeOperatorMixin,
     KeyedOperator,
@@ -238,22 +238,6 @@ def _cleanup_time(assigner: WindowAssigner, window_max: int, lateness: int) -> i
 # -- accumulators of pe.agg in Python (WindowOperator) and in columns (the aligned one) ------------
 
 
-def _needed(aggregations: Sequence[Aggregation]) -> List[Tuple[str, Optional[str]]]:
-    """(kind, column) of every accumulator the aggregations need, each once; a row
-    count or n(column) first (every key and window seen has one)."""
-    out: List[Tuple[str, Optional[str]]] = []
-    for a in aggregations:
-        parts: List[Tuple[str, Optional[str]]]
-        if a.kind == "count":
-            parts = [("rows", None)] if a.column is None else [("n", a.column)]
-        elif a.kind == "mean":
-            parts = [("n", a.column), ("sum", a.column)]
-        else:
-            parts = [("n", a.column), (a.kind, a.column)]
-        out.extend(p for p in parts if p not in out)
-    return out
-
-
 def _acc_name(kind: str, column: Optional[str]) -> str:
     return "count(*)" if column is None else f"{kind}({column})"
 
@@ -278,7 +262,7 @@ class _PyAccumulators:
 
     def __init__(self, aggregations: Sequence[Aggregation], where: Callable[[], str]) -> None:
         self.aggregations = list(aggregations)
-        self.needed = _needed(aggregations)
+        self.needed = needed_accumulators(aggregations)
         self.names = [_acc_name(k, c) for k, c in self.needed]
         self.where = where
 
@@ -621,7 +605,7 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         self.lateness = lateness
         self.timestamps = timestamps
         self.aggregations = list(aggregations)
-        self.needed = _needed(aggregations)
+        self.needed = needed_accumulators(aggregations)
         self.names = [_acc_name(k, c) for k, c in self.needed]
         self._py = _PyAccumulators(aggregations, self.where)
         self._types: Dict[str, pa.DataType] = {}  # accumulator -> int64 / float64, from the input schema

@@ -99,6 +99,23 @@ def check_aggregate(
                 raise AggregateInputError(f"{where} needs a numeric column, got {t}")
 
 
+def needed_accumulators(aggregations: Sequence[Aggregation]) -> List[Tuple[str, Optional[str]]]:
+    """(kind, column) of every accumulator the aggregations need, each once; a row
+    count or n(column) comes first (every key seen has an entry there). Shared by the
+    keyed aggregate and the window aggregate, whose state has the same columns."""
+    out: List[Tuple[str, Optional[str]]] = []
+    for a in aggregations:
+        parts: List[Tuple[str, Optional[str]]]
+        if a.kind == "count":
+            parts = [("rows", None)] if a.column is None else [("n", a.column)]
+        elif a.kind == "mean":
+            parts = [("n", a.column), ("sum", a.column)]
+        else:
+            parts = [("n", a.column), (a.kind, a.column)]
+        out.extend(p for p in parts if p not in out)
+    return out
+
+
 class AggregateOperator(KeyedOperator):
     """The operator behind ``KeyedStream.aggregate``; see the module docstring."""
 
@@ -142,23 +159,8 @@ class AggregateOperator(KeyedOperator):
 
     # -- accumulators ------------------------------------------------------------------------
 
-    def _needed(self) -> List[Tuple[str, Optional[str]]]:
-        """(kind, column) of every accumulator the aggregations need, each once; a row
-        count or n(column) comes first (every key seen has an entry there)."""
-        out: List[Tuple[str, Optional[str]]] = []
-        for a in self.aggregations:
-            parts: List[Tuple[str, Optional[str]]]
-            if a.kind == "count":
-                parts = [("rows", None)] if a.column is None else [("n", a.column)]
-            elif a.kind == "mean":
-                parts = [("n", a.column), ("sum", a.column)]
-            else:
-                parts = [("n", a.column), (a.kind, a.column)]
-            out.extend(p for p in parts if p not in out)
-        return out
-
     def _make_states(self, schema: pa.Schema) -> None:
-        for kind, column in self._needed():
+        for kind, column in needed_accumulators(self.aggregations):
             if kind in ("rows", "n"):
                 arrow_type: pa.DataType = pa.int64()
             else:
@@ -290,7 +292,7 @@ class AggregateOperator(KeyedOperator):
                 p = columns[name][i]
                 if kind in _ADDED:
                     old = state.value()
-                    if kind == "n":  # n(column) comes before min/max(column): see _needed
+                    if kind == "n":  # n(column) comes before min/max(column): see needed_accumulators
                         seen_before[column] = old > 0
                     v = old + (p or 0)
                     state.update(v)
