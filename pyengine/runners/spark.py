@@ -320,6 +320,10 @@ def _arrow_entry(fn: Any, batches: Iterator[Any]) -> Iterator[Any]:
 def _run_tasks(payload: bytes, index_iter: Iterator[int]) -> Iterator[str]:
     from pyspark import cloudpickle
 
+    # The job's own spec, pickled by the driver and carried inside Spark's task closure
+    # (which Spark itself unpickles): the same trust as any Spark task, never user data
+    # or a checkpoint. It is unpickled only after the version check, so a mismatched
+    # executor fails with a message instead of an unpickling error.
     spec = cloudpickle.loads(payload)
     for index in index_iter:
         yield from _run_subtask(spec, index)
