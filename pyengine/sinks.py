@@ -746,13 +746,19 @@ class FileSink(Sink):
         out: List[Any] = []
         for path in self.committed_files():
             with fs.open_input_file(path) as f:
+                if self.format == "parquet":
+                    # One thread, Arrow-owned buffers: pq.read_table would scan through
+                    # pyarrow.dataset, whose pool may still be releasing buffers after it
+                    # returns; a buffer owned by Python then needs the GIL while the
+                    # interpreter exits, and the process aborts ("terminate called without
+                    # an active exception", apache/arrow#39862).
+                    out.extend(pq.ParquetFile(f).read(use_threads=False).to_pylist())
+                    continue
                 data = f.read()
             if self.format == "jsonl":
                 out.extend(json.loads(line) for line in data.decode().splitlines() if line)
-            elif self.format == "csv":
-                out.extend(csv.DictReader(io.StringIO(data.decode())))
             else:
-                out.extend(pq.read_table(pa.py_buffer(data)).to_pylist())
+                out.extend(csv.DictReader(io.StringIO(data.decode())))
         return out
 
 

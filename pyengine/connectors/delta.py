@@ -498,11 +498,15 @@ class DeltaSink(Sink):
     # -- reading -------------------------------------------------------------------------------------------------
 
     def read_table(self) -> pa.Table:
-        """The table's current rows, read through ``deltalake``."""
+        """The table's current rows, read through ``deltalake``'s log with Arrow's own
+        filesystem: deltalake's default is a Python filesystem handler, whose reads Arrow's
+        I/O threads may still be finishing when a short script exits, which aborts the
+        interpreter (apache/arrow#39862)."""
         table = self._table()
         if table is None:
             return pa.table({})
-        return pa.table(table.to_pyarrow_table())
+        fs, root = self._fs()
+        return pa.table(table.to_pyarrow_table(filesystem=pafs.SubTreeFileSystem(root, fs)))
 
 
 def _delete(fs: Any, path: str) -> None:
