@@ -17,7 +17,6 @@ A runner drives a sink as follows (the driver's calls in capitals):
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import datetime
 import hashlib
@@ -34,7 +33,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Set, TextIO, Tuple
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, Optional, Sequence, Set, TextIO, Tuple
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -42,7 +41,7 @@ import pyarrow.parquet as pq
 from pyarrow.fs import FileSelector
 
 from .errors import NonRetryableError, OutputInUseError
-from .storage.filesystem import resolve
+from .storage.filesystem import guarded, resolve
 
 __all__ = [
     "CollectSink",
@@ -804,26 +803,11 @@ class _Heartbeat:
                 log.warning("FileSink %s: heartbeat failed: %s", self.output, exc)
 
 
-@contextlib.contextmanager
-def _guard(fs: Any, lock_path: str) -> Iterator[None]:
-    """On a local disk, serialises every read-judge-write of the lock file (taking,
-    taking over, heartbeat, removal) with ``flock`` on ``_pyengine/.guard``: two runs
-    that find one stale lock never both take it. Elsewhere (no ``flock``), nothing:
-    creation is checked, then verified."""
-    if not isinstance(fs, pafs.LocalFileSystem):
-        yield
-        return
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
-        yield
-        return
-    fd = os.open(f"{lock_path.rpartition('/')[0]}/.guard", os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the flock
+def _guard(fs: Any, lock_path: str) -> ContextManager[None]:
+    """Serialises every read-judge-write of the lock file (taking, taking over,
+    heartbeat, removal) through ``_pyengine/.guard``: two runs that find one stale
+    lock never both take it (see ``storage.filesystem.guarded``)."""
+    return guarded(fs, f"{lock_path.rpartition('/')[0]}/.guard")
 
 
 def _write_atomic(fs: Any, path: str, data: bytes) -> None:

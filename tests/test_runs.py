@@ -352,6 +352,41 @@ def test_a_refused_lease_leaves_the_live_runs_record(tmp_path) -> None:
         first.release("FINISHED")
 
 
+def _race_for_lease(directory: str, name: str, barrier: Any, results: Any) -> None:
+    from pyengine.storage.jobs import JobLease
+
+    lease = JobLease(directory, "j", "l", name)
+    barrier.wait()
+    try:
+        lease.acquire()
+    except OutputInUseError:
+        results.put((name, False))
+        return
+    results.put((name, True))
+    time.sleep(1.0)  # hold it while the others judge
+    lease.release("FINISHED")
+
+
+def test_runs_racing_for_one_job_directory_get_one_lease(tmp_path) -> None:
+    """Four processes resume one job at the same instant: the read-judge-write of
+    ``_job.json`` is guarded, so exactly one takes the lease."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    (tmp_path / "job").mkdir()
+    barrier, results = ctx.Barrier(4), ctx.Queue()
+    procs = [
+        ctx.Process(target=_race_for_lease, args=(str(tmp_path / "job"), f"run-{i}", barrier, results))
+        for i in range(4)
+    ]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(30)
+    assert sum(ok for _, ok in outcomes) == 1, outcomes
+
+
 def test_a_relative_storage_path_resumes_with_the_incremental_backend(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     seen = [0]

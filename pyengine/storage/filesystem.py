@@ -14,12 +14,13 @@ is recorded in its handle and checked when it is read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import threading
 import uuid
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -92,6 +93,28 @@ def resolve(uri: str) -> Tuple[pafs.FileSystem, str, str]:
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:
         raise StorageError(f"cannot use checkpoint storage {uri!r}: {exc}") from None
     return fs, path.rstrip("/") or "/", uri.split("://", 1)[0] + "://"
+
+
+@contextlib.contextmanager
+def guarded(fs: Any, guard_path: str) -> Iterator[None]:
+    """Holds an exclusive ``flock`` on ``guard_path`` (created if missing) on a local
+    disk, so that a read-judge-write of a small control file (a lock, a job's run
+    record) by two processes is never interleaved. Elsewhere (no ``flock`` on object
+    stores), nothing: callers there check what they wrote, then verify."""
+    if not isinstance(fs, pafs.LocalFileSystem):
+        yield
+        return
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    fd = os.open(guard_path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def _join(*parts: str) -> str:

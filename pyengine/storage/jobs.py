@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 
 import pyarrow.fs as pafs
 
-from .filesystem import _CHK_DIR, METADATA_FILE, resolve
+from .filesystem import _CHK_DIR, METADATA_FILE, guarded, resolve
 
 __all__ = [
     "JOB_FILE",
@@ -222,9 +222,20 @@ class JobLease:
         self._acquired = False
 
     def acquire(self, restored_from: Optional[str] = None) -> None:
+        self.record.restored_from = restored_from
+        if isinstance(self.fs, pafs.LocalFileSystem):
+            self.fs.create_dir(self.root, recursive=True)
+        # the read-judge-write of _job.json under one guard: two runs resuming one
+        # job at once never both find it free
+        with guarded(self.fs, f"{self.root}/.{JOB_FILE}.guard"):
+            self._acquire_guarded()
+        _LEASED.add(self.record.run_id)
+        self._thread = threading.Thread(target=self._beat, name="pyengine-job-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _acquire_guarded(self) -> None:
         from ..errors import OutputInUseError
 
-        self.record.restored_from = restored_from
         existing = read_job(self.root)
         if existing is not None:
             live = [r for r in existing.runs if r.alive() and r.run_id != self.record.run_id]
@@ -239,9 +250,6 @@ class JobLease:
         self._runs = [*self._runs, self.record]
         self._write()
         self._acquired = True
-        _LEASED.add(self.record.run_id)
-        self._thread = threading.Thread(target=self._beat, name="pyengine-job-heartbeat", daemon=True)
-        self._thread.start()
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
