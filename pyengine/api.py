@@ -650,6 +650,63 @@ class KeyedStream:
         stream._steps[-1].event_time = overrides_on_timer(fn)
         return stream
 
+    def transform_with_state(
+        self,
+        processor: Any,
+        output_schema: Any,
+        *,
+        time_mode: str = "None",
+        event_time_column: Optional[str] = None,
+        initial_state: Any = None,
+    ) -> DataStream:
+        """Runs a Spark ``StatefulProcessor`` (``pyspark.sql.streaming``) unchanged, as
+        Spark's ``transformWithState``: ``Iterator[Row]`` in and out, its value, list
+        and map states and its timers pyengine keyed state (checkpointed, rescaled,
+        readable with ``pe.state.read_keyed_state``). ``output_schema`` is a
+        ``StructType`` or DDL string; the output goes on as Arrow batches of it.
+        ``time_mode`` is ``"None"``, ``"ProcessingTime"`` or ``"EventTime"`` (which
+        needs the stream's timestamps and watermarks upstream; ``event_time_column``
+        names the column to drop late rows by, else the stream's timestamps are
+        used). ``initial_state`` (records, a pyarrow Table or a pandas DataFrame,
+        keyed like the stream) goes to ``handleInitialState`` on a job's first run
+        only. Needs pyspark; see ``pyengine.spark.tws``."""
+        from .spark.tws import build
+
+        return build(  # type: ignore[no-any-return]
+            self,
+            processor,
+            output_schema,
+            flavour="row",
+            time_mode=time_mode,
+            event_time_column=event_time_column,
+            initial_state=initial_state,
+        )
+
+    def transform_with_state_in_pandas(
+        self,
+        processor: Any,
+        output_schema: Any,
+        *,
+        time_mode: str = "None",
+        event_time_column: Optional[str] = None,
+        initial_state: Any = None,
+    ) -> DataStream:
+        """As ``transform_with_state``, for a processor written for Spark's
+        ``transformWithStateInPandas``: each key's rows come as an iterator of one
+        pandas DataFrame, and it yields DataFrames; ``handleInitialState`` gets one
+        DataFrame per key."""
+        from .spark.tws import build
+
+        return build(  # type: ignore[no-any-return]
+            self,
+            processor,
+            output_schema,
+            flavour="pandas",
+            time_mode=time_mode,
+            event_time_column=event_time_column,
+            initial_state=initial_state,
+        )
+
     def window(self, assigner: WindowAssigner) -> WindowedStream:
         """Windows per key: ``pe.windows.tumbling(size_ms)``, ``sliding(size_ms,
         slide_ms)`` or ``session(gap_ms)``; then ``.aggregate(pe.agg...)`` or

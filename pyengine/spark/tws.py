@@ -1,0 +1,1136 @@
+"""Spark's ``StatefulProcessor`` (``transformWithState``) running unchanged on pyengine.
+
+A user's ``pyspark.sql.streaming.StatefulProcessor`` subclass runs as a keyed
+operator: its handle's value, list and map states are pyengine keyed state (so
+they are checkpointed, restored, rescaled by key group and readable with
+``pe.state.read_keyed_state``), its timers are pyengine timers, and the calls
+come in Spark's order:
+
+* ``init(handle)`` once per subtask (and attempt);
+* on a job's first run (nothing restored), ``handleInitialState(key, row_or_df,
+  timerValues)`` per key of the initial state this subtask owns, before any data;
+* per input buffer (pyengine's micro-batch), ``handleInputRows(key, rows,
+  timerValues)`` once per key in it, that key's rows in arrival order;
+* expired timers after the data: ``handleExpiredTimer(key, timerValues,
+  expiredTimerInfo)``, each timer deleted once it has fired (while it fires,
+  ``listTimers`` still lists it and deleting or re-registering it changes
+  nothing, as on Spark, which deletes it after the call);
+* ``close()`` at the end.
+
+Spark's semantics kept: values are tuples of the state's schema; keys are
+tuples; TTL is processing time, measured at the batch's timestamp, restarted by
+every write, and an expired value is never returned (Spark's ``StateTTL``:
+expired once ``batch_ts >= written_ts + ttl``); timers outside a time mode raise
+``PySparkValueError`` (``UNSUPPORTED_OPERATION``), an event-time timer not later
+than the watermark raises ``IllegalArgumentException``, and in ``EventTime`` mode
+rows whose event time is not later than the watermark are dropped before the
+processor sees them (the types Spark's own ``TwsTester`` raises).
+
+Why the state classes are thin: on Spark every state call is a round trip to a
+JVM state server; here it is one call into the keyed backend plus a tuple. A
+schema of one primitive field is stored unwrapped in that field's Arrow type
+(int keys: columnar, native), other schemas as Arrow structs (tuples in memory).
+
+pyspark is imported only when an operator is made or a schema parsed, so
+``import pyengine`` and ``import pyengine.spark`` work without it."""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import re
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import pyarrow as pa
+
+from ..errors import ColumnNotFoundError, NonRetryableError
+from ..io.events import MAX_WATERMARK, MIN_WATERMARK
+from ..runtime.operators import (
+    EventTimeOperatorMixin,
+    KeyedOperator,
+    NaNKeyError,
+    OperatorContext,
+    UserFunctionError,
+)
+from ..state import (
+    ListStateDescriptor,
+    MapStateDescriptor,
+    ValueStateDescriptor,
+    assign_to_key_group,
+    create_keyed_backend,
+    key_group_range_for_subtask,
+)
+from ..storage.metadata import OperatorState
+from ..time.domain import now_ms
+
+__all__ = [
+    "TIME_MODES",
+    "OutputSchemaError",
+    "StateNotFoundError",
+    "TransformWithStateOperator",
+    "check_processor",
+    "parse_schema",
+    "time_mode_of",
+]
+
+TIME_MODES = ("None", "ProcessingTime", "EventTime")
+
+
+class OutputSchemaError(NonRetryableError, ValueError):
+    """What a processor returned does not fit the output schema (the message names
+    the column). A bug in the processor: no restart can fix it."""
+
+
+class StateNotFoundError(NonRetryableError, KeyError):
+    """``deleteIfExists`` of a state this operator never had (Spark refuses an
+    operation on a missing column family the same way)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class _UsageError(NonRetryableError):
+    """Marks a Spark error raised by the handle (a timer without a time mode...):
+    the job fails at once, with Spark's own exception as the cause."""
+
+
+# -- schemas -----------------------------------------------------------------------------------
+
+_SIMPLE_DDL = {
+    "string": "StringType",
+    "varchar": "StringType",
+    "char": "StringType",
+    "int": "IntegerType",
+    "integer": "IntegerType",
+    "bigint": "LongType",
+    "long": "LongType",
+    "smallint": "ShortType",
+    "short": "ShortType",
+    "tinyint": "ByteType",
+    "byte": "ByteType",
+    "double": "DoubleType",
+    "float": "FloatType",
+    "real": "FloatType",
+    "boolean": "BooleanType",
+    "bool": "BooleanType",
+    "binary": "BinaryType",
+    "date": "DateType",
+    "timestamp": "TimestampType",
+    "timestamp_ltz": "TimestampType",
+    "timestamp_ntz": "TimestampNTZType",
+}
+
+_TOKEN = re.compile(r"\s*(`[^`]*`|[A-Za-z_][A-Za-z0-9_]*|\d+|[<>(),:])")
+
+
+class _DDL:
+    """A small parser of Spark's DDL (``"id string, counts array<bigint>"``): Spark
+    parses DDL in the JVM (it needs a session), the adapter must not."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.tokens: List[str] = []
+        pos = 0
+        while pos < len(text):
+            if text[pos:].strip() == "":
+                break
+            m = _TOKEN.match(text, pos)
+            if m is None:
+                raise ValueError(f"cannot parse schema {text!r} at {text[pos:]!r}")
+            self.tokens.append(m.group(1))
+            pos = m.end()
+        self.i = 0
+
+    def peek(self) -> Optional[str]:
+        return self.tokens[self.i] if self.i < len(self.tokens) else None
+
+    def take(self, expected: Optional[str] = None) -> str:
+        tok = self.peek()
+        if tok is None or (expected is not None and tok.lower() != expected):
+            raise ValueError(f"cannot parse schema {self.text!r}: expected {expected or 'more'}, got {tok!r}")
+        self.i += 1
+        return tok
+
+    def fields(self, end: Optional[str]) -> Any:
+        from pyspark.sql.types import StructField, StructType
+
+        out = []
+        while self.peek() is not None and self.peek() != end:
+            name = self.take().strip("`")
+            if self.peek() == ":":
+                self.take()
+            dtype = self.type()
+            nullable = True
+            if (self.peek() or "").lower() == "not":
+                self.take()
+                self.take("null")
+                nullable = False
+            out.append(StructField(name, dtype, nullable))
+            if self.peek() == ",":
+                self.take()
+        return StructType(out)
+
+    def type(self) -> Any:
+        from pyspark.sql import types as T
+
+        word = self.take().lower()
+        if word in _SIMPLE_DDL:
+            if self.peek() == "(" and word in ("varchar", "char"):
+                self.take()
+                self.take()
+                self.take(")")
+            return getattr(T, _SIMPLE_DDL[word])()
+        if word in ("decimal", "dec", "numeric"):
+            precision, scale = 10, 0
+            if self.peek() == "(":
+                self.take()
+                precision = int(self.take())
+                if self.peek() == ",":
+                    self.take()
+                    scale = int(self.take())
+                self.take(")")
+            return T.DecimalType(precision, scale)
+        if word == "array":
+            self.take("<")
+            element = self.type()
+            self.take(">")
+            return T.ArrayType(element)
+        if word == "map":
+            self.take("<")
+            key = self.type()
+            self.take(",")
+            value = self.type()
+            self.take(">")
+            return T.MapType(key, value)
+        if word == "struct":
+            self.take("<")
+            struct = self.fields(">")
+            self.take(">")
+            return struct
+        raise ValueError(f"cannot parse schema {self.text!r}: unknown type {word!r}")
+
+
+def parse_schema(schema: Any, what: str = "schema") -> Any:
+    """A ``StructType`` from a ``StructType`` or a DDL string, as Spark's handle takes them."""
+    from pyspark.sql.types import DataType, StructField, StructType
+
+    if isinstance(schema, StructType):
+        return schema
+    if isinstance(schema, str):
+        parser = _DDL(schema)
+        struct = parser.fields(None)
+        if parser.peek() is not None or not struct.fields:
+            raise ValueError(f"{what}: cannot parse schema {schema!r}")
+        return struct
+    if isinstance(schema, DataType):  # a bare type: one unnamed field, as Spark wraps it
+        return StructType([StructField("value", schema)])
+    raise TypeError(f"{what} must be a pyspark StructType or a DDL string, got {schema!r}")
+
+
+def _arrow_type(dtype: Any) -> pa.DataType:
+    from pyspark.sql.pandas.types import to_arrow_type
+
+    return to_arrow_type(dtype)
+
+
+def _arrow_schema(struct: Any) -> pa.Schema:
+    return pa.schema([pa.field(f.name, _arrow_type(f.dataType), f.nullable) for f in struct.fields])
+
+
+_PRIMITIVE = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean, pa.types.is_string, pa.types.is_binary)
+
+
+def _layout(schema: Any, what: str) -> Tuple[pa.DataType, bool]:
+    """How values of ``schema`` are stored: (Arrow type, scalar). One primitive
+    field: its value alone (int/float/bool columnar in memory); else the tuple, as
+    an Arrow struct in the checkpoint."""
+    struct = parse_schema(schema, what)
+    fields = struct.fields
+    if len(fields) == 1:
+        t = _arrow_type(fields[0].dataType)
+        if any(test(t) for test in _PRIMITIVE):
+            return t, True
+    return pa.struct([pa.field(f.name, _arrow_type(f.dataType)) for f in fields]), False
+
+
+def _key_layout(schema: Any, what: str) -> Tuple[Optional[pa.DataType], bool]:
+    """A map state's user keys: one primitive field unwrapped and typed; other keys
+    stay tuples (untyped: an Arrow struct would come back from a checkpoint as a
+    dict, which cannot be a key)."""
+    t, scalar = _layout(schema, what)
+    return (t, True) if scalar else (None, False)
+
+
+_PLAIN = (int, float, str, bool, bytes)
+
+
+def _plain(v: Any) -> Any:
+    """A value a processor passed (NumPy / pandas scalars from the pandas flavour
+    included) as the plain Python value state stores, as Spark normalises it."""
+    if v.__class__ in _PLAIN or v is None:
+        return v
+    item = getattr(v, "item", None)  # numpy scalars
+    if item is not None and not isinstance(v, (tuple, list, dict)):
+        return item()
+    if hasattr(v, "to_pydatetime"):
+        return v.to_pydatetime()
+    if isinstance(v, (tuple, list)):
+        return tuple(_plain(x) for x in v)
+    return v
+
+
+def _tuple(v: Any) -> Any:
+    """A stored struct value as the tuple Spark hands out (restored ones are dicts)."""
+    if v is None or v.__class__ is tuple:
+        return v
+    if isinstance(v, dict):
+        return tuple(v.values())
+    return tuple(v)
+
+
+def _store_tuple(v: Any, what: str) -> Tuple[Any, ...]:
+    if not isinstance(v, (tuple, list)):
+        raise TypeError(f"{what}: Spark state values are tuples, got {v!r}")
+    return tuple(_plain(x) for x in v)
+
+
+def _one(v: Any, what: str) -> Any:
+    """The single field of a one-field tuple (a Row is a tuple too)."""
+    if v.__class__ is tuple and len(v) == 1:
+        x = v[0]
+        return x if x.__class__ in _PLAIN else _plain(x)
+    if isinstance(v, (tuple, list)) and len(v) == 1:
+        return _plain(v[0])
+    raise TypeError(f"{what}: Spark state values are tuples of the schema's one field, got {v!r}")
+
+
+# -- state variables ---------------------------------------------------------------------------
+# One class per layout so a call is one backend call and a tuple, no branching on the schema.
+
+
+class _ScalarValueState:
+    """``ValueState`` of a one-field schema: the field is stored alone."""
+
+    __slots__ = ("_s", "_what", "exists", "get")
+
+    def __init__(self, state: Any, what: str) -> None:
+        self._s = state
+        self._what = what
+        value = state.value
+
+        def get() -> Optional[Tuple[Any]]:
+            v = value()
+            return None if v is None else (v,)
+
+        def exists() -> bool:
+            return value() is not None
+
+        self.get = get
+        self.exists = exists
+
+    def update(self, newValue: Any) -> None:
+        self._s.update(_one(newValue, self._what))
+
+    def clear(self) -> None:
+        self._s.clear()
+
+
+class _TupleValueState:
+    __slots__ = ("_s", "_what")
+
+    def __init__(self, state: Any, what: str) -> None:
+        self._s = state
+        self._what = what
+
+    def exists(self) -> bool:
+        return self._s.value() is not None
+
+    def get(self) -> Optional[Tuple[Any, ...]]:
+        return _tuple(self._s.value())
+
+    def update(self, newValue: Any) -> None:
+        self._s.update(_store_tuple(newValue, self._what))
+
+    def clear(self) -> None:
+        self._s.clear()
+
+
+class _ListState:
+    """``ListState``: ``get`` is an iterator of tuples, as Spark's."""
+
+    __slots__ = ("_s", "_scalar", "_what")
+
+    def __init__(self, state: Any, scalar: bool, what: str) -> None:
+        self._s = state
+        self._scalar = scalar
+        self._what = what
+
+    def _in(self, values: Any) -> List[Any]:
+        if self._scalar:
+            return [_one(v, self._what) for v in values]
+        return [_store_tuple(v, self._what) for v in values]
+
+    def exists(self) -> bool:
+        return not not self._s.get()
+
+    def get(self) -> Iterator[Tuple[Any, ...]]:
+        if self._scalar:
+            return iter([(v,) for v in self._s.get()])
+        return iter([_tuple(v) for v in self._s.get()])
+
+    def put(self, newState: Sequence[Any]) -> None:
+        self._s.update(self._in(newState))
+
+    def appendValue(self, newState: Any) -> None:
+        self._s.add(_one(newState, self._what) if self._scalar else _store_tuple(newState, self._what))
+
+    def appendList(self, newState: Sequence[Any]) -> None:
+        self._s.add_all(self._in(newState))
+
+    def clear(self) -> None:
+        self._s.clear()
+
+
+class _MapState:
+    """``MapState``: user keys and values are tuples, as Spark's."""
+
+    __slots__ = ("_key", "_s", "_scalar_key", "_scalar_value", "_what")
+
+    def __init__(self, state: Any, scalar_key: bool, scalar_value: bool, what: str) -> None:
+        self._s = state
+        self._scalar_key = scalar_key
+        self._scalar_value = scalar_value
+        self._what = what
+        self._key: Callable[[Any], Any] = (
+            (lambda k: _one(k, what + " key")) if scalar_key else (lambda k: _store_tuple(k, what + " key"))
+        )
+
+    def _out_value(self, v: Any) -> Any:
+        return (v,) if self._scalar_value else _tuple(v)
+
+    def _out_key(self, k: Any) -> Any:
+        return (k,) if self._scalar_key else _tuple(k)
+
+    def exists(self) -> bool:
+        return not self._s.is_empty()
+
+    def getValue(self, key: Any) -> Optional[Tuple[Any, ...]]:
+        v = self._s.get(self._key(key))
+        return None if v is None else self._out_value(v)
+
+    def containsKey(self, key: Any) -> bool:
+        return bool(self._s.contains(self._key(key)))
+
+    def updateValue(self, key: Any, value: Any) -> None:
+        v = _one(value, self._what) if self._scalar_value else _store_tuple(value, self._what)
+        self._s.put(self._key(key), v)
+
+    def iterator(self) -> Iterator[Tuple[Tuple[Any, ...], Tuple[Any, ...]]]:
+        return iter([(self._out_key(k), self._out_value(v)) for k, v in self._s.items()])
+
+    def keys(self) -> Iterator[Tuple[Any, ...]]:
+        return iter([self._out_key(k) for k in self._s.keys()])
+
+    def values(self) -> Iterator[Tuple[Any, ...]]:
+        return iter([self._out_value(v) for v in self._s.values()])
+
+    def removeKey(self, key: Any) -> None:
+        self._s.remove(self._key(key))
+
+    def clear(self) -> None:
+        self._s.clear()
+
+
+def _ttl(ttlDurationMs: Any, name: str) -> Optional[int]:
+    if ttlDurationMs is None:
+        return None
+    if type(ttlDurationMs) is not int or ttlDurationMs <= 0:
+        raise ValueError(f"state {name!r}: ttlDurationMs must be a positive int of milliseconds, got {ttlDurationMs!r}")
+    return ttlDurationMs
+
+
+def _usage(exc: BaseException) -> BaseException:
+    exc._pyengine_usage = True  # type: ignore[attr-defined]
+    return exc
+
+
+class _Handle:
+    """The ``StatefulProcessorHandle`` a processor's ``init`` gets."""
+
+    def __init__(self, op: TransformWithStateOperator) -> None:
+        self._op = op
+        self._kinds: Dict[str, str] = {}
+
+    def _declare(self, name: str, kind: str) -> None:
+        if not isinstance(name, str) or not name or name.startswith("_timer_state/"):
+            raise ValueError(f"a state name must be a non-empty string not starting with '_timer_state/', got {name!r}")
+        known = self._kinds.get(name)
+        if known is not None and known != kind:
+            raise ValueError(f"state {name!r} is already a {known} state; it cannot also be a {kind} state")
+        self._kinds[name] = kind
+
+    def getValueState(self, stateName: str, schema: Any, ttlDurationMs: Optional[int] = None) -> Any:
+        self._declare(stateName, "value")
+        t, scalar = _layout(schema, f"value state {stateName!r}")
+        state = self._op.backend.get_state(ValueStateDescriptor(stateName, None, t, _ttl(ttlDurationMs, stateName)))
+        what = f"value state {stateName!r}"
+        return _ScalarValueState(state, what) if scalar else _TupleValueState(state, what)
+
+    def getListState(self, stateName: str, schema: Any, ttlDurationMs: Optional[int] = None) -> Any:
+        self._declare(stateName, "list")
+        t, scalar = _layout(schema, f"list state {stateName!r}")
+        state = self._op.backend.get_state(ListStateDescriptor(stateName, t, _ttl(ttlDurationMs, stateName)))
+        return _ListState(state, scalar, f"list state {stateName!r}")
+
+    def getMapState(
+        self, stateName: str, userKeySchema: Any, valueSchema: Any, ttlDurationMs: Optional[int] = None
+    ) -> Any:
+        self._declare(stateName, "map")
+        kt, scalar_key = _key_layout(userKeySchema, f"map state {stateName!r} key")
+        vt, scalar_value = _layout(valueSchema, f"map state {stateName!r}")
+        state = self._op.backend.get_state(MapStateDescriptor(stateName, kt, vt, _ttl(ttlDurationMs, stateName)))
+        return _MapState(state, scalar_key, scalar_value, f"map state {stateName!r}")
+
+    # -- timers ------------------------------------------------------------------------------
+
+    def _queue(self, operation: str) -> Any:
+        op = self._op
+        if op.time_mode == "None":
+            from pyspark.errors import PySparkValueError
+
+            raise _usage(
+                PySparkValueError(
+                    errorClass="UNSUPPORTED_OPERATION",
+                    messageParameters={"operation": f"{operation} with TimeMode.None"},
+                )
+            )
+        timers = op.timers()
+        return timers.event if op.time_mode == "EventTime" else timers.processing
+
+    def registerTimer(self, expiryTimestampMs: int) -> None:
+        queue = self._queue("Timers")
+        op = self._op
+        if op.time_mode == "EventTime" and expiryTimestampMs <= op.spark_watermark():
+            from pyspark.errors.exceptions.base import IllegalArgumentException
+
+            raise _usage(
+                IllegalArgumentException(
+                    message=f"Cannot register timer with expiry {expiryTimestampMs} ms which is not later "
+                    f"than the current watermark {op.spark_watermark()} ms."
+                )
+            )
+        if op._firing == expiryTimestampMs and op._firing_key == op.backend.current_key:
+            return  # Spark deletes the firing timer after its call: registering it again is undone
+        queue.register(expiryTimestampMs)
+
+    def deleteTimer(self, expiryTimestampMs: int) -> None:
+        queue = self._queue("Timers")
+        op = self._op
+        if op._firing == expiryTimestampMs and op._firing_key == op.backend.current_key:
+            return  # it is deleted once its call returns
+        queue.delete(expiryTimestampMs)
+
+    def listTimers(self) -> Iterator[int]:
+        queue = self._queue("Timers")
+        times = queue.timestamps()
+        op = self._op
+        if op._firing is not None and op._firing_key == op.backend.current_key:
+            times = tuple(sorted((*times, op._firing)))
+        return iter(times)
+
+    def deleteIfExists(self, stateName: str) -> None:
+        """Purges a state for every key (Spark drops its column family): for a state
+        a new version of a processor no longer uses. A name the operator never had
+        (registered now or restored from a checkpoint) is refused, as Spark refuses
+        an operation on a missing column family."""
+        backend = self._op.backend
+        if stateName not in backend.state_names:
+            known = ", ".join(n for n in backend.state_names if not n.startswith("_timer_state/")) or "none"
+            raise StateNotFoundError(f"deleteIfExists({stateName!r}): there is no state {stateName!r}; states: {known}")
+        _purge(backend, stateName)
+        self._kinds.pop(stateName, None)
+
+
+def _purge(backend: Any, name: str) -> None:
+    """Clears every key's entry of state ``name`` through a state object of its own
+    kind (so incremental checkpoints record the deletions), then forgets that
+    object, so the name can be registered again with another schema.
+
+    The backend has no public "drop state" yet (patch h2-drop-state.patch proposes
+    ``drop_state``); until then this reads two attributes of the heap backend."""
+    table = backend._tables[name]
+    kind = table.descriptor.kind
+    descriptor: Any
+    if kind == "value":
+        descriptor = ValueStateDescriptor(name, None, getattr(table.descriptor, "type", None))
+    elif kind == "list":
+        descriptor = ListStateDescriptor(name, getattr(table.descriptor, "type", None))
+    elif kind == "map":
+        d = table.descriptor
+        descriptor = MapStateDescriptor(name, getattr(d, "key_type", None), getattr(d, "value_type", None))
+    else:
+        raise ValueError(f"deleteIfExists({name!r}): a {kind} state is not a Spark state")
+    backend._states.pop(name, None)
+    state = backend.get_state(descriptor)
+    previous = backend.current_key
+    for key in list(backend.keys(name)):
+        backend.set_current_key(key)
+        state.clear()
+    if previous is not None:
+        backend.set_current_key(previous)
+    backend._states.pop(name, None)
+
+
+# -- the operator ------------------------------------------------------------------------------
+
+
+def check_processor(processor: Any) -> None:
+    """Refuses what is not a Spark ``StatefulProcessor`` instance, with what to pass instead."""
+    from pyspark.sql.streaming.stateful_processor import StatefulProcessor
+
+    if isinstance(processor, type) and issubclass(processor, StatefulProcessor):
+        raise TypeError(
+            f"transform_with_state takes a StatefulProcessor instance, got the class {processor.__name__}: "
+            f"pass {processor.__name__}()"
+        )
+    if not isinstance(processor, StatefulProcessor):
+        raise TypeError(
+            "transform_with_state takes an instance of a pyspark.sql.streaming.StatefulProcessor subclass, "
+            f"got {type(processor).__name__}"
+        )
+
+
+def time_mode_of(time_mode: Any) -> str:
+    """Spark's time mode names, case-insensitive as Spark takes them."""
+    if isinstance(time_mode, str):
+        for mode in TIME_MODES:
+            if mode.lower() == time_mode.lower():
+                return mode
+    raise ValueError(f"time_mode must be one of {', '.join(TIME_MODES)} (case-insensitive), got {time_mode!r}")
+
+
+def _ms(value: Any) -> int:
+    """An event time as epoch milliseconds: ints are milliseconds; datetimes (Spark's
+    timestamp columns) are converted."""
+    if value.__class__ is int:
+        return value  # type: ignore[no-any-return]
+    if isinstance(value, _dt.datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=_dt.timezone.utc)
+        return int(value.timestamp() * 1000)
+    if hasattr(value, "value") and hasattr(value, "to_pydatetime"):  # pandas.Timestamp
+        return int(value.value // 1_000_000)
+    return int(value)
+
+
+class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
+    """Runs a Spark ``StatefulProcessor``; see the module docstring.
+
+    ``flavour`` is ``"row"`` (``transformWithState``: ``Iterator[Row]`` in and out)
+    or ``"pandas"`` (``transformWithStateInPandas``: ``Iterator[DataFrame]``). The
+    output goes on as one Arrow ``RecordBatch`` per input buffer, checked against
+    ``output_schema``. ``clock`` (ms) is the batch timestamp source (tests drive it)."""
+
+    def __init__(
+        self,
+        uid: str,
+        name: str,
+        key_selector: Callable[[Any], Any],
+        processor: Any,
+        output_schema: Any,
+        *,
+        flavour: str = "row",
+        time_mode: str = "None",
+        event_time: Optional[Callable[[Any], int]] = None,
+        initial_state: Optional[Callable[[], Iterable[Tuple[Any, Any]]]] = None,
+        clock: Optional[Callable[[], int]] = None,
+    ) -> None:
+        super().__init__(uid, name)
+        check_processor(processor)
+        if flavour not in ("row", "pandas"):
+            raise ValueError(f"flavour must be 'row' or 'pandas', got {flavour!r}")
+        self.key_selector = key_selector
+        self.key_column: Optional[str] = getattr(key_selector, "column", None)
+        self.processor = processor
+        self.output_struct = parse_schema(output_schema, "output schema")
+        self.output_schema = _arrow_schema(self.output_struct)
+        self.output_names = list(self.output_schema.names)
+        self.flavour = flavour
+        self.time_mode = time_mode_of(time_mode)
+        self.event_time = event_time
+        self.initial_state = initial_state
+        self.clock = clock or now_ms
+        self.batch_ts = -1
+        self._first_run = True
+        self._timers: Any = None
+        self._firing: Optional[int] = None
+        self._firing_key: Any = None
+        self._handle: Optional[_Handle] = None
+        self._opened = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def setup(self, ctx: OperatorContext, restored: Optional[OperatorState]) -> None:
+        # As KeyedOperator.setup, with TTL measured on the batch timestamp (Spark's
+        # TTL clock), not on the wall clock at the moment of each call.
+        from ..runtime.operators import Operator
+
+        Operator.setup(self, ctx, restored)
+        self.backend = create_keyed_backend(
+            ctx.state_backend,
+            max_parallelism=ctx.max_parallelism,
+            key_group_range=key_group_range_for_subtask(ctx.max_parallelism, ctx.parallelism, ctx.subtask),
+            local_recovery_dir=ctx.local_recovery_dir,
+            ttl_clock_ms=self._ttl_now,
+        )
+        if restored is not None:
+            self.backend.restore(restored.keyed_handles())
+        self._first_run = restored is None
+        self._restore_watermark(restored)
+        if any(n.startswith("_timer_state/") for n in self.backend.state_names):
+            self.timers()  # restored timers: rebuild the index now, so due ones fire
+
+    def _ttl_now(self) -> int:
+        return self.batch_ts if self.batch_ts >= 0 else self.clock()
+
+    def timers(self) -> Any:
+        """The operator's InternalTimerService, made on first use."""
+        if self._timers is None:
+            from ..state.timers import InternalTimerService
+
+            key = self.backend.current_key
+            self._timers = InternalTimerService(self.backend, self.current_watermark)
+            if key is not None:
+                self.backend.set_current_key(key)
+        return self._timers
+
+    def spark_watermark(self) -> int:
+        """The watermark as Spark shows it: 0 before the first one (Spark starts at 0)."""
+        wm = self.current_watermark
+        return 0 if wm <= MIN_WATERMARK else int(wm)
+
+    def _timer_values(self) -> Any:
+        from pyspark.sql.streaming.stateful_processor import TimerValues
+
+        if self.time_mode == "None":
+            return TimerValues(-1, -1)
+        if self.time_mode == "ProcessingTime":
+            return TimerValues(self.batch_ts, -1)
+        return TimerValues(self.batch_ts, self.spark_watermark())
+
+    def open(self) -> None:
+        import pyspark.sql.streaming.stateful_processor as sp
+
+        self._Row: Any = __import__("pyspark.sql.types", fromlist=["Row"]).Row
+        self._ExpiredTimerInfo = sp.ExpiredTimerInfo
+        self._handle = _Handle(self)
+        self._user(self.processor.init, self._handle)
+        self._opened = True
+        if self._first_run and self.initial_state is not None:
+            self.batch_ts = self.clock()
+            self._initial(self.initial_state())
+
+    def close(self) -> None:
+        if self._opened:
+            self._opened = False
+            self._user(self.processor.close)
+
+    def _user(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except NonRetryableError:
+            raise
+        except Exception as exc:
+            raise self._wrap(exc, getattr(fn, "__name__", "")) from exc
+
+    def _wrap(self, exc: BaseException, where: str) -> Exception:
+        message = f"{self.where()}: {where}: {type(exc).__name__}: {exc}"
+        if getattr(exc, "_pyengine_usage", False):
+            return _UsageError(message)
+        return UserFunctionError(message)
+
+    def _initial(self, entries: Iterable[Tuple[Any, Any]]) -> None:
+        """``handleInitialState`` for the keys of this subtask (others are another's)."""
+        backend = self.backend
+        kg = backend.key_group_range
+        tv = self._timer_values()
+        handle = self.processor.handleInitialState
+        for key, value in entries:
+            if not kg.start <= assign_to_key_group(key, backend.max_parallelism) <= kg.end:
+                continue
+            backend.set_current_key(key)
+            self._user(handle, key if key.__class__ is tuple else (key,), value, tv)
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def process(self, records: Any) -> Any:
+        self.batch_ts = self.clock()
+        out: List[Any] = []
+        if len(records):
+            groups = self._group_rows(records) if self.flavour == "row" else self._group_frames(records)
+            backend, fn, tv = self.backend, self.processor.handleInputRows, self._timer_values()
+            try:
+                for key, rows in groups:
+                    backend.set_current_key(key)
+                    produced = fn(key if key.__class__ is tuple else (key,), iter(rows), tv)
+                    if produced is not None:
+                        out.extend(produced)
+            except NonRetryableError:
+                raise
+            except Exception as exc:
+                raise self._wrap(exc, "handleInputRows") from exc
+        if self.time_mode == "ProcessingTime" and self._timers is not None:
+            self._fire(self._timers.processing, self.batch_ts, out)
+        return self._output(out)
+
+    def _late(self, records: List[Any]) -> List[Any]:
+        """EventTime: rows not later than the watermark are dropped, as Spark drops them."""
+        wm = self.current_watermark
+        if self.event_time is None or wm <= MIN_WATERMARK:
+            return records
+        ts = self.event_time
+        kept = [r for r in records if ts(r) > wm]
+        self.late_records_dropped += len(records) - len(kept)
+        return kept
+
+    def _group_rows(self, records: Any) -> Iterable[Tuple[Any, List[Any]]]:
+        """Rows per key, in arrival order, keys in order of first arrival."""
+        Row = self._Row
+        new = tuple.__new__
+        groups: Dict[Any, List[Any]] = {}
+        if isinstance(records, (pa.RecordBatch, pa.Table)) and self.time_mode != "EventTime":
+            fields = list(records.schema.names)
+            columns = [c.to_pylist() for c in records.columns]
+            if self.key_column is not None and self.key_column in fields:
+                keys: Any = columns[fields.index(self.key_column)]
+                for key, values in zip(keys, zip(*columns, strict=True), strict=True):
+                    row = new(Row, values)
+                    row.__fields__ = fields
+                    bucket = groups.get(key)
+                    if bucket is None:
+                        self._check_key(key)
+                        groups[key] = [row]
+                    else:
+                        bucket.append(row)
+                return groups.items()
+            records = records.to_pylist()
+        elif isinstance(records, (pa.RecordBatch, pa.Table)):
+            records = records.to_pylist()
+        if self.time_mode == "EventTime":
+            records = self._late(records)
+        select = self.key_selector
+        for r in records:
+            key = select(r)
+            if r.__class__ is dict:
+                row = new(Row, r.values())
+                row.__fields__ = list(r)
+            else:
+                row = r
+            bucket = groups.get(key)
+            if bucket is None:
+                self._check_key(key)
+                groups[key] = [row]
+            else:
+                bucket.append(row)
+        return groups.items()
+
+    def _check_key(self, key: Any) -> None:
+        if key.__class__ is float and key != key:
+            raise NaNKeyError(f"{self.where()}: a key is NaN")
+
+    def _group_frames(self, records: Any) -> Iterable[Tuple[Any, List[Any]]]:
+        """One pandas DataFrame per key (its rows in arrival order), in an iterator as Spark passes it."""
+        import pandas as pd
+
+        if isinstance(records, (pa.RecordBatch, pa.Table)) and self.time_mode != "EventTime":
+            df = records.to_pandas()
+            if self.key_column is not None and self.key_column in df.columns:
+                keys = records.column(self.key_column).to_pylist()
+            else:
+                keys = [self.key_selector(r) for r in records.to_pylist()]
+        else:
+            rows = records.to_pylist() if isinstance(records, (pa.RecordBatch, pa.Table)) else list(records)
+            if self.time_mode == "EventTime":
+                rows = self._late(rows)
+            if not rows:
+                return []
+            keys = [self.key_selector(r) for r in rows]
+            df = pd.DataFrame.from_records([r if isinstance(r, dict) else r.asDict() for r in rows])
+        positions: Dict[Any, List[int]] = {}
+        for i, key in enumerate(keys):
+            bucket = positions.get(key)
+            if bucket is None:
+                self._check_key(key)
+                positions[key] = [i]
+            else:
+                bucket.append(i)
+        if len(positions) == 1:
+            ((key, _),) = positions.items()
+            return [(key, [df.reset_index(drop=True)])]
+        return [(key, [df.take(idx).reset_index(drop=True)]) for key, idx in positions.items()]
+
+    # -- timers --------------------------------------------------------------------------------
+
+    def _fire(self, queue: Any, upto: int, out: List[Any]) -> None:
+        """Fires ``queue``'s timers up to ``upto``, after the data (Spark's order)."""
+        tv = self._timer_values()
+        fn, info = self.processor.handleExpiredTimer, self._ExpiredTimerInfo
+        backend = self.backend
+        try:
+            for key, ts in queue.due(upto):
+                self._firing, self._firing_key = ts, key
+                produced = fn(key if key.__class__ is tuple else (key,), tv, info(ts))
+                if produced is not None:
+                    out.extend(produced)  # consumed while the timer counts as firing
+                self._firing = self._firing_key = None
+                if backend.current_key != key:
+                    backend.set_current_key(key)
+        except NonRetryableError:
+            raise
+        except Exception as exc:
+            raise self._wrap(exc, "handleExpiredTimer") from exc
+        finally:
+            self._firing = self._firing_key = None
+
+    def process_watermark(self, watermark: int) -> Any:
+        if watermark <= self.current_watermark:
+            return []
+        self.current_watermark = watermark
+        if self._timers is None:
+            return []
+        self._timers.current_watermark = watermark
+        if self.time_mode != "EventTime":
+            return []
+        self.batch_ts = self.clock()
+        out: List[Any] = []
+        self._fire(self._timers.event, watermark if watermark < MAX_WATERMARK else MAX_WATERMARK, out)
+        return self._output(out)
+
+    def next_processing_time(self) -> Optional[int]:
+        if self._timers is None or self.time_mode != "ProcessingTime":
+            return None
+        return self._timers.next_processing_time()  # type: ignore[no-any-return]
+
+    def on_processing_time(self, now_ms: int) -> Any:
+        if self._timers is None or self.time_mode != "ProcessingTime":
+            return []
+        self.batch_ts = self.clock()
+        out: List[Any] = []
+        self._fire(self._timers.processing, max(now_ms, self.batch_ts), out)
+        return self._output(out)
+
+    def snapshot(self, checkpoint_id: int, location: Any) -> Any:
+        self._save_watermark()
+        return super().snapshot(checkpoint_id, location)
+
+    # -- output --------------------------------------------------------------------------------
+
+    def _output(self, produced: List[Any]) -> Any:
+        if not produced:
+            return []
+        if self.flavour == "row":
+            return self._rows_batch(produced)
+        return self._frames_batch(produced)
+
+    def _fail(self, message: str) -> OutputSchemaError:
+        return OutputSchemaError(f"{self.where()}: {message} (output schema: {self.output_struct.simpleString()})")
+
+    def _rows_batch(self, rows: List[Any]) -> pa.RecordBatch:
+        names = self.output_names
+        width = len(names)
+        fitted: List[Any] = rows
+        for i, row in enumerate(rows):
+            fields = getattr(row, "__fields__", None)
+            if fields is not None and fields != names:
+                fitted = [self._fit_row(r) for r in rows]
+                break
+            if not isinstance(row, tuple):
+                fitted = [self._fit_row(r) for r in rows]
+                break
+            if len(row) != width:
+                raise self._fail(f"output row {i} has {len(row)} values, the schema {width} columns: {row!r}")
+        columns = list(zip(*fitted, strict=True)) if fitted else [()] * width
+        arrays = [self._column(field, list(col)) for field, col in zip(self.output_schema, columns, strict=True)]
+        return pa.RecordBatch.from_arrays(arrays, schema=self.output_schema)
+
+    def _fit_row(self, row: Any) -> Tuple[Any, ...]:
+        names = self.output_names
+        if isinstance(row, dict):
+            mapping = row
+        elif getattr(row, "__fields__", None) is not None:
+            mapping = dict(zip(row.__fields__, row, strict=True))
+        elif isinstance(row, tuple):
+            if len(row) != len(names):
+                raise self._fail(f"output row has {len(row)} values, the schema {len(names)} columns: {row!r}")
+            return row
+        else:
+            raise self._fail(f"handleInputRows must yield Rows, got {type(row).__name__}: {row!r}")
+        missing = [n for n in names if n not in mapping]
+        if missing:
+            raise self._fail(f"output row has no column {missing[0]!r}: {row!r}")
+        extra = [n for n in mapping if n not in names]
+        if extra:
+            raise self._fail(f"output row has column {extra[0]!r}, which the output schema does not")
+        return tuple(mapping[n] for n in names)
+
+    def _column(self, field: pa.Field, values: List[Any]) -> pa.Array:
+        try:
+            array = pa.array(values, type=field.type, from_pandas=True)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+            bad = next((v for v in values if not _fits(v, field.type)), None)
+            raise self._fail(f"output column {field.name!r} ({field.type}) cannot hold {bad!r}: {exc}") from None
+        if not field.nullable and array.null_count:
+            raise self._fail(f"output column {field.name!r} is not nullable, got a null")
+        return array
+
+    def _frames_batch(self, frames: List[Any]) -> Any:
+        import pandas as pd
+
+        names = self.output_names
+        batches = []
+        for df in frames:
+            if not isinstance(df, pd.DataFrame):
+                raise self._fail(f"handleInputRows must yield pandas DataFrames, got {type(df).__name__}")
+            if df.empty and len(df.columns) == 0:
+                continue
+            missing = [n for n in names if n not in df.columns]
+            if missing:
+                raise self._fail(f"output DataFrame has no column {missing[0]!r}; it has {list(df.columns)}")
+            extra = [c for c in df.columns if c not in names]
+            if extra:
+                raise self._fail(f"output DataFrame has column {extra[0]!r}, which the output schema does not")
+            arrays = [self._pandas_column(field, df[field.name]) for field in self.output_schema]
+            batches.append(pa.RecordBatch.from_arrays(arrays, schema=self.output_schema))
+        if not batches:
+            return []
+        if len(batches) == 1:
+            return batches[0]
+        return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
+
+    def _pandas_column(self, field: pa.Field, series: Any) -> pa.Array:
+        try:
+            array = pa.Array.from_pandas(series, type=field.type)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+            raise self._fail(
+                f"output column {field.name!r} ({field.type}) cannot hold the values given: {exc}"
+            ) from None
+        if not field.nullable and array.null_count:
+            raise self._fail(f"output column {field.name!r} is not nullable, got a null")
+        return array
+
+
+def _fits(value: Any, arrow_type: pa.DataType) -> bool:
+    try:
+        pa.array([value], type=arrow_type, from_pandas=True)
+        return True
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        return False
+
+
+# -- building it into a job --------------------------------------------------------------------
+
+
+def _initial_entries(
+    initial_state: Any, flavour: str, select: Callable[[Any], Any]
+) -> Callable[[], List[Tuple[Any, Any]]]:
+    """The initial state as (key, value) pairs, made when a subtask opens: Rows (one
+    call per row, as Spark's ``transformWithState``) or one DataFrame per key (as
+    ``transformWithStateInPandas``). Takes records (dicts or Rows), a pyarrow Table
+    or a pandas DataFrame; keys are taken with the stream's key selector."""
+
+    def rows() -> List[Any]:
+        if isinstance(initial_state, (pa.Table, pa.RecordBatch)):
+            return list(initial_state.to_pylist())
+        if hasattr(initial_state, "to_dict") and hasattr(initial_state, "columns"):  # pandas
+            return list(initial_state.to_dict("records"))
+        return list(initial_state)
+
+    def make() -> List[Tuple[Any, Any]]:
+        from pyspark.sql.types import Row
+
+        records = rows()
+        if flavour == "row":
+            out = []
+            for r in records:
+                if isinstance(r, dict):
+                    row = tuple.__new__(Row, [_plain(v) for v in r.values()])
+                    row.__fields__ = list(r)
+                else:
+                    row = r
+                out.append((select(r), row))
+            return out
+        import pandas as pd
+
+        grouped: Dict[Any, List[Any]] = {}
+        for r in records:
+            grouped.setdefault(select(r), []).append(r if isinstance(r, dict) else r.asDict())
+        return [(k, pd.DataFrame.from_records(v)) for k, v in grouped.items()]
+
+    rows()  # refuses a wrong type now, not on a subtask
+    return make
+
+
+def _event_time_of(column: Optional[str], timestamps: Any) -> Callable[[Any], int]:
+    if column is not None:
+
+        def of(record: Any) -> int:
+            try:
+                value = record[column]
+            except (KeyError, IndexError, TypeError, ValueError):
+                raise ColumnNotFoundError(
+                    f"event_time_column {column!r}: record {record!r} has no such field"
+                ) from None
+            return _ms(value)
+
+        return of
+    return lambda record: int(timestamps.of_record(record))
+
+
+def build(
+    keyed: Any,
+    processor: Any,
+    output_schema: Any,
+    *,
+    flavour: str,
+    time_mode: str,
+    event_time_column: Optional[str],
+    initial_state: Any,
+) -> Any:
+    """What ``KeyedStream.transform_with_state[_in_pandas]`` does: checks everything
+    it can before the job runs, and adds the operator (a deep copy of ``processor``
+    per subtask and attempt, as for a ``KeyedProcessFunction``)."""
+    check_processor(processor)
+    mode = time_mode_of(time_mode)
+    parse_schema(output_schema, "output schema")  # refused now, not in a subtask
+    stream = keyed._stream
+    select = keyed._select
+    event_time = None
+    if mode == "EventTime":
+        timestamps = stream._timestamps
+        if timestamps is None:
+            raise ValueError(
+                "time_mode='EventTime' needs watermarks: give the stream timestamps first "
+                "(assign_timestamps_and_watermarks(pe.WatermarkStrategy...), or a source's watermark_strategy)"
+            )
+        event_time = _event_time_of(event_time_column, timestamps)
+    elif event_time_column is not None:
+        raise ValueError(f"event_time_column is for time_mode='EventTime', not {mode!r}")
+    initial = _initial_entries(initial_state, flavour, select) if initial_state is not None else None
+    name = "transform_with_state" if flavour == "row" else "transform_with_state_in_pandas"
+
+    def factory(uid: str, n: str, _checkpointing: bool) -> TransformWithStateOperator:
+        return TransformWithStateOperator(
+            uid,
+            n,
+            select,
+            copy.deepcopy(processor),
+            output_schema,
+            flavour=flavour,
+            time_mode=mode,
+            event_time=event_time,
+            initial_state=initial,
+        )
+
+    out = stream._op(name, factory)
+    out._steps[-1].event_time = mode == "EventTime"
+    return out
