@@ -7,8 +7,10 @@ opens one ``DoPut`` stream per channel (``RemoteChannel``) and writes, in order:
   one Flight stream has one schema);
 - lists of records, msgpack-encoded by the safe serializer (never pickle) into a
   one-row batch marked ``pyengine: rows``;
-- events — barriers, cancellation markers, end of data, end of partition — as
-  metadata-only messages in the same stream, so a channel keeps its order.
+- events — barriers, cancellation markers, end of data, end of partition,
+  watermarks and watermark status (idle/active) — as metadata-only messages in
+  the same stream, so a channel keeps its order: a watermark never overtakes the
+  records before it, nor falls behind those after it.
 
 The server pushes every item into the gate with ``put``: a full channel ring
 stops the handler reading, Flight's flow control stops the sender — that is the
@@ -60,6 +62,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from ..io import CancelCheckpointMarker, CheckpointBarrier, CheckpointOptions, CheckpointType, EndOfPartition
+from ..io.events import Watermark, WatermarkStatus, time_event_from_json, time_event_to_json
 from ..state.serializers import SafeSerializer
 
 __all__ = [
@@ -99,11 +102,17 @@ _SAFE = SafeSerializer()
 
 
 def encode_event(event: Any) -> bytes:
-    """An event as a metadata message (JSON: small, and never code)."""
+    """An event as a metadata message (JSON: small, and never code).
+
+    Watermarks and watermark status use ``time_event_to_json``'s shape, the one
+    place that says how a time event looks outside a process."""
     from ..runtime.task import END_OF_DATA
 
-    if isinstance(event, CheckpointBarrier):
-        body: Dict[str, Any] = {
+    body: Dict[str, Any]
+    if type(event) is Watermark or type(event) is WatermarkStatus:
+        body = time_event_to_json(event)
+    elif isinstance(event, CheckpointBarrier):
+        body = {
             "e": "barrier",
             "id": event.checkpoint_id,
             "ts": event.timestamp,
@@ -121,24 +130,52 @@ def encode_event(event: Any) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
+_TIME_EVENTS = ("wm", "idle", "active")
+_COUNTED_AS_DATA = (list, pa.RecordBatch, Watermark, WatermarkStatus)
+
+
+def _int(value: Any) -> int:
+    """An integer field as it was sent: ``"12"``, ``12.5`` or ``true`` are corrupt,
+    not numbers to be coerced."""
+    if type(value) is not int:
+        raise TypeError(f"not an int: {value!r}"[:80])
+    return value
+
+
 def decode_event(raw: bytes) -> Any:
+    """The event ``encode_event`` made of ``raw``; ``ValueError`` for anything else.
+
+    ``raw`` comes from another process, so it is checked before it is trusted: its
+    size before it is parsed, then that it is a JSON object of a known kind whose
+    fields have the right types and ranges (a watermark's ``ts`` an int of 64 bits,
+    never a float, bool or string) — a corrupt or hostile event is refused, never
+    turned into a plausible one."""
     from ..runtime.task import END_OF_DATA
 
     if len(raw) > MAX_EVENT_BYTES:  # refused before parsing: events are tiny
         raise ValueError(f"a channel event of {len(raw)} bytes (at most {MAX_EVENT_BYTES})")
     try:
         body = json.loads(raw)
+        if type(body) is not dict:
+            raise TypeError("not an object")
         kind = body["e"]
+        if kind in _TIME_EVENTS:
+            if set(body) != ({"e", "ts"} if kind == "wm" else {"e"}):
+                raise KeyError("missing or unknown fields")
+            return time_event_from_json(body)
         if kind == "barrier":
-            options = CheckpointOptions(CheckpointType(body["type"]), unaligned=bool(body["unaligned"]))
-            return CheckpointBarrier(int(body["id"]), int(body["ts"]), options)
+            unaligned = body["unaligned"]
+            if type(unaligned) is not bool:
+                raise TypeError("unaligned is not a bool")
+            options = CheckpointOptions(CheckpointType(body["type"]), unaligned=unaligned)
+            return CheckpointBarrier(_int(body["id"]), _int(body["ts"]), options)
         if kind == "cancel":
-            return CancelCheckpointMarker(int(body["id"]))
+            return CancelCheckpointMarker(_int(body["id"]))
         if kind == "eop":
             return EndOfPartition()
         if kind == "eod":
             return END_OF_DATA
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise ValueError(f"corrupt channel event {raw[:80]!r}: {type(exc).__name__}") from None
     raise ValueError(f"unknown channel event {str(kind)[:40]!r}")
 
@@ -597,8 +634,10 @@ class RemoteChannel:
     def push(self, channel: int, item: Any) -> bool:
         with self._cond:
             self._check()
-            is_event = not isinstance(item, (list, pa.RecordBatch))
-            if len(self._queue) >= self.capacity and not is_event:  # events always fit, as at a gate
+            # Events always fit, as at a gate; watermarks and their status count as data
+            # there (the gate does not recognise them), so they do here too.
+            is_event = type(item) not in _COUNTED_AS_DATA
+            if len(self._queue) >= self.capacity and not is_event:
                 return False
             self._queue.append(item)
             self._cond.notify_all()

@@ -30,7 +30,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 from ..coordinator import ExecutionAttempt, ThreadTimerService
 from ..errors import NonRetryableError
 from ..io import CheckpointOptions, CheckpointType
-from ..runtime.task import Output
+from ..runtime.task import EventTimeStatistics, Output, event_time_statistics
 from ..sinks import CollectSink
 from ..storage import checkpoint_storage
 from ..storage.metadata import OperatorState
@@ -151,7 +151,9 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
     channels: List[Any] = []
     stop = threading.Event()
 
-    report = getattr(env, "monitoring", None) is not None
+    monitored = getattr(env, "monitoring", None) is not None
+    event_time = bool(getattr(graph, "event_time", False))
+    report = monitored or event_time
     next_report = 0.0
 
     def commands() -> None:
@@ -159,9 +161,8 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
         while not stop.is_set():
             counters = None
             if report and time.monotonic() >= next_report:
-                from ..monitoring.metrics import task_counters
-
-                counters, next_report = task_counters(task), time.monotonic() + COUNTERS_INTERVAL_S
+                counters = _task_report(task, monitored, event_time)
+                next_report = time.monotonic() + COUNTERS_INTERVAL_S
             try:
                 batch = poll_client.poll(wait_ms=50, counters=counters)
             except Exception:
@@ -205,11 +206,9 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
         task.finished.wait()
         for channel in channels:
             channel.flush(60)
-        if report:  # the final counters, so the driver's monitoring counts every record
-            from ..monitoring.metrics import task_counters
-
+        if report:  # the final counters and watermarks: the driver's statistics see the whole run
             with proxy._lock:
-                client.poll(wait_ms=0, counters=task_counters(task))
+                client.poll(wait_ms=0, counters=_task_report(task, monitored, event_time))
     finally:
         stop.set()
         poller.join(5)
@@ -223,6 +222,55 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
     if failure:
         raise RuntimeError(f"{attempt}: {failure[0]}") from failure[0]
     yield f"{attempt} finished"
+
+
+EVENT_TIME_KEY = "event_time"  # the task's StreamTask.time_metrics(), in its report
+
+
+def _task_report(task: Any, monitored: bool, event_time: bool) -> Dict[str, Any]:
+    """What a task sends with its poll: its counters when the job is monitored, and
+    its event-time figures (``time_metrics``) when the job uses event time. Both ride
+    the one message the task sends anyway; the driver's monitoring keeps only the
+    counter fields it knows (``clean_counters``), and ``_SparkJob`` the event time."""
+    report: Dict[str, Any] = {}
+    if monitored:
+        from ..monitoring.metrics import task_counters
+
+        report = task_counters(task)
+    if event_time:
+        report[EVENT_TIME_KEY] = task.time_metrics()
+    return report
+
+
+_TIME_FIELDS = ("currentInputWatermark", "currentOutputWatermark", "numLateRecordsDropped")
+
+
+def _clean_time_metrics(data: Any) -> Optional[Dict[str, int]]:
+    """A task's reported ``time_metrics`` kept only if well formed (JSON from another
+    process): exactly the three known fields, each an int of 64 bits."""
+    if not isinstance(data, dict):
+        return None
+    out: Dict[str, int] = {}
+    for name in _TIME_FIELDS:
+        value = data.get(name)
+        if type(value) is not int or not -(2**63) <= value < 2**63:
+            return None
+        out[name] = value
+    return out
+
+
+class _ReportedTask:
+    """A Spark task as the driver last heard of it: what ``event_time_statistics``
+    reads of a ``StreamTask`` (its attempt and ``time_metrics()``)."""
+
+    __slots__ = ("_metrics", "attempt")
+
+    def __init__(self, attempt: ExecutionAttempt, metrics: Dict[str, int]) -> None:
+        self.attempt = attempt
+        self._metrics = metrics
+
+    def time_metrics(self) -> Dict[str, int]:
+        return dict(self._metrics)
 
 
 # -- what runs on an executor before pyengine is imported there ---------------------------------------------------
@@ -469,6 +517,11 @@ class SparkRunner:
     """Run jobs on Spark: ``env.execute(name, runner=pe.runners.SparkRunner(spark))``, or
     ``runner="spark"`` for the active session (or a local one sized to the job)."""
 
+    # Watermarks and watermark status travel between its tasks over the Flight channels
+    # as metadata events, in order with the data (``flight.encode_event``); each task's
+    # watermarks reach the driver with its poll (``JobResult.event_time``).
+    supports_event_time = True
+
     def __init__(self, spark: Any = None) -> None:
         _require_pyspark()
         self.spark = spark
@@ -514,6 +567,9 @@ class _SparkJob(LocalRunner):
         self._spark_thread: Optional[threading.Thread] = None
         self._spark_error: Optional[BaseException] = None
         self._group = f"pyengine-{uuid.uuid4().hex[:8]}"
+        # Each subtask's latest event-time figures of the current attempt (its poll's).
+        self._time_reports: Dict[ExecutionAttempt, Dict[str, int]] = {}
+        self._time_lock = threading.Lock()
 
     # -- the JobGateway, over the control plane -------------------------------------------
 
@@ -564,6 +620,39 @@ class _SparkJob(LocalRunner):
     def _on_drained(self, attempt: ExecutionAttempt) -> None:
         if attempt.attempt == self._attempt_number:
             self._task_drained(attempt)
+
+    def _on_report(self, attempt: ExecutionAttempt, report: Any) -> None:
+        """A task's poll report: its event time is kept here (current attempt only: a
+        restored task's late count starts from its checkpoint, so the latest attempt's
+        figures are the run's), its counters go to the monitor."""
+        if isinstance(report, dict) and attempt.attempt == self._attempt_number:
+            metrics = _clean_time_metrics(report.get(EVENT_TIME_KEY))
+            if metrics is not None:
+                with self._time_lock:
+                    self._time_reports[attempt] = metrics
+        if self.monitor is not None:
+            self.monitor.report_task_counters(attempt, report)
+
+    def event_time_statistics(self) -> EventTimeStatistics:
+        """Event time as the tasks of the current attempt last reported it (about once
+        a second while they run, and once more as each ends)."""
+        with self._time_lock:
+            reported = [_ReportedTask(a, m) for a, m in self._time_reports.items() if a.attempt == self._attempt_number]
+        return event_time_statistics(reported)
+
+    def _result(
+        self,
+        status: str,
+        cause: Optional[BaseException],
+        restarts: int,
+        records: List[Any],
+        storage: Any,
+        started: float,
+    ) -> JobResult:
+        result = super()._result(status, cause, restarts, records, storage, started)
+        if getattr(self.graph, "event_time", False):  # the embedded runner's reads its own tasks, which are remote here
+            result.event_time = self.event_time_statistics()
+        return result
 
     # -- Spark ----------------------------------------------------------------------------
 
@@ -659,8 +748,7 @@ class _SparkJob(LocalRunner):
                 on_failed=self._on_failed,
                 host=backend.driver_host(),
             )
-            if self.monitor is not None:
-                self._control.on_counters = self.monitor.report_task_counters
+            self._control.on_counters = self._on_report
             spec_base = dict(
                 graph=self.graph,
                 env=env,
@@ -678,6 +766,8 @@ class _SparkJob(LocalRunner):
                 self._failure = None
                 self._drained = set()
                 self._registered = {}
+                with self._time_lock:
+                    self._time_reports = {}
                 self._running = False
                 self._ending = False
                 self._wake.clear()

@@ -1,0 +1,263 @@
+"""Event time on the Spark runner: watermarks and their status over the Flight
+channels (the codec first, without Spark), then windows and event-time timers on a
+local Spark, equal to the embedded runner's output and to a brute-force reference,
+with and without an injected failure and restore."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections import Counter, defaultdict
+from typing import Any, Dict, List, Tuple
+
+import pytest
+
+import pyengine as pe
+from pyengine.io import CheckpointBarrier, CheckpointOptions, EndOfPartition
+from pyengine.io.events import MAX_WATERMARK, MIN_WATERMARK, WATERMARK_ACTIVE, WATERMARK_IDLE, Watermark
+from pyengine.runners.flight import RemoteChannel, decode_event, encode_event, serve
+from pyengine.state import ValueStateDescriptor
+from pyengine.testing import RecordingListener
+
+TOKEN = "event-time-token"
+
+# -- the codec, and a Flight channel (no Spark) --------------------------------------------------
+
+
+def test_watermarks_and_their_status_round_trip_through_the_channel_codec() -> None:
+    for event in [Watermark(0), Watermark(-5), Watermark(MIN_WATERMARK), Watermark(MAX_WATERMARK)]:
+        assert decode_event(encode_event(event)) == event
+    assert decode_event(encode_event(WATERMARK_IDLE)) == WATERMARK_IDLE
+    assert decode_event(encode_event(WATERMARK_ACTIVE)) == WATERMARK_ACTIVE
+    assert len(encode_event(Watermark(MIN_WATERMARK))) < 40  # JSON, tiny
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"e": "wm", "ts": 1.5},  # a float is not a timestamp
+        {"e": "wm", "ts": 1e300},
+        {"e": "wm", "ts": True},  # nor a bool (an int subclass in Python)
+        {"e": "wm", "ts": "17"},  # nor a string that looks like one
+        {"e": "wm", "ts": 2**63},  # one past the largest watermark
+        {"e": "wm", "ts": -(2**63) - 1},
+        {"e": "wm", "ts": None},
+        {"e": "wm"},
+        {"e": "wm", "ts": 1, "extra": "x"},
+        {"e": "idle", "ts": 1},
+        {"e": "active", "idle": False},
+        {"e": ["wm"], "ts": 1},
+        {"e": "barrier", "id": "3", "ts": 1, "type": "checkpoint", "unaligned": False},
+        {"e": "barrier", "id": 3, "ts": 1.0, "type": "checkpoint", "unaligned": False},
+        {"e": "barrier", "id": 3, "ts": 1, "type": "checkpoint", "unaligned": 1},
+        {"e": "cancel", "id": 2.5},
+        ["wm", 1],
+        "wm",
+        17,
+    ],
+)
+def test_a_corrupt_or_hostile_time_event_is_refused(body: Any) -> None:
+    raw = json.dumps(body).encode()
+    with pytest.raises(ValueError, match="corrupt|unknown"):
+        decode_event(raw)
+
+
+def test_unknown_kinds_and_oversized_events_are_refused_before_anything_is_built() -> None:
+    with pytest.raises(ValueError, match="unknown channel event"):
+        decode_event(b'{"e":"watermark","ts":1}')
+    with pytest.raises(ValueError, match="at most 4096"):
+        decode_event(b'{"e":"wm","ts":' + b"1" * 5000 + b"}")  # big ints are refused by size, not parsed
+    with pytest.raises(ValueError, match="corrupt"):
+        decode_event(b'{"e":"wm","ts":' + b"9" * 400 + b"}")  # parsed, then out of range
+
+
+def test_a_flight_channel_keeps_watermarks_in_order_with_the_data() -> None:
+    gate = pe.io.CheckpointedInputGate(1, RecordingListener(), capacity=2)
+    server, _ = serve(gate, TOKEN)
+    out = RemoteChannel(server.location, 0, TOKEN, capacity=2)
+    try:
+        items: List[Any] = []
+        for i in range(30):
+            items += [[{"i": i}], Watermark(i * 10)]
+            if i == 10:
+                items += [WATERMARK_IDLE, WATERMARK_ACTIVE, CheckpointBarrier(1, 5, CheckpointOptions())]
+        items += [Watermark(MAX_WATERMARK), EndOfPartition()]
+        for item in items:
+            assert out.put(0, item, timeout=10)
+        got: List[Any] = []
+        deadline = time.monotonic() + 20
+        while not got or not isinstance(got[-1], EndOfPartition):
+            assert time.monotonic() < deadline, f"only {len(got)} of {len(items)} arrived"
+            item = gate.next(timeout=0.1)
+            if item is not None:
+                got.append(item[1])
+        assert got == items
+    finally:
+        out.close()
+        server.shutdown()
+
+
+# -- jobs on Spark ---------------------------------------------------------------------------------
+
+pyspark = pytest.importorskip("pyspark", reason="the Spark runner needs pyspark (the test extra installs it)")
+
+SLOTS = 4  # two operator chains at parallelism 2: each keyed subtask's valve has two remote channels
+JITTER, SIZE, KEYS, N = 20, 100, 11, 2000
+BUCKETS = ValueStateDescriptor("buckets")  # {bucket end: records}
+
+
+def make_records(seed: int) -> List[Dict[str, Any]]:
+    """Event times that advance with pauses and are out of order by at most JITTER, so
+    within the strategy's bound nothing is late and the output does not depend on timing."""
+    rng = random.Random(seed)
+    out, t = [], 0
+    for v in range(N):
+        t += rng.choice([1, 2, 3, 60])
+        out.append({"k": rng.randrange(KEYS), "ts": t + rng.randrange(JITTER + 1), "v": v})
+    return out
+
+
+RECORDS = make_records(13)
+
+
+@pytest.fixture(scope="module")
+def spark():
+    import sys
+
+    from pyspark import cloudpickle
+    from pyspark.sql import SparkSession
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # not installed on the executors
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    session = (
+        SparkSession.builder.master(f"local[{SLOTS}]")
+        .appName("pyengine-event-time-tests")
+        .config("spark.ui.enabled", "false")
+        .getOrCreate()
+    )
+    yield session
+    session.stop()
+
+
+class FailOnce:
+    """Raises at one record, once across every process of the job (a marker file)."""
+
+    def __init__(self, marker: str, at: int) -> None:
+        self.marker, self.at = marker, at
+
+    def __call__(self, record: Any) -> Any:
+        if record["v"] == self.at:
+            try:
+                fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return record
+            os.close(fd)
+            raise RuntimeError(f"injected failure at record {self.at}")
+        return record
+
+
+def _same(record: Any) -> Any:
+    return record
+
+
+class Buckets(pe.KeyedProcessFunction):
+    """Each key's records per SIZE ms of event time, with timers: one timer per record
+    at its bucket's end (deduplicated per key and time), the bucket emitted and
+    cleared when the watermark passes it."""
+
+    def open(self, ctx: Any) -> None:
+        self.buckets = ctx.get_state(BUCKETS)
+
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        end = ctx.timestamp() // SIZE * SIZE + SIZE - 1
+        buckets = self.buckets.value() or {}
+        buckets[end] = buckets.get(end, 0) + 1
+        self.buckets.update(buckets)
+        ctx.timer_service().register_event_time_timer(end)
+        return []
+
+    def on_timer(self, timestamp: int, ctx: Any) -> Any:
+        buckets = self.buckets.value()
+        yield {"k": ctx.current_key, "end": timestamp, "n": buckets.pop(timestamp)}
+        self.buckets.update(buckets or None)
+
+
+def window_reference() -> Counter:
+    counts: Dict[Tuple[int, int], int] = defaultdict(int)
+    for r in RECORDS:
+        counts[(r["k"], r["ts"] // SIZE * SIZE)] += 1
+    return Counter((k, start, start + SIZE, n) for (k, start), n in counts.items())
+
+
+def timer_reference() -> Counter:
+    return Counter((k, start + SIZE - 1, n) for k, start, _, n in window_reference())
+
+
+def window_rows(records: List[Any]) -> Counter:
+    return Counter((r["k"], r["window_start"], r["window_end"], r["count"]) for r in records)
+
+
+def timer_rows(records: List[Any]) -> Counter:
+    return Counter((r["k"], r["end"], r["n"]) for r in records)
+
+
+def run(tmp_path: Any, kind: str, runner: Any, fail_at: int = -1) -> Tuple[Any, List[Any]]:
+    env = pe.StreamEnvironment(
+        parallelism=2,
+        checkpointing=pe.CheckpointConfig(interval_ms=30),
+        checkpoint_storage=str(tmp_path / "ckpt"),
+        buffer_size=32,
+        buffer_timeout_ms=2,
+        restart_attempts=2,
+        auto_watermark_interval_ms=5,
+    )
+    strategy = pe.WatermarkStrategy.for_bounded_out_of_orderness(JITTER).with_timestamp_assigner("ts")
+    stream = env.from_collection(RECORDS, watermark_strategy=strategy)
+    stream = stream.map(FailOnce(str(tmp_path / "failed-once"), fail_at) if fail_at >= 0 else _same)
+    keyed = stream.key_by("k")
+    out = (
+        keyed.window(pe.windows.tumbling(SIZE)).aggregate(pe.agg.count()).uid("windows")
+        if kind == "window"
+        else keyed.process(Buckets()).uid("buckets")
+    )
+    if runner == "embedded":
+        sink: Any = pe.sinks.CollectSink()
+        out.sink_to(sink)
+        result = env.execute(f"{kind}-embedded")
+        return result, result.records
+    sink = pe.sinks.FileSink(str(tmp_path / "out"), format="parquet")
+    out.sink_to(sink)
+    result = env.execute(f"{kind}-spark", runner=runner)
+    return result, sink.read_committed()
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["window", "timer"])
+def test_event_time_on_spark_equals_embedded_with_and_without_a_failure(tmp_path, spark, kind) -> None:
+    rows, reference = (window_rows, window_reference) if kind == "window" else (timer_rows, timer_reference)
+    expected = reference()
+    embedded, records = run(tmp_path / "embedded", kind, "embedded")
+    assert rows(records) == expected
+
+    on_spark, records = run(tmp_path / "spark", kind, pe.runners.SparkRunner(spark))
+    assert on_spark.status == "FINISHED", on_spark.cause
+    assert rows(records) == expected == rows(embedded.records)
+    # Each subtask's watermarks came to the driver with its poll: the end of input is
+    # the maximum watermark everywhere, and nothing was late.
+    stats = on_spark.event_time
+    assert stats is not None and sorted(stats.watermarks) == ["v0", "v1"], stats
+    for vertex in ("v0", "v1"):
+        assert stats.watermarks[vertex] == [MAX_WATERMARK, MAX_WATERMARK], stats
+        assert stats.output_watermarks[vertex] == [MAX_WATERMARK, MAX_WATERMARK], stats
+    assert stats.late_records_dropped == 0
+
+    at = random.Random(kind).randrange(N // 4, 3 * N // 4)
+    failed, records = run(tmp_path / "failing", kind, pe.runners.SparkRunner(spark), fail_at=at)
+    assert failed.status == "FINISHED", failed.cause
+    assert os.path.exists(tmp_path / "failing" / "failed-once"), "the failure was never injected"
+    assert failed.restarts == 1
+    assert failed.checkpoints.counts["restored"] >= 1 or failed.checkpoints.counts["completed"] >= 1
+    assert rows(records) == expected, "the restored run repeated or lost a window or a timer's firing"
