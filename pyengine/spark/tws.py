@@ -264,6 +264,10 @@ def _key_layout(schema: Any, what: str) -> Tuple[Optional[pa.DataType], bool]:
 _PLAIN = (int, float, str, bool, bytes)
 
 
+def _numeric(t: pa.DataType) -> bool:
+    return bool(pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t))
+
+
 def _plain(v: Any) -> Any:
     """A value a processor passed (NumPy / pandas scalars from the pandas flavour
     included) as the plain Python value state stores, as Spark normalises it."""
@@ -472,7 +476,11 @@ class _Handle:
     def getValueState(self, stateName: str, schema: Any, ttlDurationMs: Optional[int] = None) -> Any:
         self._declare(stateName, "value")
         t, scalar = _layout(schema, f"value state {stateName!r}")
-        state = self._op.backend.get_state(ValueStateDescriptor(stateName, None, t, _ttl(ttlDurationMs, stateName)))
+        # Typed only where a restore takes the type back: the backends restore typed
+        # value state of int keys into NumPy columns, which hold numbers and booleans
+        # only (patch h2-restore-typed-values.patch); other values stay untyped.
+        vt = t if scalar and _numeric(t) else None
+        state = self._op.backend.get_state(ValueStateDescriptor(stateName, None, vt, _ttl(ttlDurationMs, stateName)))
         what = f"value state {stateName!r}"
         return _ScalarValueState(state, what) if scalar else _TupleValueState(state, what)
 
@@ -784,9 +792,10 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         return self._output(out)
 
     def _late(self, records: List[Any]) -> List[Any]:
-        """EventTime: rows not later than the watermark are dropped, as Spark drops them."""
-        wm = self.current_watermark
-        if self.event_time is None or wm <= MIN_WATERMARK:
+        """EventTime: rows not later than the watermark are dropped, as Spark drops them;
+        before the first watermark that is Spark's 0 (rows at or before the epoch)."""
+        wm = self.spark_watermark()
+        if self.event_time is None:
             return records
         ts = self.event_time
         kept = [r for r in records if ts(r) > wm]
