@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 __all__ = ["CheckpointStats", "CheckpointStatsTracker", "SubtaskCheckpointStats", "SubtaskMetrics"]
 
@@ -95,6 +95,11 @@ class CheckpointStatsTracker:
         self._alignment: List[float] = []
         self._processed: List[float] = []
         self._persisted: List[float] = []
+        self._start_delay: List[float] = []
+        self._live_start_delay: Dict[int, float] = {}
+        # (id, trigger, completed) of every completed checkpoint, in ms since the epoch:
+        # ``pyengine tune`` reads when output was committed from it (the history is bounded)
+        self.timeline: List[Tuple[int, int, int]] = []
         self.latest_completed: Optional[CheckpointStats] = None
         self.latest_savepoint: Optional[CheckpointStats] = None
         self.latest_failed: Optional[CheckpointStats] = None
@@ -120,9 +125,13 @@ class CheckpointStatsTracker:
         stats.processed_data += metrics.processed_data
         stats.persisted_data += metrics.persisted_data
         stats.alignment_duration_ms = max(stats.alignment_duration_ms, metrics.alignment_duration_ms)
+        # a checkpoint waits for its slowest subtask: its start delay is the largest one
+        delay = self._live_start_delay.get(checkpoint_id, 0.0)
+        self._live_start_delay[checkpoint_id] = max(delay, metrics.start_delay_ms)
 
     def report_completed(self, checkpoint_id: int, now: int, external_path: str) -> None:
         stats = self._live.pop(checkpoint_id, None)
+        start_delay = self._live_start_delay.pop(checkpoint_id, 0.0)
         if stats is None:
             return
         stats.status = "COMPLETED"
@@ -136,6 +145,8 @@ class CheckpointStatsTracker:
         self._alignment.append(stats.alignment_duration_ms)
         self._processed.append(stats.processed_data)
         self._persisted.append(stats.persisted_data)
+        self._start_delay.append(start_delay)
+        self.timeline.append((checkpoint_id, stats.trigger_timestamp, now))
         if stats.type == "checkpoint":
             self.latest_completed = stats
         else:
@@ -143,6 +154,7 @@ class CheckpointStatsTracker:
 
     def report_failed(self, checkpoint_id: int, now: int, message: str) -> None:
         stats = self._live.pop(checkpoint_id, None)
+        self._live_start_delay.pop(checkpoint_id, None)
         if stats is None:
             return
         stats.status = "FAILED"
@@ -174,6 +186,7 @@ class CheckpointStatsTracker:
             "alignment_duration_ms": _summary(self._alignment),
             "processed_data": _summary(self._processed),
             "persisted_data": _summary(self._persisted),
+            "start_delay_ms": _summary(self._start_delay),
         }
 
     def to_json(self) -> Dict[str, Any]:

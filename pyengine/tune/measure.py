@@ -1,0 +1,346 @@
+"""One measured run of a job at one ``Setting``: what ``pyengine tune`` compares, and what
+the ``pyengine_benchmark`` fixture records in a benchmark's saved JSON.
+
+A job is a function that builds its pipeline on the environment it is given
+(``def build(env): env.from_source(...)...sink_to(...)``): the settings belong to the
+environment, so the same function runs at every point of a search. The run is
+instrumented from outside, without changing the job: the sources' ``read`` is counted
+(records and their time), and the sink's ``stage``/``commit`` are timed.
+
+What is measured, and how:
+
+- **throughput**: records read by the sources per second. A run stopped early (``seconds``)
+  takes its rate over the second half of the run, after the channels have filled: reading
+  runs ahead of processing only by the in-flight data, and a run that counted the filling
+  would favour large buffers and channels for data they only hold.
+- **end-to-end latency**: with ``latency_field`` (a column or key holding the time, in
+  seconds since the epoch, its record was created, as ``bench/test_bench_latency.py``
+  does), the time from creation to the output's being committed (a transactional sink)
+  or staged (any other), measured per output batch. Without it, the commit latency is
+  derived: a record read at ``t`` is committed when the first checkpoint triggered after
+  ``t`` completes (its barrier follows the record), so ``completed - t``, over the reads.
+- **checkpoints**: the coordinator's statistics: end-to-end duration, start delay and
+  alignment p50/p99, checkpointed size, in-flight data persisted (unaligned).
+- **recovery**: restore (measured when asked: the job restored from the run's latest
+  checkpoint, from the start of the run to its first output, or first read) plus the
+  replay of what one interval and one checkpoint's duration bring in (what a failure just
+  before a checkpoint completes loses), at the measured throughput.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .settings import Setting
+
+__all__ = ["JobBuilder", "Measurement", "measure"]
+
+JobBuilder = Callable[[Any], Any]
+"""``build(env)``: adds the job's sources, operators and sink to ``env``."""
+
+
+@dataclass
+class Measurement:
+    """The figures of one run (see the module's docstring for how each is measured).
+    Latencies and durations in ms, sizes in bytes, times in s; NaN where the run gave
+    nothing to measure (no checkpoint completed, no output)."""
+
+    setting: Setting
+    records: int
+    seconds: float
+    throughput: float
+    latency_p50_ms: float = math.nan
+    latency_p99_ms: float = math.nan
+    latency_measured: bool = False  # False: derived from checkpoint completions
+    checkpoints: int = 0
+    checkpoint_p50_ms: float = math.nan
+    checkpoint_p99_ms: float = math.nan
+    start_delay_p50_ms: float = math.nan
+    start_delay_p99_ms: float = math.nan
+    alignment_p50_ms: float = math.nan
+    alignment_p99_ms: float = math.nan
+    checkpoint_size: float = math.nan
+    persisted_p50: float = math.nan
+    persisted_max: float = math.nan
+    restore_s: float = math.nan
+    restore_measured: bool = False
+    replay_s: float = math.nan
+    status: str = ""
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def recovery_s(self) -> float:
+        """Restore plus the replay of one interval (NaN until restore is known)."""
+        return self.restore_s + self.replay_s
+
+    def to_json(self) -> Dict[str, Any]:
+        out = asdict(self)
+        out["setting"] = self.setting.to_json()
+        out["recovery_s"] = self.recovery_s
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
+
+
+class _Probe:
+    """Counts what the sources read and times what the sink stages and commits."""
+
+    def __init__(self, latency_field: Optional[str]) -> None:
+        self.latency_field = latency_field
+        self.lock = threading.Lock()
+        self.total = 0
+        self.reads: List[Tuple[float, int]] = []  # (wall time, records read so far)
+        self.first_output: Optional[float] = None
+        self.started = 0.0  # when the run was started
+        self.staged: Dict[Tuple[int, int], List[np.ndarray]] = {}
+        self.latencies: List[np.ndarray] = []
+
+    def wrap_source(self, source: Any) -> None:
+        read = source.read
+
+        def counted(subtask: int, parallelism: int, position: int, n: int) -> Any:
+            got = read(subtask, parallelism, position, n)
+            if got is not None:
+                count = got.num_rows if hasattr(got, "num_rows") else len(got)
+                if count:
+                    with self.lock:
+                        self.total += count
+                        self.reads.append((time.time(), self.total))
+            return got
+
+        source.read = counted  # on this instance only: the job's class is untouched
+
+    def wrap_sink(self, sink: Any) -> None:
+        stage, commit = sink.stage, sink.commit
+        transactional = bool(getattr(sink, "transactional", False))
+
+        def staged(subtask: int, checkpoint_id: int, records: Any) -> None:
+            now = time.time()
+            if self.first_output is None:
+                self.first_output = now
+            if self.latency_field is not None:
+                created = _created(records, self.latency_field)
+                if not transactional:
+                    self.latencies.append(now - created)
+                elif len(created):
+                    with self.lock:
+                        self.staged.setdefault((subtask, checkpoint_id), []).append(created)
+            stage(subtask, checkpoint_id, records)
+
+        def committed(subtask: int, checkpoint_id: int) -> None:
+            commit(subtask, checkpoint_id)
+            if self.latency_field is not None:
+                now = time.time()
+                with self.lock:
+                    keys = [k for k in self.staged if k[0] == subtask and k[1] <= checkpoint_id]
+                    for key in keys:
+                        self.latencies.append(now - np.concatenate(self.staged.pop(key)))
+
+        sink.stage, sink.commit = staged, committed
+
+    def rate(self, early_stop: bool, finished_at: float) -> Tuple[int, float, float]:
+        """(records, seconds, records/s) of the run (see the module's docstring)."""
+        reads = list(self.reads)
+        if not reads:
+            return 0, 0.0, 0.0
+        first, last = reads[0][0], reads[-1][0]
+        if not early_stop:
+            seconds = max(finished_at - first, 1e-9)
+            return self.total, seconds, self.total / seconds
+        middle = first + (last - first) / 2
+        times = np.array([t for t, _ in reads])
+        counts = np.array([c for _, c in reads])
+        i = int(np.searchsorted(times, middle))
+        if i >= len(reads) - 1 or last - times[i] <= 0:
+            seconds = max(last - first, 1e-9)
+            return self.total, seconds, self.total / seconds
+        return self.total, last - first, float((counts[-1] - counts[i]) / (last - times[i]))
+
+    def derived_latencies(self, timeline: List[Tuple[int, int, int]]) -> np.ndarray:
+        """Commit latency of every read, from the checkpoints' trigger and completion."""
+        if not timeline or not self.reads:
+            return np.array([])
+        triggers = np.array([t / 1000 for _, t, _ in timeline])
+        completions = np.array([c / 1000 for _, _, c in timeline])
+        times = np.array([t for t, _ in self.reads])
+        counts = np.diff(np.array([0] + [c for _, c in self.reads]))
+        k = np.searchsorted(triggers, times, side="left")
+        covered = k < len(triggers)
+        if not covered.any():
+            return np.array([])
+        latency = completions[k[covered]] - times[covered]
+        return np.repeat(latency, counts[covered])
+
+
+def _created(records: Any, name: str) -> np.ndarray:
+    """The creation times (s since the epoch) of one staged output, Arrow or records."""
+    if hasattr(records, "column") and hasattr(records, "schema"):
+        if records.schema.get_field_index(name) < 0:
+            raise KeyError(f"latency_field {name!r} is not a column of the sink's input ({records.schema.names})")
+        column = records.column(name)
+        import pyarrow as pa
+
+        if pa.types.is_timestamp(column.type):
+            return column.cast(pa.int64()).to_numpy(zero_copy_only=False) / 1e6
+        return np.asarray(column.to_numpy(zero_copy_only=False), dtype=np.float64)
+    values = [r[name] if isinstance(r, dict) else getattr(r, name) for r in records]
+    return np.asarray(values, dtype=np.float64)
+
+
+def _percentiles(values: np.ndarray) -> Tuple[float, float]:
+    if not len(values):
+        return math.nan, math.nan
+    return float(np.percentile(values, 50)), float(np.percentile(values, 99))
+
+
+def _instrument(env: Any, probe: _Probe) -> None:
+    for source in env._sources:
+        probe.wrap_source(source)
+    sinks = [s._sink for s in env._streams if s._sink is not None]
+    if not sinks:
+        raise ValueError("tune: the job has no sink; the build function must end its pipeline with .sink_to(...)")
+    for sink in sinks:
+        probe.wrap_sink(sink)
+
+
+def _environment(setting: Setting, parallelism: int, storage: Optional[str], checkpointing: bool) -> Any:
+    from ..api import StreamEnvironment
+    from ..coordinator.config import CheckpointConfig
+
+    return StreamEnvironment(
+        parallelism=parallelism,
+        checkpointing=CheckpointConfig(**setting.checkpoint_kwargs()) if checkpointing else None,
+        checkpoint_storage=storage if checkpointing else None,
+        monitoring=None,  # a server per trial would be measured with the job
+        buffer_size=setting.buffer_size,
+        buffer_timeout_ms=setting.buffer_timeout_ms,
+        channel_capacity=setting.channel_capacity,
+    )
+
+
+def _run(
+    build: JobBuilder,
+    env: Any,
+    probe: _Probe,
+    name: str,
+    seconds: Optional[float],
+    restore_from: Optional[str] = None,
+    stop_at_output: bool = False,
+) -> Tuple[Any, float, float]:
+    """(result, wall time of the run, the moment it ended or was stopped)."""
+    build(env)
+    _instrument(env, probe)
+    start = probe.started = time.time()
+    if seconds is None and not stop_at_output:
+        result = (
+            env.execute(name, resume="never") if restore_from is None else env.execute(name, restore_from=restore_from)
+        )
+        end = time.time()
+        return result, end - start, end
+    if restore_from is None:
+        client = env.execute_async(name, resume="never")
+    else:
+        client = env.execute_async(name, restore_from=restore_from)
+    # the budget counts from the first record read, not from the job's start (which
+    # restores state, and the first time imports); a job that reads nothing in a
+    # minute is stopped all the same
+    deadline = start + 60.0
+    began = False
+    while not client.done():
+        if stop_at_output and probe.first_output is not None:
+            break
+        if seconds is not None and not began and probe.reads:
+            began = True
+            deadline = probe.reads[0][0] + seconds
+        if time.time() >= deadline:
+            break
+        time.sleep(0.005)
+    end = time.time()
+    if not client.done():
+        client.cancel()
+    result = client.wait(120, raise_failure=False)
+    return result, end - start, end
+
+
+def measure(
+    build: JobBuilder,
+    setting: Setting = Setting(),  # noqa: B008 - frozen
+    *,
+    parallelism: int = 2,
+    seconds: Optional[float] = None,
+    checkpointing: bool = True,
+    latency_field: Optional[str] = None,
+    input_rate_per_s: Optional[float] = None,
+    measure_restore: bool = False,
+    name: str = "pyengine-tune",
+) -> Measurement:
+    """Runs ``build``'s job once at ``setting`` and measures it.
+
+    ``seconds``: stop the run that long after its first record (an unbounded job needs
+    it; a short run is how a search stays short); None runs a bounded job to its end.
+    ``input_rate_per_s``: the rate the job's input arrives at in production, for the
+    replay part of recovery (default: the measured throughput, a job that runs at
+    capacity). ``measure_restore``: restore the job from the run's latest checkpoint and
+    time it (one more short run)."""
+    root = tempfile.mkdtemp(prefix="pyengine-tune-")
+    try:
+        storage = os.path.join(root, "ckpt")
+        probe = _Probe(latency_field)
+        env = _environment(setting, parallelism, storage, checkpointing)
+        result, _, ended = _run(build, env, probe, name, seconds)
+        if result.status == "FAILED":
+            raise RuntimeError(f"tune: the job failed at {setting.label}: {result.cause}") from result.cause
+        records, elapsed, rate = probe.rate(seconds is not None and result.status != "FINISHED", ended)
+        m = Measurement(setting, records, elapsed, rate, status=result.status)
+        summary = result.checkpoints.summary()
+        m.checkpoints = int(result.checkpoints.counts["completed"])
+        if m.checkpoints:
+            duration = summary["end_to_end_duration_ms"]
+            m.checkpoint_p50_ms, m.checkpoint_p99_ms = float(duration["p50"]), float(duration["p99"])
+            delay = summary.get("start_delay_ms", {})
+            m.start_delay_p50_ms, m.start_delay_p99_ms = float(delay.get("p50", 0)), float(delay.get("p99", 0))
+            alignment = summary["alignment_duration_ms"]
+            m.alignment_p50_ms, m.alignment_p99_ms = float(alignment["p50"]), float(alignment["p99"])
+            m.checkpoint_size = float(summary["full_size"]["max"])
+            m.persisted_p50 = float(summary["persisted_data"]["p50"])
+            m.persisted_max = float(summary["persisted_data"]["max"])
+        if latency_field is not None and probe.latencies:
+            m.latency_p50_ms, m.latency_p99_ms = (v * 1e3 for v in _percentiles(np.concatenate(probe.latencies)))
+            m.latency_measured = True
+        elif checkpointing:
+            timeline = list(getattr(result.checkpoints, "timeline", []))
+            m.latency_p50_ms, m.latency_p99_ms = (v * 1e3 for v in _percentiles(probe.derived_latencies(timeline)))
+            if latency_field is not None:
+                m.notes.append("no output carried the latency field: latency derived from checkpoint completions")
+        if checkpointing and rate > 0:
+            arriving = input_rate_per_s if input_rate_per_s is not None else rate
+            lost = setting.interval_ms / 1000 + (m.checkpoint_p50_ms / 1000 if m.checkpoints else 0.0)
+            m.replay_s = lost * arriving / rate
+            if input_rate_per_s is not None and input_rate_per_s >= rate:
+                m.notes.append(f"input rate {input_rate_per_s:,.0f}/s is at or above the measured {rate:,.0f}/s")
+        if measure_restore and result.latest_checkpoint:
+            m.restore_s = _restore(build, setting, parallelism, storage, name, result.latest_checkpoint)
+            m.restore_measured = not math.isnan(m.restore_s)
+        return m
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _restore(build: JobBuilder, setting: Setting, parallelism: int, storage: str, name: str, path: str) -> float:
+    """Seconds from starting the job restored from ``path`` to its first output (or
+    first read, for a job whose output is sparse): what a restart costs before it
+    makes progress."""
+    probe = _Probe(None)
+    env = _environment(setting, parallelism, storage, True)
+    _result, _, _ = _run(build, env, probe, name, None, restore_from=path, stop_at_output=True)
+    first = probe.first_output if probe.first_output is not None else (probe.reads[0][0] if probe.reads else None)
+    if first is None:
+        return math.nan
+    return max(0.0, first - probe.started)

@@ -1,0 +1,405 @@
+"""The search: a coordinate search over the settings, each coordinate's values raced by
+successive halving (all on short runs, the better half again on runs twice as long),
+then the best few measured once more, with their restore, before one is recommended.
+
+Why not a grid: six settings of two to four values each are ~600 points, minutes each
+on a real job; the settings interact little enough that one coordinate at a time finds
+a point near the best (the test checks it against a grid on a small space), and short
+runs are enough to drop a setting that is clearly worse."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+from .measure import JobBuilder, Measurement, measure
+from .settings import DEFAULT_SPACE, Setting, check_space
+
+__all__ = ["GOALS", "TuneResult", "load_job", "rank", "recommend", "tune"]
+
+GOALS = ("throughput", "latency")
+
+
+@dataclass
+class TuneResult:
+    """What ``tune`` found: every measurement (``trials``, in the order taken), the
+    recommended setting and its measurement, and what the recommendation says about the
+    constraints (``honoured``: each one asked for, and whether the recommendation meets
+    it; ``messages``: the same in words, including when no setting could)."""
+
+    goal: str
+    recommended: Setting
+    measurement: Measurement
+    trials: List[Measurement]
+    honoured: Dict[str, bool]
+    messages: List[str]
+    parallelism: int
+    max_latency_ms: Optional[float] = None
+    max_recovery_s: Optional[float] = None
+    elapsed_s: float = 0.0
+    restore_base_s: float = math.nan
+    files: Dict[str, str] = field(default_factory=dict)
+
+    def snippet(self) -> str:
+        """The recommended settings, as code to paste into the job."""
+        return self.recommended.snippet(self.parallelism)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "goal": self.goal,
+            "recommended": self.recommended.to_json(),
+            "measurement": self.measurement.to_json(),
+            "honoured": self.honoured,
+            "messages": self.messages,
+            "max_latency_ms": self.max_latency_ms,
+            "max_recovery_s": self.max_recovery_s,
+            "elapsed_s": self.elapsed_s,
+            "trials": [m.to_json() for m in self.trials],
+        }
+
+
+def load_job(job: Union[str, JobBuilder, None]) -> Tuple[JobBuilder, Optional[str], str]:
+    """(build function, its latency field or None, a name) from what the user gave: a
+    function, ``"module:function"``, or a built-in job's name (None: ``keyed-count``)."""
+    from .jobs import BUILTIN, LATENCY_FIELD
+
+    if job is None:
+        job = "keyed-count"
+    if callable(job):
+        return job, None, getattr(job, "__name__", "job")
+    if not isinstance(job, str):
+        raise TypeError(f"tune: job must be a function, 'module:function' or a built-in name, got {job!r}")
+    if job in BUILTIN:
+        return BUILTIN[job](), LATENCY_FIELD, job
+    if ":" not in job:
+        raise ValueError(f"tune: job {job!r} is neither 'module:function' nor a built-in job ({', '.join(BUILTIN)})")
+    module_name, _, attr = job.partition(":")
+    build = getattr(importlib.import_module(module_name), attr, None)
+    if not callable(build):
+        raise ValueError(f"tune: {job!r} names no function in {module_name}")
+    return build, None, attr
+
+
+def _restore_estimate(m: Measurement, base: Measurement) -> float:
+    """Restore of a setting that was not restored: the measured one, scaled by state
+    size when the setting's checkpoints are larger (unaligned ones carry in-flight data)."""
+    if m.restore_measured:
+        return m.restore_s
+    if math.isnan(base.restore_s):
+        return math.nan
+    ratio = (
+        m.checkpoint_size / base.checkpoint_size
+        if base.checkpoint_size and m.checkpoint_size == m.checkpoint_size
+        else 1
+    )
+    return base.restore_s * max(1.0, ratio)
+
+
+def _violations(m: Measurement, max_latency_ms: Optional[float], max_recovery_s: Optional[float]) -> float:
+    """How far a measurement is outside the constraints (0: inside), relative to each."""
+    excess = 0.0
+    if max_latency_ms is not None:
+        p99 = m.latency_p99_ms
+        excess += 1.0 if math.isnan(p99) else max(0.0, p99 / max_latency_ms - 1)
+    if max_recovery_s is not None:
+        r = m.recovery_s
+        excess += 1.0 if math.isnan(r) else max(0.0, r / max_recovery_s - 1)
+    return excess
+
+
+def _score(m: Measurement, goal: str) -> float:
+    if goal == "throughput":
+        return m.throughput
+    return -m.latency_p99_ms if not math.isnan(m.latency_p99_ms) else -math.inf
+
+
+def rank(
+    measurements: Sequence[Measurement],
+    goal: str,
+    max_latency_ms: Optional[float] = None,
+    max_recovery_s: Optional[float] = None,
+) -> List[Measurement]:
+    """Best first: the measurements inside the constraints by the goal, then the others
+    by how far outside they are."""
+
+    def key(m: Measurement) -> Tuple[float, float]:
+        v = _violations(m, max_latency_ms, max_recovery_s)
+        return (0.0, -_score(m, goal)) if v == 0 else (1.0 + v, -_score(m, goal))
+
+    return sorted(measurements, key=key)
+
+
+def recommend(
+    measurements: Sequence[Measurement],
+    goal: str,
+    max_latency_ms: Optional[float] = None,
+    max_recovery_s: Optional[float] = None,
+) -> Tuple[Measurement, Dict[str, bool], List[str]]:
+    """The best measurement, whether it honours each constraint, and what to tell the user."""
+    if not measurements:
+        raise ValueError("tune: nothing was measured")
+    best = rank(measurements, goal, max_latency_ms, max_recovery_s)[0]
+    honoured: Dict[str, bool] = {}
+    messages: List[str] = []
+    if max_latency_ms is not None:
+        ok = best.latency_p99_ms <= max_latency_ms
+        honoured["max_latency_ms"] = bool(ok)
+        messages.append(
+            f"latency p99 {best.latency_p99_ms:,.0f} ms <= {max_latency_ms:,.0f} ms: honoured"
+            if ok
+            else f"max latency {max_latency_ms:,.0f} ms NOT honoured: no setting tried reached it "
+            f"(the closest: p99 {best.latency_p99_ms:,.0f} ms)"
+        )
+    if max_recovery_s is not None:
+        ok = best.recovery_s <= max_recovery_s
+        honoured["max_recovery_s"] = bool(ok)
+        messages.append(
+            f"recovery {best.recovery_s:,.2f} s <= {max_recovery_s:,.2f} s: honoured"
+            if ok
+            else f"max recovery {max_recovery_s:,.2f} s NOT honoured: no setting tried reached it "
+            f"(the closest: {best.recovery_s:,.2f} s)"
+        )
+    return best, honoured, messages
+
+
+class _Search:
+    def __init__(
+        self,
+        run: Callable[[Setting, float, bool], Measurement],
+        space: Dict[str, Tuple[Any, ...]],
+        goal: str,
+        max_latency_ms: Optional[float],
+        max_recovery_s: Optional[float],
+        budget_s: float,
+        trial_s: float,
+        progress: Optional[Callable[[str, float], None]],
+    ) -> None:
+        self.run = run
+        self.space = space
+        self.goal = goal
+        self.max_latency_ms = max_latency_ms
+        self.max_recovery_s = max_recovery_s
+        self.budget_s = budget_s
+        self.trial_s = trial_s
+        self.progress = progress
+        self.started = time.monotonic()
+        self.trials: List[Measurement] = []
+        self.cache: Dict[Tuple[Setting, float], Measurement] = {}
+        self.base: Optional[Measurement] = None
+
+    def left(self) -> float:
+        return self.budget_s - (time.monotonic() - self.started)
+
+    def seconds(self, setting: Setting, rung_s: float) -> float:
+        # long enough for a few checkpoints at this interval, or they are not measured
+        return max(rung_s, 2.5 * setting.interval_ms / 1000 + 0.2)
+
+    def measure(self, setting: Setting, rung_s: float, restore: bool = False) -> Measurement:
+        key = (setting, self.seconds(setting, rung_s))
+        if key in self.cache and not restore:
+            return self.cache[key]
+        m = self.run(setting, key[1], restore)
+        if self.base is not None and not m.restore_measured:
+            m.restore_s = _restore_estimate(m, self.base)
+        self.cache[key] = m
+        self.trials.append(m)
+        if self.progress is not None:
+            self.progress(setting.label, min(1.0, (time.monotonic() - self.started) / self.budget_s))
+        return m
+
+    def ranked(self, ms: Sequence[Measurement]) -> List[Measurement]:
+        return rank(ms, self.goal, self.max_latency_ms, self.max_recovery_s)
+
+    def race(self, candidates: List[Setting]) -> Setting:
+        """Successive halving: every candidate on a short run, the better half on a run
+        twice as long, until one is left (or the budget is)."""
+        rung_s = self.trial_s
+        while len(candidates) > 1:
+            measured = []
+            for c in candidates:
+                if self.left() <= 0:
+                    break
+                measured.append(self.measure(c, rung_s))
+            if not measured:
+                return candidates[0]
+            ranked = [m.setting for m in self.ranked(measured)]
+            candidates = ranked[: max(1, len(ranked) // 2)]
+            rung_s *= 2
+        return candidates[0]
+
+    def coordinates(self, current: Setting) -> List[List[Setting]]:
+        """The candidates of each coordinate around ``current``; unaligned and its
+        aligned timeout are one coordinate (the timeout means nothing without it)."""
+        out: List[List[Setting]] = []
+        for name in ("buffer_size", "channel_capacity", "buffer_timeout_ms", "interval_ms"):
+            values = self.space.get(name)
+            if values and len(values) > 1:
+                out.append([current.with_(**{name: v}) for v in values])
+        modes: List[Setting] = []
+        for unaligned in self.space.get("unaligned", (current.unaligned,)):
+            timeouts = self.space.get("aligned_timeout_ms", (current.aligned_timeout_ms,)) if unaligned else (0,)
+            modes += [current.with_(unaligned=unaligned, aligned_timeout_ms=t) for t in timeouts]
+        modes = list(dict.fromkeys(modes))
+        if len(modes) > 1:
+            out.append(modes)
+        return out
+
+    def search(self, start: Setting) -> Setting:
+        self.base = self.measure(start, self.trial_s, restore=True)
+        current = start
+        for _pass in range(2):  # a second pass when the budget allows: a later coordinate can move an earlier one
+            before = current
+            for candidates in self.coordinates(current):
+                if self.left() <= 0:
+                    return current
+                candidates = list(dict.fromkeys([current, *candidates]))
+                current = self.race(candidates)
+            if current == before:
+                break
+        return current
+
+
+def _start(space: Dict[str, Tuple[Any, ...]]) -> Setting:
+    """The engine's defaults, each moved to the nearest value the space allows."""
+    base = Setting()
+    changes: Dict[str, Any] = {}
+    for name, values in space.items():
+        default = getattr(base, name)
+        if default not in values:
+            numeric = [v for v in values if not isinstance(v, bool)]
+            changes[name] = min(numeric, key=lambda v: abs(v - default)) if numeric else values[0]
+    return base.with_(**changes)
+
+
+def tune(
+    job: Union[str, JobBuilder, None] = None,
+    *,
+    goal: str = "throughput",
+    max_latency_ms: Optional[float] = None,
+    max_recovery_s: Optional[float] = None,
+    budget_s: float = 120.0,
+    trial_s: float = 1.0,
+    parallelism: int = 2,
+    space: Optional[Dict[str, Sequence[Any]]] = None,
+    latency_field: Optional[str] = None,
+    input_rate_per_s: Optional[float] = None,
+    report_dir: Optional[str] = None,
+    benchmark_json: Optional[str] = None,
+    progress: bool = False,
+    finalists: int = 2,
+) -> TuneResult:
+    """Measures ``job`` across buffer and checkpoint settings and recommends one.
+
+    ``job``: ``build(env)`` (adds the job's pipeline to the environment it is given),
+    ``"module:function"`` naming one, or a built-in job (``"keyed-count"``, the default).
+    A job runs ``trial_s`` seconds per trial (longer where an interval needs it), so an
+    unbounded job is fine. ``goal``: ``"throughput"`` (records/s) or ``"latency"``
+    (end-to-end p99); ``max_latency_ms`` and ``max_recovery_s`` are constraints, honoured
+    when a setting tried meets them, and reported as not honoured when none does.
+    ``budget_s`` bounds the search (the finalists' runs come after it). ``space``: the
+    values to try per setting (default ``pyengine.tune.settings.DEFAULT_SPACE``).
+    ``latency_field``: a column/key with each record's creation time (s since the
+    epoch) carried to the sink, for measured latency (else it is derived from checkpoint
+    completions). ``input_rate_per_s``: the job's production input rate, for recovery's
+    replay (default: at capacity). ``report_dir``: write ``report.html`` with its
+    figures there; ``benchmark_json``: write the trials as pytest-benchmark JSON."""
+    if goal not in GOALS:
+        raise ValueError(f"tune: goal must be one of {', '.join(GOALS)}, got {goal!r}")
+    for name, value in (("max_latency_ms", max_latency_ms), ("max_recovery_s", max_recovery_s)):
+        if value is not None and not value > 0:
+            raise ValueError(f"tune: {name} must be > 0, got {value!r}")
+    if not budget_s > 0 or not trial_s > 0:
+        raise ValueError("tune: budget_s and trial_s must be > 0")
+    checked = check_space(DEFAULT_SPACE if space is None else space)
+    build, builtin_field, name = load_job(job)
+    field_ = latency_field if latency_field is not None else builtin_field
+    started = time.monotonic()
+
+    def run(setting: Setting, seconds: float, restore: bool) -> Measurement:
+        return measure(
+            build,
+            setting,
+            parallelism=parallelism,
+            seconds=seconds,
+            latency_field=field_,
+            input_rate_per_s=input_rate_per_s,
+            measure_restore=restore,
+            name=f"tune-{name}",
+        )
+
+    bar = _Progress(budget_s) if progress else None
+    try:
+        search = _Search(
+            run,
+            checked,
+            goal,
+            max_latency_ms,
+            max_recovery_s,
+            budget_s,
+            trial_s,
+            bar.update if bar is not None else None,
+        )
+        search.search(_start(checked))
+        # the finalists again, on the longest runs, each with its own restore measured
+        latest: Dict[Setting, Measurement] = {}
+        for m in search.trials:
+            latest[m.setting] = m
+        top = search.ranked(list(latest.values()))[: max(1, finalists)]
+        final = [search.measure(m.setting, trial_s * 2, restore=True) for m in top]
+    finally:
+        if bar is not None:
+            bar.close()
+    assert search.base is not None
+    best, honoured, messages = recommend(final, goal, max_latency_ms, max_recovery_s)
+    result = TuneResult(
+        goal,
+        best.setting,
+        best,
+        search.trials,
+        honoured,
+        messages,
+        parallelism,
+        max_latency_ms,
+        max_recovery_s,
+        time.monotonic() - started,
+        search.base.restore_s,
+    )
+    if report_dir is not None:
+        from .report import write_report
+
+        result.files.update(write_report(result, report_dir))
+    if benchmark_json is not None:
+        from .report import write_benchmark_json
+
+        result.files["benchmark_json"] = write_benchmark_json(result, benchmark_json)
+    return result
+
+
+class _Progress:
+    """A progress bar through the search's budget (rich, on stderr)."""
+
+    def __init__(self, budget_s: float) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(
+            TextColumn("tune"),
+            BarColumn(),
+            TextColumn("{task.completed:>3.0f}%"),
+            TimeElapsedColumn(),
+            TextColumn("{task.description}"),
+            console=Console(stderr=True),
+            transient=False,
+        )
+        self.task = self.progress.add_task("", total=100)
+        self.progress.start()
+
+    def update(self, label: str, fraction: float) -> None:
+        self.progress.update(self.task, completed=100 * fraction, description=label)
+
+    def close(self) -> None:
+        self.progress.update(self.task, completed=100)
+        self.progress.stop()
