@@ -343,6 +343,10 @@ class FileSink(Sink):
         self.mode = mode
         self.schema = schema
         self._seq: Dict[Tuple[int, int], int] = {}
+        # (checkpoint id, staged name) this object staged per subtask in the current
+        # attempt: commit publishes these only, never a piece found by listing, which
+        # could be a zombie attempt's (a Spark task of a failed attempt still running)
+        self._mine: Dict[int, List[Tuple[int, str]]] = {}
         self._lock = threading.Lock()
         self._run: Optional[RunInfo] = None
         self._tag: Optional[str] = None
@@ -359,6 +363,7 @@ class FileSink(Sink):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
         self._heartbeat = None
+        self._mine = {}
 
     @property
     def run_tag(self) -> Optional[str]:
@@ -378,6 +383,10 @@ class FileSink(Sink):
         return self._run
 
     def open(self, subtask: int) -> None:
+        """A new attempt of ``subtask``: what an earlier attempt staged is the driver's
+        ``recover``'s to publish or delete, never this attempt's commits'."""
+        with self._lock:
+            self._mine[subtask] = []
         fs, root = self._fs()
         fs.create_dir(f"{root}/_staging", recursive=True)
 
@@ -651,21 +660,14 @@ class FileSink(Sink):
         with fs.open_output_stream(temp) as out:
             out.write(data)
         fs.move(temp, f"{root}/_staging/{name}")
+        with self._lock:
+            self._mine.setdefault(subtask, []).append((checkpoint_id, name))
 
     def _staging_infos(self, fs: Any, root: str) -> List[Any]:
         try:
             return list(fs.get_file_info(FileSelector(f"{root}/_staging", allow_not_found=True)))
         except FileNotFoundError:
             return []
-
-    def _staged(self, fs: Any, root: str) -> List[Tuple[str, str, int, int]]:
-        """(name, run tag, subtask, checkpoint) of every staged piece."""
-        out = []
-        for info in self._staging_infos(fs, root):
-            m = _PART.match(info.base_name)
-            if m:
-                out.append((info.base_name, m.group(1), int(m.group(2)), int(m.group(3))))
-        return out
 
     def _publish(self, fs: Any, root: str, name: str) -> None:
         staged, final = f"{root}/_staging/{name}", f"{root}/{name}"
@@ -679,9 +681,25 @@ class FileSink(Sink):
     def commit(self, subtask: int, checkpoint_id: int) -> None:
         self._require_run("commit")
         fs, root = self._fs()
-        for name, tag, sub, cid in self._staged(fs, root):
-            if tag == self._tag and sub == subtask and cid <= checkpoint_id:
-                self._publish(fs, root, name)
+        with self._lock:
+            pending = self._mine.get(subtask, [])
+            due = [name for cid, name in pending if cid <= checkpoint_id]
+            self._mine[subtask] = [(cid, name) for cid, name in pending if cid > checkpoint_id]
+        for name in due:
+            self._publish(fs, root, name)
+        # Any other piece of this subtask up to here is a zombie attempt's, staged after
+        # the driver's recover (an earlier attempt's covered pieces were published then,
+        # the rest deleted): delete it now, before a later recover would find it covered.
+        for info in self._staging_infos(fs, root):
+            m = _PART.match(info.base_name)
+            if m and m.group(1) == self._tag and int(m.group(2)) == subtask and int(m.group(3)) <= checkpoint_id:
+                log.warning(
+                    "FileSink %s: deleting %s, staged by an earlier attempt after its restart", self.path, m.group(0)
+                )
+                try:
+                    fs.delete_file(info.path)
+                except FileNotFoundError:
+                    pass
 
     def recover(self, covered: Covered) -> None:
         """Makes this lineage's output exactly what ``covered`` covers: staged pieces it
@@ -689,6 +707,8 @@ class FileSink(Sink):
         file of the lineage is deleted (they come after the restore point, or from a
         branch a restore abandoned). Other lineages' files are never touched."""
         run = self._require_run("recover")
+        with self._lock:
+            self._mine = {}  # earlier attempts' pieces are this method's, published or deleted here
         fs, root = self._fs()
         fs.create_dir(f"{root}/_staging", recursive=True)
         upto = _covered_map(covered)

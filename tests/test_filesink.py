@@ -501,6 +501,30 @@ def test_pickled_after_begin_run_it_writes_run_tagged_parts_and_leaves_the_lock_
     assert driver.read_committed() == [{"a": 1}]
 
 
+def test_a_zombie_attempts_late_piece_is_never_committed(out) -> None:
+    """On Spark a failed attempt's task can outlive the restart: a piece it stages
+    after the driver's ``recover`` must not be published by the new attempt's commit
+    (its records are past the restored checkpoint, which the new attempt replays)."""
+    driver = FileSink(out, format="parquet")
+    run = new_run()
+    driver.begin_run(run)
+    driver.recover(())
+    zombie = pickle.loads(pickle.dumps(driver))
+    zombie.open(0)
+    zombie.stage(0, 1, [{"who": "zombie", "chk": 1}])
+    driver.recover(())  # the restart: nothing completed, so nothing is covered
+    fresh = pickle.loads(pickle.dumps(driver))
+    fresh.open(0)
+    zombie.stage(0, 2, [{"who": "zombie", "chk": 2}])  # late, after recover
+    fresh.stage(0, 3, [{"who": "fresh", "chk": 3}])
+    fresh.commit(0, 3)
+    assert driver.read_committed() == [{"who": "fresh", "chk": 3}]
+    driver.recover(((run.run_id, 3),))  # the next restart clears what the zombie left
+    assert driver.read_committed() == [{"who": "fresh", "chk": 3}]
+    assert not [n for n in os.listdir(os.path.join(out, "_staging")) if n.startswith("part-")]
+    driver.end_run("FINISHED")
+
+
 def test_temp_names_are_unique_per_writer(out, monkeypatch) -> None:
     """Two writers staging the same piece name never share a temp file."""
     s = FileSink(out)
