@@ -675,6 +675,7 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         self._firing_key: Any = None
         self._handle: Optional[_Handle] = None
         self._opened = False
+        self._row_classes: Dict[Tuple[str, ...], Any] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -776,13 +777,14 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         out: List[Any] = []
         if len(records):
             groups = self._group_rows(records) if self.flavour == "row" else self._group_frames(records)
-            backend, fn, tv = self.backend, self.processor.handleInputRows, self._timer_values()
+            set_key, fn, tv = self.backend.set_current_key, self.processor.handleInputRows, self._timer_values()
+            extend = out.extend
             try:
                 for key, rows in groups:
-                    backend.set_current_key(key)
+                    set_key(key)
                     produced = fn(key if key.__class__ is tuple else (key,), iter(rows), tv)
                     if produced is not None:
-                        out.extend(produced)
+                        extend(produced)
             except NonRetryableError:
                 raise
             except Exception as exc:
@@ -804,17 +806,17 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
 
     def _group_rows(self, records: Any) -> Iterable[Tuple[Any, List[Any]]]:
         """Rows per key, in arrival order, keys in order of first arrival."""
-        Row = self._Row
         new = tuple.__new__
+        row_class = self._row_class
         groups: Dict[Any, List[Any]] = {}
         if isinstance(records, (pa.RecordBatch, pa.Table)) and self.time_mode != "EventTime":
             fields = list(records.schema.names)
             columns = [c.to_pylist() for c in records.columns]
             if self.key_column is not None and self.key_column in fields:
                 keys: Any = columns[fields.index(self.key_column)]
+                cls = row_class(tuple(fields))
                 for key, values in zip(keys, zip(*columns, strict=True), strict=True):
-                    row = new(Row, values)
-                    row.__fields__ = fields
+                    row = new(cls, values)
                     bucket = groups.get(key)
                     if bucket is None:
                         self._check_key(key)
@@ -828,12 +830,13 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         if self.time_mode == "EventTime":
             records = self._late(records)
         select = self.key_selector
+        column = self.key_column
         for r in records:
-            key = select(r)
             if r.__class__ is dict:
-                row = new(Row, r.values())
-                row.__fields__ = list(r)
+                key = r[column] if column is not None and column in r else select(r)
+                row = new(row_class(tuple(r)), r.values())
             else:
+                key = select(r)
                 row = r
             bucket = groups.get(key)
             if bucket is None:
@@ -842,6 +845,18 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
             else:
                 bucket.append(row)
         return groups.items()
+
+    def _row_class(self, fields: Tuple[str, ...]) -> Any:
+        """A ``Row`` subclass whose field names are a class attribute. A Row made by
+        pyspark keeps its names in a per-row ``__dict__``; a dict per input row was
+        most of the adapter's cost (its allocation and the garbage collector's
+        scans of it). Rows of these classes are Rows (``isinstance``, ``row["v"]``,
+        ``row.v``, ``asDict``) with no dict of their own."""
+        cls = self._row_classes.get(fields)
+        if cls is None:
+            cls = type("Row", (self._Row,), {"__slots__": (), "__fields__": list(fields)})
+            self._row_classes[fields] = cls
+        return cls
 
     def _check_key(self, key: Any) -> None:
         if key.__class__ is float and key != key:
@@ -948,16 +963,10 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         names = self.output_names
         width = len(names)
         fitted: List[Any] = rows
-        for i, row in enumerate(rows):
-            fields = getattr(row, "__fields__", None)
-            if fields is not None and fields != names:
-                fitted = [self._fit_row(r) for r in rows]
-                break
-            if not isinstance(row, tuple):
-                fitted = [self._fit_row(r) for r in rows]
-                break
-            if len(row) != width:
-                raise self._fail(f"output row {i} has {len(row)} values, the schema {width} columns: {row!r}")
+        # Rows whose fields are the schema's, in its order, go as they are (one
+        # comparison each); any other row is matched by name (or by position, a tuple).
+        if any([getattr(r, "__fields__", None) != names for r in rows]):
+            fitted = [self._fit_row(r) for r in rows]
         columns = list(zip(*fitted, strict=True)) if fitted else [()] * width
         arrays = [self._column(field, list(col)) for field, col in zip(self.output_schema, columns, strict=True)]
         return pa.RecordBatch.from_arrays(arrays, schema=self.output_schema)
