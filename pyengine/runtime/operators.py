@@ -7,13 +7,26 @@ of a task call each other through plain lists: no queue, no copy."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, List, Optional
+from typing import Any, Callable, Iterable, List, Optional, overload
 
 import pyarrow as pa
 
 from ..errors import ColumnNotFoundError, NonRetryableError
 from ..io.events import MAX_WATERMARK, MIN_WATERMARK, WATERMARK_ACTIVE, WATERMARK_IDLE, Watermark
 from ..state import ListStateDescriptor, OperatorStateBackend, create_keyed_backend, key_group_range_for_subtask
+from ..state.descriptors import (
+    IN,
+    OUT,
+    AggregatingStateDescriptor,
+    K,
+    MapStateDescriptor,
+    ReducingStateDescriptor,
+    StateDescriptor,
+    T,
+    V,
+    ValueStateDescriptor,
+)
+from ..state.heap import AggregatingState, ListState, MapState, ReducingState, ValueState
 from ..storage.filesystem import CheckpointStorageLocation
 from ..storage.metadata import OperatorState, SubtaskState
 from ..time.domain import TimeDomain
@@ -22,6 +35,7 @@ __all__ = [
     "NaNKeyError",
     "FilterOperator",
     "FlatMapOperator",
+    "KeyedContext",
     "KeyedProcessFunction",
     "KeyedOperator",
     "KeyedProcessOperator",
@@ -318,53 +332,80 @@ def batch_of(records: Any) -> pa.RecordBatch:
     return pa.RecordBatch.from_pylist(records)
 
 
-class KeyedProcessFunction:
-    """Per-key logic with keyed state and timers (PyFlink's names).
+class KeyedContext:
+    """The ``ctx`` of a ``KeyedProcessFunction``'s ``open``, ``process_element`` and
+    ``on_timer`` (PyFlink's ``KeyedProcessFunction.Context`` and, for state, its
+    ``RuntimeContext``): keyed state, the current key, timers, the record's time.
 
-    ``open(ctx)`` gets state through ``ctx.get_state(descriptor)``;
-    ``process_element(value, ctx)`` yields outputs, with ``ctx.current_key`` the
-    record's key, ``ctx.timestamp()`` its event time (None when the stream has no
-    timestamps) and ``ctx.timer_service()`` to register timers for the key.
-    ``on_timer(timestamp, ctx)`` runs when one fires: ``ctx.time_domain()`` says
-    which clock, ``ctx.current_key`` whose timer it is; what it yields goes
-    downstream like the output of ``process_element``."""
-
-    def open(self, ctx: Any) -> None:
-        pass
-
-    def process_element(self, value: Any, ctx: Any) -> Iterable[Any]:
-        raise NotImplementedError
-
-    def on_timer(self, timestamp: int, ctx: Any) -> Optional[Iterable[Any]]:
-        """A timer of ``ctx.current_key`` fired (override it to use timers)."""
-        return None
-
-    def close(self) -> None:
-        pass
-
-
-def overrides_on_timer(fn: Any) -> bool:
-    """Whether a ``KeyedProcessFunction`` has timers to fire (its class defines ``on_timer``)."""
-    return type(fn).on_timer is not KeyedProcessFunction.on_timer
-
-
-class _KeyedContext:
-    """The ``ctx`` of ``process_element`` and ``on_timer``."""
+    ``get_state`` is typed by its descriptor: with
+    ``ValueStateDescriptor[int]("n")`` a type checker knows ``value()`` is
+    ``Optional[int]``; ``get_list_state``, ``get_map_state``... are PyFlink's
+    names for the same call."""
 
     def __init__(self, operator: KeyedProcessOperator) -> None:
         self._op = operator
-        self.current_key: Any = None
+        self._backend: Any = None  # the operator's keyed backend, once set up
+        self._current_key: Any = None
         self._record: Any = None
         self._timer_ts: Optional[int] = None
         self._domain: Any = None
         self._service: Any = None  # the operator's TimerService, once made
 
-    def get_state(self, descriptor: Any) -> Any:
-        assert self._op.backend is not None
-        return self._op.backend.get_state(descriptor)
+    @property
+    def current_key(self) -> Any:
+        """The key of the record being processed (or of the timer firing)."""
+        return self._current_key
+
+    @current_key.setter
+    def current_key(self, key: Any) -> None:
+        # A new record or timer: TTL reads the clock afresh (the backend reads it
+        # once per record). Timers set the backend's key directly, then this.
+        self._current_key = key
+        backend = self._backend
+        if backend is not None:
+            backend._ttl_now = None
+
+    @overload
+    def get_state(self, descriptor: ValueStateDescriptor[T]) -> ValueState[T]: ...
+
+    @overload
+    def get_state(self, descriptor: ListStateDescriptor[T]) -> ListState[T]: ...
+
+    @overload
+    def get_state(self, descriptor: MapStateDescriptor[K, V]) -> MapState[K, V]: ...
+
+    @overload
+    def get_state(self, descriptor: ReducingStateDescriptor[T]) -> ReducingState[T]: ...
+
+    @overload
+    def get_state(self, descriptor: AggregatingStateDescriptor[IN, OUT]) -> AggregatingState[IN, OUT]: ...
+
+    def get_state(self, descriptor: StateDescriptor) -> Any:
+        """The keyed state of ``descriptor`` (created on first use; the same object
+        for an equal descriptor), scoped to the current key on every call."""
+        backend = self._backend if self._backend is not None else self._op.backend
+        assert backend is not None, "keyed state is available from open() on"
+        self._backend = backend
+        return backend.get_state(descriptor)
+
+    def get_list_state(self, descriptor: ListStateDescriptor[T]) -> ListState[T]:
+        """``get_state`` for a list state (PyFlink's name)."""
+        return self.get_state(descriptor)
+
+    def get_map_state(self, descriptor: MapStateDescriptor[K, V]) -> MapState[K, V]:
+        """``get_state`` for a map state (PyFlink's name)."""
+        return self.get_state(descriptor)
+
+    def get_reducing_state(self, descriptor: ReducingStateDescriptor[T]) -> ReducingState[T]:
+        """``get_state`` for a reducing state (PyFlink's name)."""
+        return self.get_state(descriptor)
+
+    def get_aggregating_state(self, descriptor: AggregatingStateDescriptor[IN, OUT]) -> AggregatingState[IN, OUT]:
+        """``get_state`` for an aggregating state (PyFlink's name)."""
+        return self.get_state(descriptor)
 
     def get_current_key(self) -> Any:
-        return self.current_key
+        return self._current_key
 
     def timer_service(self) -> Any:
         """Register and delete the current key's timers; read the clocks."""
@@ -389,6 +430,42 @@ class _KeyedContext:
     def subtask(self) -> int:
         assert self._op.ctx is not None
         return self._op.ctx.subtask
+
+
+_KeyedContext = KeyedContext  # the name it had while private
+
+
+class KeyedProcessFunction:
+    """Per-key logic with keyed state and timers (PyFlink's names).
+
+    ``open(ctx)`` gets state through ``ctx.get_state(descriptor)``;
+    ``process_element(value, ctx)`` yields outputs, with ``ctx.current_key`` the
+    record's key, ``ctx.timestamp()`` its event time (None when the stream has no
+    timestamps) and ``ctx.timer_service()`` to register timers for the key.
+    ``on_timer(timestamp, ctx)`` runs when one fires: ``ctx.time_domain()`` says
+    which clock, ``ctx.current_key`` whose timer it is; what it yields goes
+    downstream like the output of ``process_element``. ``ctx`` is a
+    ``KeyedContext`` (also ``KeyedProcessFunction.Context``, PyFlink's name)."""
+
+    Context = KeyedContext
+
+    def open(self, ctx: KeyedContext) -> None:
+        pass
+
+    def process_element(self, value: Any, ctx: KeyedContext) -> Iterable[Any]:
+        raise NotImplementedError
+
+    def on_timer(self, timestamp: int, ctx: KeyedContext) -> Optional[Iterable[Any]]:
+        """A timer of ``ctx.current_key`` fired (override it to use timers)."""
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def overrides_on_timer(fn: Any) -> bool:
+    """Whether a ``KeyedProcessFunction`` has timers to fire (its class defines ``on_timer``)."""
+    return type(fn).on_timer is not KeyedProcessFunction.on_timer
 
 
 class KeyedOperator(Operator):
@@ -446,7 +523,7 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
         self.key_selector = key_selector
         self.fn = fn
         self.timestamps = timestamps  # the stream's TimestampAssigner, for ctx.timestamp()
-        self._kctx = _KeyedContext(self)
+        self._kctx = KeyedContext(self)
         self._timers: Any = None  # InternalTimerService, made on first use or at restore
         self._timer_service: Any = None
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Any, Callable, Generic, Optional, Protocol, TypeVar, Union
 
 import pyarrow as pa
 
@@ -29,6 +29,25 @@ __all__ = [
     "TtlUpdateType",
     "ValueStateDescriptor",
 ]
+
+# Type parameters of the descriptors: what the state holds, so that
+# ``ctx.get_state(ValueStateDescriptor[int]("n")).value()`` is ``Optional[int]``
+# in a type checker. They are for the checker only: at run time the declared
+# Arrow ``type`` (if any) is what is checked and stored.
+# Each defaults to Any (PEP 696), so an untyped ``ListStateDescriptor("x")`` stays
+# ``ListStateDescriptor[Any]`` instead of a type checker asking for an annotation.
+# typing_extensions (which every mypy installs) only for the checker: at run time
+# the parameters carry nothing and typing's TypeVar has no ``default`` before 3.13.
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar as _TypeVar
+
+    T = _TypeVar("T", default=Any)
+    K = _TypeVar("K", default=Any)
+    V = _TypeVar("V", default=Any)
+    IN = _TypeVar("IN", default=Any)
+    OUT = _TypeVar("OUT", default=Any)
+else:
+    T, K, V, IN, OUT = (TypeVar(n) for n in ("T", "K", "V", "IN", "OUT"))
 
 
 class TtlUpdateType(enum.Enum):
@@ -120,10 +139,12 @@ class StateDescriptor:
 
 
 @dataclass(frozen=True)
-class ValueStateDescriptor(StateDescriptor):
-    """One value per key. ``value()`` returns ``default`` for a key without one."""
+class ValueStateDescriptor(StateDescriptor, Generic[T]):
+    """One value per key. ``value()`` returns ``default`` for a key without one.
 
-    default: Any = None
+    ``ValueStateDescriptor[int]("count", 0)`` types the state for a type checker."""
+
+    default: Optional[T] = None
     type: Optional[pa.DataType] = None
     ttl: _TTL = None
     serializer: str = field(default="safe", kw_only=True)
@@ -136,8 +157,9 @@ class ValueStateDescriptor(StateDescriptor):
 
 
 @dataclass(frozen=True)
-class ListStateDescriptor(StateDescriptor):
-    """A list of elements per key; ``type`` is the element type."""
+class ListStateDescriptor(StateDescriptor, Generic[T]):
+    """A list of elements per key; ``type`` is the element type
+    (``ListStateDescriptor[float]("amounts")`` for a type checker)."""
 
     type: Optional[pa.DataType] = None
     ttl: _TTL = None
@@ -151,8 +173,9 @@ class ListStateDescriptor(StateDescriptor):
 
 
 @dataclass(frozen=True)
-class MapStateDescriptor(StateDescriptor):
-    """A map per key (user keys to user values)."""
+class MapStateDescriptor(StateDescriptor, Generic[K, V]):
+    """A map per key (user keys to user values;
+    ``MapStateDescriptor[str, int]("pages")`` for a type checker)."""
 
     key_type: Optional[pa.DataType] = None
     value_type: Optional[pa.DataType] = None
@@ -168,10 +191,10 @@ class MapStateDescriptor(StateDescriptor):
 
 
 @dataclass(frozen=True)
-class ReducingStateDescriptor(StateDescriptor):
+class ReducingStateDescriptor(StateDescriptor, Generic[T]):
     """One value per key, folded with ``reduce_function(accumulated, new)`` on ``add``."""
 
-    reduce_function: Callable[[Any, Any], Any]
+    reduce_function: Callable[[T, T], T]
     type: Optional[pa.DataType] = None
     ttl: _TTL = None
     serializer: str = field(default="safe", kw_only=True)
@@ -186,8 +209,9 @@ class ReducingStateDescriptor(StateDescriptor):
 
 
 @dataclass(frozen=True)
-class AggregatingStateDescriptor(StateDescriptor):
-    """An accumulator per key, built by ``aggregate_function``; ``type`` is the accumulator's."""
+class AggregatingStateDescriptor(StateDescriptor, Generic[IN, OUT]):
+    """An accumulator per key, built by ``aggregate_function``; ``type`` is the accumulator's.
+    ``IN`` is what ``add`` takes and ``OUT`` what ``get`` returns (for a type checker)."""
 
     aggregate_function: AggregateFunction
     type: Optional[pa.DataType] = None

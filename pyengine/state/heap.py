@@ -12,10 +12,27 @@ does after the synchronous part can change what the snapshot writes.
 
 from __future__ import annotations
 
+import bisect
 import copy
+import itertools
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Generic,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    MutableSequence,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    overload,
+)
 
 import numpy as np
 import pyarrow as pa
@@ -23,19 +40,35 @@ import pyarrow as pa
 from .._native import int_key_group as _int_key_group
 from .columnar import NoCurrentKeyError
 from .descriptors import (
+    IN,
+    OUT,
     AggregatingStateDescriptor,
+    K,
     ListStateDescriptor,
     MapStateDescriptor,
     ReducingStateDescriptor,
     StateDescriptor,
     StateTtlConfig,
     StateVisibility,
+    T,
     TtlUpdateType,
+    V,
     ValueStateDescriptor,
 )
 from .keygroups import DEFAULT_MAX_PARALLELISM, KeyGroupRange, assign_to_key_group, check_parallelism
 
-__all__ = ["HeapKeyedStateBackend", "NoCurrentKeyError", "StateTable"]
+__all__ = [
+    "AggregatingState",
+    "HeapKeyedStateBackend",
+    "ListState",
+    "ListView",
+    "MapState",
+    "NoCurrentKeyError",
+    "ReducingState",
+    "StateTable",
+    "ValueState",
+]
+
 
 _ABSENT = object()
 _ATOMIC = (int, float, str, bytes, bool, type(None))
@@ -186,23 +219,144 @@ class StateTable:
 
 
 class _Ttl:
-    """Time-to-live bookkeeping of one state: entries are stored as (value, last_access_ms)."""
+    """Time-to-live bookkeeping of one state: entries are stored as (value, last_access_ms).
 
-    __slots__ = ("clock", "config", "on_read")
+    Nothing scans a key's entries on a write. Expiry is checked for what is read
+    (an expired entry found by a read is removed then, unless the state may return
+    expired entries), the snapshot's asynchronous part leaves expired entries out
+    of the file, and ``tick`` runs an incremental cleanup every ``CLEANUP_EVERY``
+    writes that checks at most ``CLEANUP_SIZE`` entries (Flink's incremental
+    cleanup, bounded per record): a cursor walks the key groups, the keys of each
+    and, for a map, its entries, so the cost per write never depends on how much
+    state a key holds.
+    """
+
+    __slots__ = (
+        "_countdown",
+        "_entries",
+        "_epos",
+        "_group",
+        "_keys",
+        "_kpos",
+        "clock",
+        "config",
+        "on_read",
+        "return_expired",
+        "ttl_ms",
+    )
+
+    CLEANUP_EVERY = 32  # writes between two cleanup steps
+    CLEANUP_SIZE = 16  # key groups, keys or map entries checked per step
 
     def __init__(self, config: StateTtlConfig, clock: Callable[[], int]) -> None:
         self.config = config
         self.clock = clock
+        self.ttl_ms = config.ttl_ms
         self.on_read = config.update_type is TtlUpdateType.ON_READ_AND_WRITE
+        self.return_expired = config.state_visibility is StateVisibility.RETURN_EXPIRED_IF_NOT_CLEANED_UP
+        self._countdown = self.CLEANUP_EVERY
+        self._group = -1  # the cleanup cursor: key group, its keys, a map's user keys
+        self._keys: List[Any] = []
+        self._kpos = 0
+        self._entries: Optional[List[Any]] = None
+        self._epos = 0
 
     def expired(self, stamp: int, now: int) -> bool:
-        return now - stamp >= self.config.ttl_ms
+        return now - stamp >= self.ttl_ms
 
     def visible(self, stamp: int, now: int) -> bool:
-        return (
-            not self.expired(stamp, now)
-            or self.config.state_visibility is StateVisibility.RETURN_EXPIRED_IF_NOT_CLEANED_UP
-        )
+        return now - stamp < self.ttl_ms or self.return_expired
+
+    def tick(self, table: StateTable) -> None:
+        """Counts a write; every CLEANUP_EVERY writes, one bounded cleanup step."""
+        self._countdown -= 1
+        if self._countdown <= 0:
+            self._countdown = self.CLEANUP_EVERY
+            self.cleanup(table, self.CLEANUP_SIZE)
+
+    def cleanup(self, table: StateTable, budget: int) -> None:
+        """Checks about ``budget`` entries at the cursor and removes the expired ones."""
+        kind = table.descriptor.kind
+        now = self.clock()
+        limit = now - self.ttl_ms  # stamps at or below this have expired
+        groups = table.groups
+        moves = len(groups)  # visit each key group at most once per step (all may be empty)
+        while budget > 0:
+            if self._kpos >= len(self._keys):
+                if moves == 0:
+                    return
+                moves -= 1
+                budget -= 1
+                self._group = (self._group + 1) % len(groups)
+                self._keys = list(groups[self._group])
+                self._kpos = 0
+                self._entries = None
+                continue
+            index, key = self._group, self._keys[self._kpos]
+            stored = groups[index].get(key, _ABSENT)
+            if stored is _ABSENT:
+                self._kpos += 1
+                budget -= 1
+            elif kind == "list":
+                budget -= 1 + self._clean_list(table, index, key, stored, limit)
+                self._kpos += 1
+            elif kind == "map":
+                budget -= self._clean_map(table, index, key, stored, limit, budget)
+            else:
+                if stored[1] <= limit:
+                    table.delete(index, key)
+                self._kpos += 1
+                budget -= 1
+
+    def _clean_list(self, table: StateTable, index: int, key: Any, stored: List[Any], limit: int) -> int:
+        """Drops the expired prefix of a list (elements are appended in stamp order,
+        so expired ones gather at its front); copies only when at least half of the
+        list goes, so the copying is paid for by the elements it removes."""
+        if not stored or stored[0][1] > limit:
+            return 0
+        cut = bisect.bisect_right(stored, limit, key=_stamp_of)
+        if 2 * cut < len(stored):
+            return 1
+        live = [e for e in stored[:cut] if e[1] > limit]  # stamps out of order (a clock set back)
+        live.extend(stored[cut:])
+        if live:
+            table.store(index, key, live)
+        else:
+            table.delete(index, key)
+        return 1 + cut // 64
+
+    def _clean_map(
+        self, table: StateTable, index: int, key: Any, stored: Dict[Any, Any], limit: int, budget: int
+    ) -> int:
+        if self._entries is None:
+            self._entries = list(stored)
+            self._epos = 0
+        stop = min(len(self._entries), self._epos + budget)
+        dead = []
+        for user_key in self._entries[self._epos : stop]:
+            entry = stored.get(user_key, _ABSENT)
+            if entry is not _ABSENT and entry[1] <= limit:
+                dead.append(user_key)
+        checked = stop - self._epos
+        self._epos = stop
+        if stop >= len(self._entries):
+            self._entries = None
+            self._kpos += 1
+        if dead:
+            owned = table.own(index, key, stored)
+            for user_key in dead:
+                del owned[user_key]
+            if not owned:
+                table.delete(index, key)
+        return max(1, checked)
+
+
+def _stamp_of(entry: Any) -> Any:
+    return entry[1]
+
+
+def _no_key(state: Any) -> NoCurrentKeyError:
+    return NoCurrentKeyError(f"state {state.name!r} was used before set_current_key()")
 
 
 class _KeyedState:
@@ -226,23 +380,33 @@ class _KeyedState:
     def _where(self) -> Tuple[int, Any]:
         b = self._backend
         if b._key_index < 0:
-            raise NoCurrentKeyError(f"state {self.name!r} was used before set_current_key()")
+            raise _no_key(self)
         return b._key_index, b._key
 
     def _load(self) -> Any:
         """The stored entry of the current key (unwrapped, TTL applied), or _ABSENT."""
-        index, key = self._where()
-        stored = self._table.groups[index].get(key, _ABSENT)
-        if stored is _ABSENT or self._ttl is None:
-            return self._readable(index, key, stored)
-        value, stamp = stored
-        now = self._ttl.clock()
-        if not self._ttl.visible(stamp, now):
-            self._table.delete(index, key)
-            return _ABSENT
-        if self._ttl.on_read:
-            self._table.restamp(index, key, (value, now))  # the same value object, a new stamp
-        return self._readable(index, key, value)
+        b = self._backend
+        index = b._key_index
+        if index < 0:
+            raise _no_key(self)
+        key = b._key
+        table = self._table
+        stored = table.groups[index].get(key, _ABSENT)
+        if stored is _ABSENT:
+            return stored
+        ttl = self._ttl
+        if ttl is not None:
+            value, stamp = stored
+            now = ttl.clock()
+            if now - stamp >= ttl.ttl_ms and not ttl.return_expired:
+                table.delete(index, key)
+                return _ABSENT
+            if ttl.on_read:
+                table.restamp(index, key, (value, now))  # the same value object, a new stamp
+            stored = value
+        if stored.__class__ in _ATOMIC or not table.tainted[index] or key in table.owned[index]:
+            return stored
+        return self._readable(index, key, stored)
 
     def _readable(self, index: int, key: Any, value: Any) -> Any:
         """A value the caller may mutate without touching an unfinished snapshot."""
@@ -253,17 +417,29 @@ class _KeyedState:
         return value
 
     def _store(self, index: int, key: Any, value: Any) -> None:
-        if self._ttl is not None:
-            value = (value, self._ttl.clock())
-        self._table.store(index, key, value)
+        ttl = self._ttl
+        table = self._table
+        if ttl is not None:
+            value = (value, ttl.clock())
+        if table.shared[index]:
+            table.writable(index)
+        table.groups[index][key] = value
+        if table.tainted[index]:
+            table.owned[index].add(key)
+        if table.changes is not None:
+            table.changes[index].add(key)
+        if ttl is not None:
+            ttl.tick(table)
 
     def clear(self) -> None:
+        """Removes the current key's entry of this state."""
         index, key = self._where()
         self._table.delete(index, key)
 
 
-class ValueState(_KeyedState):
-    """One value per key (Flink's ValueState)."""
+class ValueState(_KeyedState, Generic[T]):
+    """One value per key (Flink's ValueState); ``value()`` and ``update()`` touch
+    one slot whatever the state holds."""
 
     __slots__ = ("_default",)
 
@@ -273,19 +449,44 @@ class ValueState(_KeyedState):
         assert isinstance(d, ValueStateDescriptor)
         self._default = d.default
 
-    def value(self) -> Any:
-        v = self._load()
-        return self._default if v is _ABSENT else v
+    def value(self) -> Optional[T]:
+        """The current key's value, or the descriptor's default when it has none."""
+        # Once per record in most jobs: _load inlined for the common case.
+        b = self._backend
+        index = b._key_index
+        if index < 0:
+            raise _no_key(self)
+        key = b._key
+        table = self._table
+        stored = table.groups[index].get(key, _ABSENT)
+        if stored is _ABSENT:
+            return self._default  # type: ignore[no-any-return]
+        ttl = self._ttl
+        if ttl is not None:
+            value, stamp = stored
+            now = ttl.clock()
+            if now - stamp >= ttl.ttl_ms and not ttl.return_expired:
+                table.delete(index, key)
+                return self._default  # type: ignore[no-any-return]
+            if ttl.on_read:
+                table.restamp(index, key, (value, now))
+            stored = value
+        if stored.__class__ in _ATOMIC or not table.tainted[index] or key in table.owned[index]:
+            return stored  # type: ignore[no-any-return]
+        return self._readable(index, key, stored)  # type: ignore[no-any-return]
 
-    def update(self, value: Any) -> None:
+    def update(self, value: Optional[T]) -> None:
         """Sets the current key's value; ``None`` clears it, as in Flink."""
         if value is None:
             self.clear()
             return
         if self._check is not None:
             self._check(value)
-        index, key = self._where()
-        self._store(index, key, value)
+        b = self._backend
+        index = b._key_index
+        if index < 0:
+            raise _no_key(self)
+        self._store(index, b._key, value)
 
 
 class _FoldingState(_KeyedState):
@@ -310,7 +511,7 @@ class _FoldingState(_KeyedState):
         self._store(index, key, folded)
 
 
-class ReducingState(_FoldingState):
+class ReducingState(_FoldingState, Generic[T]):
     """A value per key combined with the descriptor's reduce function (Flink's ReducingState)."""
 
     __slots__ = ("_reduce",)
@@ -324,12 +525,16 @@ class ReducingState(_FoldingState):
     def _fold(self, accumulated: Any, value: Any) -> Any:
         return self._reduce(accumulated, value)
 
-    def get(self) -> Any:
+    def add(self, value: T) -> None:
+        """Folds ``value`` into the current key's value with the reduce function."""
+        super().add(value)
+
+    def get(self) -> Optional[T]:
         v = self._load()
-        return None if v is _ABSENT else v
+        return None if v is _ABSENT else v  # type: ignore[no-any-return]
 
 
-class AggregatingState(_FoldingState):
+class AggregatingState(_FoldingState, Generic[IN, OUT]):
     """An accumulator per key (Flink's AggregatingState); ``get`` returns the result."""
 
     __slots__ = ("_function",)
@@ -346,93 +551,255 @@ class AggregatingState(_FoldingState):
     def _fold(self, accumulated: Any, value: Any) -> Any:
         return self._function.add(value, accumulated)
 
-    def get(self) -> Any:
+    def add(self, value: IN) -> None:
+        """Adds ``value`` to the current key's accumulator."""
+        super().add(value)
+
+    def get(self) -> Optional[OUT]:
         v = self._load()
-        return None if v is _ABSENT else self._function.get_result(v)
+        return None if v is _ABSENT else self._function.get_result(v)  # type: ignore[no-any-return]
 
 
-class ListState(_KeyedState):
-    """A list per key (Flink's ListState). With a TTL, each element expires on its own."""
+class ListView(MutableSequence[T]):
+    """What ``ListState.get()`` returns: the current key's elements as they were
+    at the call, read from the state without copying them.
 
-    __slots__ = ()
+    A list would cost a copy of every element per ``get`` (a call whose cost grows
+    with the list); the view costs the same for one element or ten thousand. It
+    behaves as the new list ``get`` used to return: it compares equal to a list
+    with the same elements, and the first change to it (``append``, ``sort``,
+    item assignment...) copies the elements into a list of its own, so changing
+    it never changes the state (write back with ``update``). Elements added to the
+    state after the ``get`` do not show in it. ``list(view)`` makes a real list.
+    """
+
+    __slots__ = ("_list", "_n", "_now", "_ttl")
+
+    def __init__(self, stored: List[Any], n: int, ttl_ms: int = 0, now: int = 0) -> None:
+        self._list = stored  # the state's list (never changed in place but by appends), or our own copy
+        self._n = n  # the elements of the view: stored[:n]; -1 once the view owns _list
+        self._ttl = ttl_ms  # >0: elements are (value, stamp) and those expired at `now` are left out
+        self._now = now
+
+    def _own(self) -> List[Any]:
+        if self._n >= 0:
+            if self._ttl:
+                limit = self._now - self._ttl
+                self._list = [e[0] for e in itertools.islice(self._list, self._n) if e[1] > limit]
+            else:
+                self._list = self._list[: self._n]
+            self._n = -1
+            self._ttl = 0
+        return self._list
+
+    def __len__(self) -> int:
+        if self._n < 0:
+            return len(self._list)
+        if self._ttl:
+            return len(self._own())
+        return self._n
+
+    def __iter__(self) -> Iterator[T]:
+        if self._n < 0:
+            return iter(self._list)
+        if self._ttl:
+            limit = self._now - self._ttl
+            return (e[0] for e in itertools.islice(self._list, self._n) if e[1] > limit)
+        return itertools.islice(self._list, self._n)
+
+    def __getitem__(self, i: Any) -> Any:
+        if self._n < 0 or self._ttl:
+            return self._own()[i]
+        if isinstance(i, slice):
+            return self._list[: self._n][i]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError("list index out of range")
+        return self._list[i]
+
+    def __setitem__(self, i: Any, value: Any) -> None:
+        self._own()[i] = value
+
+    def __delitem__(self, i: Any) -> None:
+        del self._own()[i]
+
+    def insert(self, index: int, value: T) -> None:
+        self._own().insert(index, value)
+
+    def append(self, value: T) -> None:
+        self._own().append(value)
+
+    def extend(self, values: Iterable[T]) -> None:
+        self._own().extend(values)
+
+    def sort(self, *, key: Any = None, reverse: bool = False) -> None:
+        self._own().sort(key=key, reverse=reverse)
+
+    def copy(self) -> List[T]:
+        return list(self)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, ListView)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as a list
+
+    def __add__(self, other: Iterable[T]) -> List[T]:
+        return list(self) + list(other)
+
+    def __radd__(self, other: Iterable[T]) -> List[T]:
+        return list(other) + list(self)
+
+    def __bool__(self) -> bool:
+        if self._n < 0 or not self._ttl:
+            return len(self) > 0
+        return next(iter(self), _ABSENT) is not _ABSENT
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
+class ListState(_KeyedState, Generic[T]):
+    """A list per key (Flink's ListState). With a TTL, each element expires on its own.
+
+    ``add`` appends one element and ``get`` returns a view (``ListView``): neither
+    costs more for a long list than for a short one. With a TTL an element is
+    stored with its write time; expired ones are left out by reads, and removed by
+    the incremental cleanup and snapshots, never by scanning on ``add``."""
+
+    __slots__ = ("_atomic",)
 
     def __init__(self, backend: HeapKeyedStateBackend, table: StateTable, ttl: Optional[_Ttl]) -> None:
         super().__init__(backend, table, ttl)
         d = table.descriptor
         assert isinstance(d, ListStateDescriptor)
+        self._atomic = self._check is not None  # typed elements are immutable (ints, strs...)
 
-    def _elements(self, write: bool) -> Optional[List[Any]]:
-        """The stored elements of the current key, expired ones dropped; private
-        (safe to change in place) when ``write``."""
-        index, key = self._where()
+    def _readable_list(self, index: int, key: Any) -> Any:
+        """The stored list, made private first if an element handed out could be
+        changed in place while an unfinished snapshot holds it."""
         table = self._table
         stored = table.groups[index].get(key)
         if stored is None:
             return None
-        if self._ttl is not None:
-            now = self._ttl.clock()
-            live = [e for e in stored if self._ttl.visible(e[1], now)]
-            if self._ttl.on_read:
-                live = [(v, now) for v, _ in live]
-            if len(live) != len(stored) or self._ttl.on_read:
-                if not live:
-                    self.clear()
-                    return None
-                if table.needs_private(index, key):
-                    live = [_private_copy(e) for e in live]
-                table.store(index, key, live)
-                stored = live
-        return table.own(index, key, stored) if write else stored
+        if table.tainted[index] and key not in table.owned[index] and not self._atomic:
+            stored = table.own(index, key, stored)  # once per key and snapshot
+        return stored
 
-    def get(self) -> List[Any]:
-        """The current key's elements, as a new list (empty when there are none)."""
-        index, key = self._where()
-        stored = self._elements(write=False)
+    def get(self) -> ListView[T]:
+        """The current key's elements (an empty view when there are none)."""
+        b = self._backend
+        index = b._key_index
+        if index < 0:
+            raise _no_key(self)
+        stored = self._readable_list(index, b._key)
         if not stored:
-            return []
-        if self._table.needs_private(index, key) and not all(_is_immutable(e) for e in stored):
-            stored = self._table.own(index, key, stored)
-        return [e[0] for e in stored] if self._ttl is not None else list(stored)
+            return ListView([], 0)
+        ttl = self._ttl
+        if ttl is None:
+            return ListView(stored, len(stored))
+        now = ttl.clock()
+        if ttl.on_read:  # every element read restarts its clock: a new list (Flink does the same)
+            limit = now - ttl.ttl_ms
+            live = [(e[0], now) for e in stored if e[1] > limit or ttl.return_expired]
+            if not live:
+                self._table.delete(index, b._key)
+                return ListView([], 0)
+            self._table.store(index, b._key, live)
+            return ListView([e[0] for e in live], len(live))
+        if ttl.return_expired:
+            return ListView([e[0] for e in stored], len(stored))
+        return ListView(stored, len(stored), ttl.ttl_ms, now)
 
-    def _wrap(self, values: List[Any]) -> List[Any]:
-        for v in values:
-            if v is None:
-                raise ValueError(f"list state {self.name!r}: None cannot be added to a list state")
-            if self._check is not None:
-                self._check(v)
+    def _element(self, value: Any) -> Any:
+        if value is None:
+            raise ValueError(f"list state {self.name!r}: None cannot be added to a list state")
+        if self._check is not None:
+            self._check(value)
+        return value
+
+    def add(self, value: T) -> None:
+        """Appends ``value`` to the current key's list."""
+        if value is None or self._check is not None:
+            self._element(value)
+        b = self._backend
+        index = b._key_index
+        if index < 0:
+            raise _no_key(self)
+        key = b._key
+        table = self._table
+        ttl = self._ttl
+        element = value if ttl is None else (value, ttl.clock())
+        stored = table.groups[index].get(key)
+        if stored is None:
+            self._put(index, key, [element])
+        elif stored.__class__ is not list or (table.tainted[index] and key not in table.owned[index]):
+            table.own(index, key, stored).append(element)  # copied once per key and snapshot
+        else:
+            stored.append(element)
+            if table.changes is not None:
+                table.changes[index].add(key)
+        if ttl is not None:
+            ttl.tick(table)
+
+    def _put(self, index: int, key: Any, elements: List[Any]) -> None:
+        table = self._table
+        if table.shared[index]:
+            table.writable(index)
+        table.groups[index][key] = elements
+        if table.tainted[index]:
+            table.owned[index].add(key)
+        if table.changes is not None:
+            table.changes[index].add(key)
+
+    def _wrap(self, values: Iterable[Any]) -> List[Any]:
+        values = [self._element(v) for v in values]
         if self._ttl is not None:
             now = self._ttl.clock()
             return [(v, now) for v in values]
         return values
 
-    def add(self, value: Any) -> None:
-        self.add_all([value])
-
-    def add_all(self, values: List[Any]) -> None:
-        values = self._wrap(list(values))
-        if not values:
+    def add_all(self, values: Iterable[T]) -> None:
+        """Appends ``values`` to the current key's list."""
+        elements = self._wrap(values)
+        if not elements:
             return
-        stored = self._elements(write=True)
+        index, key = self._where()
+        table = self._table
+        stored = table.groups[index].get(key)
         if stored is None:
-            index, key = self._where()
-            self._table.store(index, key, values)
+            self._put(index, key, elements)
         else:
-            stored.extend(values)
+            table.own(index, key, stored).extend(elements)
+        if self._ttl is not None:
+            self._ttl.tick(table)
 
-    def update(self, values: List[Any]) -> None:
+    def update(self, values: Iterable[T]) -> None:
         """Replaces the current key's elements (an empty list clears them)."""
-        values = self._wrap(list(values))
-        if not values:
+        elements = self._wrap(values)
+        if not elements:
             self.clear()
             return
         index, key = self._where()
-        self._table.store(index, key, values)
+        self._put(index, key, elements)
+        if self._ttl is not None:
+            self._ttl.tick(self._table)
 
 
-class MapState(_KeyedState):
-    """A map per key (Flink's MapState). With a TTL, each entry expires on its own."""
+class MapState(_KeyedState, Generic[K, V]):
+    """A map per key (Flink's MapState). With a TTL, each entry expires on its own.
 
-    __slots__ = ("_check_key",)
+    ``get``, ``put``, ``contains`` and ``remove`` touch one entry: with a TTL,
+    only that entry's expiry is checked (and an expired entry is removed then);
+    ``items``, ``keys``, ``values`` and ``is_empty`` read (and clean) the map."""
+
+    __slots__ = ("_atomic", "_check_key")
 
     def __init__(self, backend: HeapKeyedStateBackend, table: StateTable, ttl: Optional[_Ttl]) -> None:
         super().__init__(backend, table, ttl)
@@ -440,54 +807,101 @@ class MapState(_KeyedState):
         assert isinstance(d, MapStateDescriptor)
         self._check_key = _validator(d.key_type, f"map state {d.name!r} key")
         self._check = _validator(d.value_type, f"map state {d.name!r} value")
+        self._atomic = self._check is not None
 
-    def _map(self, write: bool) -> Optional[Dict[Any, Any]]:
-        """The stored map of the current key, expired entries dropped; private
-        (safe to change in place, values included) when ``write``."""
-        index, key = self._where()
+    def _writable(self, index: int, key: Any) -> Dict[Any, Any]:
+        """The current key's map, private (copied once per key and snapshot), created if absent."""
+        table = self._table
+        stored = table.groups[index].get(key)
+        if stored is None:
+            stored = {}
+            table.store(index, key, stored)
+            return stored
+        if table.tainted[index] and key not in table.owned[index]:
+            return table.own(index, key, stored)  # type: ignore[no-any-return]
+        if table.changes is not None:
+            table.changes[index].add(key)
+        return stored  # type: ignore[no-any-return]
+
+    def _drop(self, index: int, key: Any, user_key: Any) -> None:
+        """Removes one (expired) entry; the key's map goes when it empties."""
+        stored = self._writable(index, key)
+        stored.pop(user_key, None)
+        if not stored:
+            self._table.delete(index, key)
+
+    def get(self, user_key: K) -> Optional[V]:
+        """The value under ``user_key`` for the current key, or None."""
+        b = self._backend
+        index = b._key_index
+        if index < 0:
+            raise _no_key(self)
+        key = b._key
         table = self._table
         stored = table.groups[index].get(key)
         if stored is None:
             return None
-        if self._ttl is not None:
-            now = self._ttl.clock()
-            dead = [k for k, (_, stamp) in stored.items() if not self._ttl.visible(stamp, now)]
-            if dead:
-                stored = table.own(index, key, stored)
-                for k in dead:
-                    del stored[k]
-                if not stored:
-                    self.clear()
-                    return None
-        return table.own(index, key, stored) if write else stored
-
-    def _readable_map(self) -> Optional[Dict[Any, Any]]:
-        """The stored map, made private first if a value handed out could reach a snapshot."""
-        stored = self._map(write=False)
-        index, key = self._backend._key_index, self._backend._key
-        if stored and self._table.needs_private(index, key) and not all(_is_immutable(v) for v in stored.values()):
-            stored = self._table.own(index, key, stored)
-        return stored
-
-    def get(self, user_key: Any) -> Any:
-        stored = self._map(write=True) if self._ttl is not None and self._ttl.on_read else self._readable_map()
-        if stored is None or user_key not in stored:
+        entry = stored.get(user_key, _ABSENT)
+        if entry is _ABSENT:
             return None
-        if self._ttl is None:
-            return stored[user_key]
-        value, _ = stored[user_key]
-        if self._ttl.on_read:
-            stored[user_key] = (value, self._ttl.clock())
-        return value
+        ttl = self._ttl
+        if ttl is not None:
+            value, stamp = entry
+            now = ttl.clock()
+            if now - stamp >= ttl.ttl_ms and not ttl.return_expired:
+                self._drop(index, key, user_key)
+                return None
+            if ttl.on_read:
+                stored = self._writable(index, key)
+                value, _ = stored[user_key]
+                stored[user_key] = (value, now)
+            entry = value
+        if entry.__class__ in _ATOMIC or not table.tainted[index] or key in table.owned[index]:
+            return entry  # type: ignore[no-any-return]
+        if _is_immutable(entry):
+            return entry  # type: ignore[no-any-return]
+        entry = self._writable(index, key)[user_key]  # private now, values included
+        return entry[0] if ttl is not None else entry  # type: ignore[no-any-return]
 
-    def contains(self, user_key: Any) -> bool:
-        stored = self._map(write=False)
-        return stored is not None and user_key in stored
+    def contains(self, user_key: K) -> bool:
+        """Whether the current key's map has a (live) entry under ``user_key``."""
+        b = self._backend
+        index = b._key_index
+        if index < 0:
+            raise _no_key(self)
+        stored = self._table.groups[index].get(b._key)
+        if stored is None:
+            return False
+        ttl = self._ttl
+        if ttl is None:
+            return user_key in stored
+        entry = stored.get(user_key, _ABSENT)
+        if entry is _ABSENT:
+            return False
+        if ttl.clock() - entry[1] >= ttl.ttl_ms and not ttl.return_expired:
+            self._drop(index, b._key, user_key)
+            return False
+        return True
 
-    def put(self, user_key: Any, value: Any) -> None:
-        self.put_all({user_key: value})
+    def put(self, user_key: K, value: V) -> None:
+        """Sets the value under ``user_key`` for the current key."""
+        if self._check_key is not None:
+            self._check_key(user_key)
+        if self._check is not None and value is not None:
+            self._check(value)
+        b = self._backend
+        index = b._key_index
+        if index < 0:
+            raise _no_key(self)
+        ttl = self._ttl
+        if ttl is None:
+            self._writable(index, b._key)[user_key] = value
+        else:
+            self._writable(index, b._key)[user_key] = (value, ttl.clock())
+            ttl.tick(self._table)
 
-    def put_all(self, entries: Dict[Any, Any]) -> None:
+    def put_all(self, entries: Mapping[K, V]) -> None:
+        """Sets several entries of the current key's map."""
         if not entries:
             return
         for k, v in entries.items():
@@ -495,42 +909,86 @@ class MapState(_KeyedState):
                 self._check_key(k)
             if self._check is not None and v is not None:
                 self._check(v)
-        if self._ttl is not None:
-            now = self._ttl.clock()
-            entries = {k: (v, now) for k, v in entries.items()}
-        stored = self._map(write=True)
-        if stored is None:
-            index, key = self._where()
-            self._table.store(index, key, dict(entries))
+        index, key = self._where()
+        ttl = self._ttl
+        if ttl is not None:
+            now = ttl.clock()
+            self._writable(index, key).update({k: (v, now) for k, v in entries.items()})
+            ttl.tick(self._table)
         else:
-            stored.update(entries)
+            self._writable(index, key).update(entries)
 
-    def remove(self, user_key: Any) -> None:
-        stored = self._map(write=True)
-        if stored is not None:
-            stored.pop(user_key, None)
-            if not stored:
-                self.clear()
+    def remove(self, user_key: K) -> None:
+        """Removes the entry under ``user_key`` (if any) from the current key's map."""
+        index, key = self._where()
+        stored = self._table.groups[index].get(key)
+        if stored is not None and user_key in stored:
+            self._drop(index, key, user_key)
 
-    def items(self) -> List[Tuple[Any, Any]]:
-        stored = self._readable_map()
+    def _live(self) -> Optional[Dict[Any, Any]]:
+        """The current key's map for a whole read: expired entries removed first
+        (this read scans the map anyway); private when a value handed out could
+        reach an unfinished snapshot."""
+        index, key = self._where()
+        table = self._table
+        stored = table.groups[index].get(key)
+        if stored is None:
+            return None
+        ttl = self._ttl
+        if ttl is not None and not ttl.return_expired:
+            limit = ttl.clock() - ttl.ttl_ms
+            dead = [k for k, e in stored.items() if e[1] <= limit]
+            if dead:
+                stored = self._writable(index, key)
+                for k in dead:
+                    del stored[k]
+                if not stored:
+                    table.delete(index, key)
+                    return None
+        if table.needs_private(index, key) and not self._atomic:
+            stored = table.own(index, key, stored)
+        return stored  # type: ignore[no-any-return]
+
+    def items(self) -> List[Tuple[K, V]]:
+        """The current key's (user key, value) pairs."""
+        stored = self._live()
         if not stored:
             return []
         if self._ttl is None:
             return list(stored.items())
-        return [(k, v) for k, (v, _) in stored.items()]
+        if self._ttl.on_read:
+            now = self._ttl.clock()
+            stored = self._writable(*self._where())
+            for k, (v, _) in list(stored.items()):
+                stored[k] = (v, now)
+        return [(k, e[0]) for k, e in stored.items()]
 
-    def keys(self) -> List[Any]:
-        stored = self._map(write=False)
+    def keys(self) -> List[K]:
+        """The current key's user keys."""
+        stored = self._live()
         return list(stored) if stored else []
 
-    def values(self) -> List[Any]:
+    def values(self) -> List[V]:
+        """The current key's values."""
         return [v for _, v in self.items()]
 
     def is_empty(self) -> bool:
-        return not self._map(write=False)
+        """Whether the current key's map has no live entry."""
+        index, key = self._where()
+        stored = self._table.groups[index].get(key)
+        if not stored:
+            return True
+        ttl = self._ttl
+        if ttl is None or ttl.return_expired:
+            return False
+        limit = ttl.clock() - ttl.ttl_ms
+        for e in stored.values():  # stops at the first live entry
+            if e[1] > limit:
+                return False
+        self._table.delete(index, key)  # every entry expired
+        return True
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[K]:
         return iter(self.keys())
 
 
@@ -541,6 +999,10 @@ _STATE_CLASSES = {
     "reducing": ReducingState,
     "aggregating": AggregatingState,
 }
+
+
+def _wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
 
 
 class HeapKeyedStateBackend:
@@ -565,7 +1027,12 @@ class HeapKeyedStateBackend:
         self.max_parallelism = max_parallelism
         self.key_group_range = key_group_range
         self._kg_start, self._kg_count = key_group_range.start, len(key_group_range)  # per-record use
-        self._ttl_clock = ttl_clock_ms or (lambda: time.time_ns() // 1_000_000)
+        self._ttl_clock = ttl_clock_ms or _wall_clock_ms
+        # The wall clock is read at most once per record (per set_current_key) for
+        # TTL stamps and checks: reading it costs a system call on some hosts, and
+        # every state call would pay it. A given clock is read on every call.
+        self._ttl_cached = ttl_clock_ms is None
+        self._ttl_now: Optional[int] = None
         # Tables are StateTable (dicts) or columnar.ColumnarValueTable; states likewise.
         self._tables: Dict[str, Any] = {}
         self._states: Dict[str, Any] = {}
@@ -598,6 +1065,16 @@ class HeapKeyedStateBackend:
         self._key = key
         self._key_group = key_group
         self._key_index = index
+        self._ttl_now = None
+
+    def _ttl_time(self) -> int:
+        """Processing time for TTL, in ms: the clock, read once per record."""
+        now = self._ttl_now
+        if now is None:
+            now = self._ttl_clock()
+            if self._ttl_cached:
+                self._ttl_now = now
+        return now
 
     @property
     def current_key(self) -> Any:
@@ -608,6 +1085,24 @@ class HeapKeyedStateBackend:
         return self._key_group
 
     # -- states -------------------------------------------------------------------
+
+    @overload
+    def get_state(self, descriptor: ValueStateDescriptor[T]) -> ValueState[T]: ...
+
+    @overload
+    def get_state(self, descriptor: ListStateDescriptor[T]) -> ListState[T]: ...
+
+    @overload
+    def get_state(self, descriptor: MapStateDescriptor[K, V]) -> MapState[K, V]: ...
+
+    @overload
+    def get_state(self, descriptor: ReducingStateDescriptor[T]) -> ReducingState[T]: ...
+
+    @overload
+    def get_state(self, descriptor: AggregatingStateDescriptor[IN, OUT]) -> AggregatingState[IN, OUT]: ...
+
+    @overload
+    def get_state(self, descriptor: StateDescriptor) -> Any: ...
 
     def get_state(self, descriptor: StateDescriptor) -> Any:
         """The state object for ``descriptor``, created on first use. Asking again
@@ -650,7 +1145,7 @@ class HeapKeyedStateBackend:
             )
         else:
             self._adopt(table, descriptor)
-        ttl = _Ttl(descriptor.ttl, self._ttl_clock) if descriptor.ttl is not None else None  # type: ignore[attr-defined]
+        ttl = _Ttl(descriptor.ttl, self._ttl_time) if descriptor.ttl is not None else None  # type: ignore[attr-defined]
         state = cls(self, table, ttl)
         self._states[descriptor.name] = state
         return state
@@ -690,7 +1185,7 @@ class HeapKeyedStateBackend:
         names = sorted(self._tables)
         with self._freeze_lock:
             tables = [self._tables[n] for n in names]
-            frozen = [t.freeze() for t in tables]
+            frozen = [_without_expired(t, t.freeze(), self._ttl_clock) for t in tables]
 
         def release() -> None:
             with self._freeze_lock:
@@ -820,6 +1315,63 @@ class HeapKeyedStateBackend:
     def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
         """Full snapshots keep nothing between checkpoints but local copies."""
         self._prune_local(checkpoint_id)
+
+
+def _without_expired(table: Any, frozen: List[Any], clock: Callable[[], int]) -> Any:
+    """A TTL state's frozen key groups as the snapshot's asynchronous part will
+    write them: without the entries expired by then (Flink's cleanup in full
+    snapshots). Filtering happens there, on the snapshot's thread, one key group
+    at a time; the synchronous part stays O(number of key groups)."""
+    ttl = getattr(table.descriptor, "ttl", None)
+    if ttl is None or not isinstance(table, StateTable):
+        return frozen
+    return _ExpiringGroups(frozen, table.descriptor.kind, ttl.ttl_ms, clock)
+
+
+class _ExpiringGroups(Sequence[Dict[Any, Any]]):
+    """Frozen key-group dicts, each filtered of expired entries on first access."""
+
+    def __init__(self, frozen: List[Dict[Any, Any]], kind: str, ttl_ms: int, clock: Callable[[], int]) -> None:
+        self._frozen = frozen
+        self._kind = kind
+        self._ttl_ms = ttl_ms
+        self._clock = clock
+        self._limit: Optional[int] = None
+        self._done: Dict[int, Dict[Any, Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self._frozen)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        done = self._done.get(i)
+        if done is None:
+            if self._limit is None:
+                self._limit = self._clock() - self._ttl_ms  # stamps at or below it have expired
+            done = self._done[i] = self._filter(self._frozen[i], self._limit)
+        return done
+
+    def _filter(self, group: Dict[Any, Any], limit: int) -> Dict[Any, Any]:
+        if self._kind == "list":
+            out: Dict[Any, Any] = {}
+            for k, elements in group.items():
+                if elements and elements[0][1] > limit and elements[-1][1] > limit:
+                    if all(e[1] > limit for e in elements):
+                        out[k] = elements
+                        continue
+                live = [e for e in elements if e[1] > limit]
+                if live:
+                    out[k] = live
+            return out
+        if self._kind == "map":
+            out = {}
+            for k, entries in group.items():
+                live_map = {u: e for u, e in entries.items() if e[1] > limit}
+                if live_map:
+                    out[k] = live_map if len(live_map) < len(entries) else entries
+            return out
+        return {k: e for k, e in group.items() if e[1] > limit}
 
 
 class _RestoredDescriptor(StateDescriptor):
