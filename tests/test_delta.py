@@ -329,3 +329,74 @@ def test_a_failed_job_run_again_resumes_its_own_commits_exactly(tmp_path) -> Non
     assert pairs(by_delta) == expected() and pairs(by_files) == expected()
     runs = {c["pyengine.run_id"] for c in pyengine_commits(str(tmp_path / "table"))}
     assert len(runs) == 2 and {c["pyengine.lineage_id"] for c in first} == {first[0]["pyengine.run_id"]}
+
+
+def test_a_checkpoint_without_records_is_committed_with_its_transaction_alone(tmp_path) -> None:
+    """As Delta's own streaming sink commits a SetTransaction for every batch: the
+    table's version of this lineage is always its latest completed checkpoint, and
+    replaying that commit is recognised as such."""
+    uri = str(tmp_path / "t")
+    run = _run()
+    sink = pe.sinks.DeltaSink(uri)
+    sink.begin_run(run)
+    sink.recover(())
+    sink.commit(0, 1)  # nothing yet, no schema declared: no table is created empty
+    assert not DeltaTable.is_deltatable(uri)
+    sink.stage(0, 2, _rows("a"))
+    sink.commit(0, 2)
+    sink.commit(0, 3)  # a quiet checkpoint
+    table = DeltaTable(uri)
+    assert table.version() == 1 and table.transaction_version(sink.app_id) == 3
+    last = pyengine_commits(uri)[-1]
+    assert last["pyengine.checkpoint_id"] == 3 and last["pyengine.rows"] == 0
+    sink.commit(0, 3)  # notified again, or replayed after a restart: skipped
+    sink.recover(((run.run_id, 3),))
+    assert DeltaTable(uri).version() == 1 and _tags(uri) == Counter({"a": 3})
+    # The next run's quiet first checkpoint continues the lineage's versions.
+    nxt = _run(lineage=run.lineage_id, restored=((run.run_id, 3),))
+    sink.begin_run(nxt)
+    sink.recover(nxt.restored)
+    sink.commit(0, 1)
+    assert DeltaTable(uri).transaction_version(sink.app_id) == 4
+    # With a declared schema, a new table exists from the first completed checkpoint.
+    declared = pe.sinks.DeltaSink(str(tmp_path / "u"), schema=SCHEMA)
+    declared.begin_run(_run())
+    declared.recover(())
+    declared.commit(0, 1)
+    table = DeltaTable(str(tmp_path / "u"))
+    assert table.transaction_version(declared.app_id) == 1 and table.to_pyarrow_table().num_rows == 0
+    assert pa.schema(table.schema().to_arrow()).names == SCHEMA.names
+
+
+def test_every_completed_checkpoint_is_one_commit(tmp_path) -> None:
+    """A failure-free run: one Delta commit per completed checkpoint whose
+    completion reached the sink, quiet ones included, in checkpoint order."""
+    gate = threading.Event()
+
+    def slow_start(batch: Any) -> Any:
+        gate.wait(2)  # the sink's first checkpoints come before any record
+        return batch
+
+    env = pe.StreamEnvironment(
+        parallelism=2,
+        checkpointing=pe.CheckpointConfig(interval_ms=20),
+        checkpoint_storage=str(tmp_path / "ckpt"),
+        buffer_size=16,
+        buffer_timeout_ms=1,
+    )
+    uri = str(tmp_path / "table")
+    env.from_collection(RECORDS).map(slow_start).key_by("user").process(Count(Chaos("none", 1))).sink_to(
+        pe.sinks.DeltaSink(uri, schema=SCHEMA)
+    )
+    threading.Timer(0.5, gate.set).start()
+    result = env.execute("quiet")
+    assert result.status == "FINISHED", result.cause
+    by_delta, _ = read_back(uri)
+    assert pairs(by_delta) == expected()
+    commits = [c for c in pyengine_commits(uri) if c["pyengine.commit"] == "checkpoint"]
+    ids = [c["pyengine.checkpoint_id"] for c in commits]
+    completed = result.checkpoints.counts["completed"]
+    assert ids == sorted(ids) and len(ids) == len(set(ids)), ids
+    assert any(c["pyengine.rows"] == 0 for c in commits), "no quiet checkpoint: the test needs one"
+    assert completed - 1 <= len(ids) <= completed, (ids, completed)
+    assert DeltaTable(uri).transaction_version(f"pyengine-{result.job_id}") == max(ids)

@@ -10,7 +10,16 @@ what is committed:
 - **commit** (on notify-complete of checkpoint ``n``, by sink subtask 0 for all
   subtasks): every manifest of this run up to ``n`` goes into **one** Delta
   transaction, which carries the application transaction
-  ``Transaction("pyengine-<lineage id>", version(run, n))``;
+  ``Transaction("pyengine-<lineage id>", version(run, n))``. A checkpoint that
+  brought no records is committed too, with the transaction alone: as Delta's own
+  streaming sink commits a ``SetTransaction`` for every batch it is given, files
+  or not (``DeltaSink.addBatch`` in delta-io/delta), so the table's history shows
+  one commit per completed checkpoint, and ``transaction_version`` always says
+  the latest checkpoint whose output the table holds (a reader waiting for the
+  job's output up to a point, or an operator comparing it with the job's
+  checkpoints, is not left behind by a quiet stretch). The one exception: a table
+  that does not exist yet, with no ``schema`` declared, is not created empty (its
+  columns are not known until records come);
 - **recover** (the driver, before each attempt): pieces the restored checkpoint
   covers whose version is above the table's recorded version for the app id are
   committed (their checkpoint completed; only the commit never ran), pieces it
@@ -127,7 +136,8 @@ def _stats(table: pa.Table) -> str:
 class DeltaSink(Sink):
     """A Delta Lake table at ``table_uri`` (a local path, ``s3://``, ``gs://``,
     ``abfss://``, ... as ``deltalake`` takes it), written exactly once: one Delta
-    commit per completed checkpoint that produced records, none twice.
+    commit per completed checkpoint (one without records carries only the
+    checkpoint's application transaction version), none twice.
 
     ``mode`` (as ``write_deltalake``): ``"error"`` refuses a table that holds rows
     this job's lineage did not write (``OutputInUseError``); ``"append"`` adds to it;
@@ -307,10 +317,12 @@ class DeltaSink(Sink):
             for p in self._pieces(fs, root)
             if p.run == self._tag and p.checkpoint_id <= checkpoint_id and (not final or p.subtask == subtask)
         ]
-        if pieces:
-            self._commit(
-                fs, root, pieces, [], None if final else self._base + checkpoint_id, checkpoint_id, "checkpoint"
-            )
+        if final:
+            if pieces:
+                self._commit(fs, root, pieces, [], None, checkpoint_id, "checkpoint")
+            return
+        # Without pieces too: the transaction alone records that checkpoint_id is in the table.
+        self._commit(fs, root, pieces, [], self._base + checkpoint_id, checkpoint_id, "checkpoint", record=True)
 
     def recover(self, covered: Covered) -> None:
         """Makes the table exactly what ``covered`` covers, for this lineage: staged
@@ -385,11 +397,14 @@ class DeltaSink(Sink):
         checkpoint_id: int,
         kind: str,
         reset: bool = False,
+        record: bool = False,
     ) -> None:
         """One Delta transaction adding the ``(piece, its version)`` Delta does not have
         yet and removing ``removes``, with the app transaction at ``version`` (None:
-        none; ``reset``: committed even with no file to add or remove, to set it back);
-        then the manifests go. Refused by a concurrent commit, it looks again."""
+        none; ``reset``: committed even with no file to add or remove, to set it back;
+        ``record``: committed with no file to add when ``version`` is above the
+        table's, to move it on); then the manifests go. Refused by a concurrent
+        commit, it looks again."""
         deltalake = _require_deltalake()
         from deltalake import CommitProperties, Transaction
         from deltalake.exceptions import CommitFailedError, TableNotFoundError
@@ -402,7 +417,15 @@ class DeltaSink(Sink):
             table = self._table()
             committed = table.transaction_version(self.app_id) if table is not None else None
             todo = [p for p, v in ordered if version is None or committed is None or v > committed]
-            if not todo and not removes and not (reset and committed is not None and committed > (version or 0)):
+            moves_on = record and version is not None and (committed is None or version > committed)
+            if moves_on and table is None and self.schema is None and not todo:
+                break  # no table yet and no columns to create it with: the first records' commit will
+            if (
+                not todo
+                and not removes
+                and not moves_on
+                and not (reset and committed is not None and committed > (version or 0))
+            ):
                 break  # a replay: Delta has every piece already
             schema = self._commit_schema(table, todo)
             now = int(time.time() * 1000)
@@ -452,7 +475,7 @@ class DeltaSink(Sink):
     def _commit_schema(self, table: Any, pieces: Sequence[_Piece]) -> pa.Schema:
         """The table's schema (every piece must have its columns), or for a new table the pieces'."""
         schemas = [pa.ipc.read_schema(pa.py_buffer(p.schema)) for p in pieces]
-        target = pa.schema(table.schema().to_arrow()) if table is not None else (schemas[0] if schemas else None)
+        target = pa.schema(table.schema().to_arrow()) if table is not None else (schemas[0] if schemas else self.schema)
         if target is None:
             return pa.schema([])
         for p, s in zip(pieces, schemas, strict=True):
