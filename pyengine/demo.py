@@ -10,6 +10,7 @@ the committed output with the answer computed directly from the clickstream.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -71,6 +72,23 @@ class _FailOnce:
         return batch
 
 
+class _SayOnOwnLine(logging.Handler):
+    """The runner's warnings during the demo (the planned failure's restart), as
+    lines of the demo's own output. Left to logging's last-resort handler they go
+    to stderr, into the middle of the progress line the demo redraws with ``\r``."""
+
+    def __init__(self, out: TextIO, interactive: bool) -> None:
+        super().__init__(logging.WARNING)
+        self.out = out
+        self.interactive = interactive
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(("\n" if self.interactive else "") + "  " + record.getMessage(), file=self.out, flush=True)
+        except Exception:
+            self.handleError(record)
+
+
 def _bar(done: float, width: int = 28) -> str:
     filled = int(width * min(1.0, done))
     return "#" * filled + "-" * (width - filled)
@@ -118,6 +136,10 @@ def _run(
         buffer_size=8192,
         buffer_timeout_ms=50,
         restart_attempts=2,
+        # The demo draws its own progress line (the read position against the
+        # planned failure); the monitor's live line on the same terminal would be a
+        # second one, so it is off, and the server's address is printed below.
+        monitoring=pe.Monitoring(progress=False, announce=False),
     )
     sink = pe.sinks.FileSink(os.path.join(root, "out"), format="parquet")
     (
@@ -129,9 +151,35 @@ def _run(
         .uid("per-user")
         .sink_to(sink)
     )
+    interactive = out.isatty() if hasattr(out, "isatty") else False
+    logger = logging.getLogger("pyengine")
+    handler, propagate = _SayOnOwnLine(out, interactive), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        return _watch(out, env, sink, table, chaos, events, users, fail, interactive)
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
+def _watch(
+    out: TextIO,
+    env: Any,
+    sink: Any,
+    table: pa.Table,
+    chaos: _FailOnce,
+    events: int,
+    users: int,
+    fail: bool,
+    interactive: bool,
+) -> bool:
+    """Runs the job, drawing one progress line (redrawn in place on a terminal, a
+    line a second elsewhere), then checks its output."""
     started = time.monotonic()
     client = env.execute_async("clickstream-demo")
-    interactive = out.isatty() if hasattr(out, "isatty") else False
+    if client.monitoring_url is not None:
+        print(f"  monitoring (while it runs): {client.monitoring_url}", file=out)
     last_line = 0.0
     while not client.done():
         time.sleep(0.1)

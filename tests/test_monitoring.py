@@ -15,6 +15,7 @@ import io
 import json
 import random
 import socket
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -901,3 +902,27 @@ def test_monitoring_off() -> None:
     assert client.wait().monitoring_url is None
     with pytest.raises(TypeError):
         pe.StreamEnvironment(monitoring="on")
+
+
+class _Terminal(io.StringIO):
+    """A stream that says it is a terminal, as the demo's and the monitor's are."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_demo_draws_one_progress_line_on_a_terminal(tmp_path: Any, monkeypatch: Any) -> None:
+    """``pyengine demo`` draws its own progress line: the monitor's live line on
+    stderr, and the runner's restart warning through logging's last resort, would
+    land in the middle of it."""
+    from pyengine import demo
+
+    err = _Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    out = _Terminal()
+    assert demo.run(out, events=60_000, users=500, interval_ms=20, workdir=str(tmp_path))
+    text = out.getvalue()
+    assert "monitoring (while it runs): http://127.0.0.1:" in text
+    assert "\n  job clickstream-demo failed" in text and "restart 1 of 2" in text
+    assert "records read" in text and "OK: all" in text
+    assert err.getvalue() == ""

@@ -169,6 +169,7 @@ class MetricsHistory:
         self._last_ns: Optional[int] = None
         self.samples: Deque[JobSample] = deque(maxlen=maxlen)
         self.latest: Optional[JobSample] = None
+        self.count = 0  # samples taken so far: the version of ``latest``
 
     def _total(self, key: TaskKey, counters: Dict[str, Any], name: str) -> int:
         return self._carried.get(key, {}).get(name, 0) + int(counters.get(name, 0))
@@ -230,6 +231,7 @@ class MetricsHistory:
             self._last_ns = now
             self.samples.append(job)
             self.latest = job
+            self.count += 1
             return job
 
     def history(self) -> List[JobSample]:

@@ -8,24 +8,41 @@ either pulled (``runner.task_metrics()``, the embedded runner: its tasks are
 threads of this process) or pushed (``report_task_metrics``, the Spark runner's
 driver, from its tasks' polls). A sampling thread turns the counters into rates
 once per ``Monitoring.sample_interval_s``; requests only read what it left, so a
-request never touches a task and a task never waits for a request."""
+request never touches a task and a task never waits for a request.
+
+What it costs the job: the embedded runner's tasks are threads of this process,
+so every bit of Python the monitor runs holds the GIL they need. Hence a sample
+is O(subtasks) (a few counters each, nothing per record), and each answer is
+built at most once per version of what it shows (``body``): a new sample, a
+checkpoint event, a change of state. Three clients reading every second (an open
+dashboard, Prometheus, a CLI) cost one build, not three. The monitor meters its
+own threads (``cpu_seconds``): the sampler, the request handlers and the
+server's accept loop, which is what the 2% budget of issue #15 is measured on."""
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, TextIO, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, TextIO, Tuple
 
 from ..coordinator.stats import CheckpointStatsTracker
 from . import rest
 from .config import Monitoring
 from .metrics import JobSample, MetricsHistory, clean_counters
 
-__all__ = ["JobMonitor", "start_monitor", "vertices_of"]
+__all__ = ["JSON_TYPE", "JobMonitor", "start_monitor", "vertices_of"]
 
 log = logging.getLogger(__name__)
+
+JSON_TYPE = "application/json; charset=utf-8"
+# Answers kept per version (paths: a dashboard asks for a handful, a scan of
+# made-up paths only empties the cache, never grows it past this).
+MAX_CACHED_BODIES = 64
+
+Body = Tuple[int, bytes, str]  # status, payload, content type
 
 _SHIP_STRATEGY = {"forward": "FORWARD", "hash": "HASH", "rebalance": "REBALANCE", "broadcast": "BROADCAST"}
 
@@ -83,6 +100,11 @@ class JobMonitor:
         self._empty = CheckpointStatsTracker()
         self.on_sample: List[Callable[[JobMonitor, JobSample], None]] = []
         self._line: Any = None  # the live progress line, on a terminal
+        self._cpu_ns = 0  # CPU time the monitor's own threads spent (see ``cpu_seconds``)
+        self._cpu_lock = threading.Lock()
+        self._bodies: Dict[str, Tuple[Hashable, Body]] = {}
+        self._bodies_lock = threading.Lock()
+        self._vertices: Optional[Tuple[Any, List[rest.VertexInfo]]] = None
 
     # -- life --------------------------------------------------------------------------------
 
@@ -173,6 +195,13 @@ class JobMonitor:
         return pulled + pushed
 
     def sample(self) -> JobSample:
+        started = time.thread_time_ns()
+        try:
+            return self._sample()
+        finally:
+            self.charge(time.thread_time_ns() - started)
+
+    def _sample(self) -> JobSample:
         job_sample = self.history.add(self._counters())
         for listener in list(self.on_sample):
             try:
@@ -190,6 +219,65 @@ class JobMonitor:
 
     def latest(self) -> JobSample:
         return self.history.latest if self.history.latest is not None else self.sample()
+
+    # -- what it costs ---------------------------------------------------------------------
+
+    def charge(self, cpu_ns: int) -> None:
+        """Adds CPU time one of the monitor's threads spent on its work."""
+        with self._cpu_lock:
+            self._cpu_ns += max(0, int(cpu_ns))
+
+    @property
+    def cpu_seconds(self) -> float:
+        """CPU time the monitoring spent so far: sampling, answering requests, and
+        the server's accept loop (each thread's own CPU clock, so another process's
+        load does not count). Under the embedded runner this is GIL time the tasks
+        could not have, the upper bound of what monitoring takes from the job."""
+        with self._cpu_lock:
+            return self._cpu_ns / 1e9
+
+    # -- answers, built once per version -------------------------------------------------------
+
+    def version(self) -> Hashable:
+        """What every answer depends on, cheaply: the latest sample, the checkpoint
+        statistics (counts, and the acks of the ten latest, so an in-progress
+        checkpoint's progress shows), the job's state and restarts. Answers built
+        under one version are served as they are until it changes: at most one
+        sampling interval old, as Flink's REST caches its metrics and checkpoint
+        statistics for a refresh interval (``metrics.fetcher.update-interval``,
+        ``rest.cache.checkpoint-statistics.timeout``)."""
+        tracker = self.tracker()
+        restored = tracker.latest_restored
+        return (
+            self.history.count,
+            tuple(tracker.counts.values()),
+            tuple((s.id, s.status, len(s.subtasks)) for s in tracker.history),
+            None if restored is None else restored.get("restore_timestamp"),
+            self.state(),
+            self.restarts,
+        )
+
+    def body(self, key: str, build: Callable[[], Body]) -> Body:
+        """``build()``'s answer for ``key``, built once per ``version()``."""
+        version = self.version()
+        with self._bodies_lock:
+            kept = self._bodies.get(key)
+        if kept is not None and kept[0] == version:
+            return kept[1]
+        answer = build()
+        with self._bodies_lock:
+            if len(self._bodies) >= MAX_CACHED_BODIES:
+                self._bodies.clear()
+            self._bodies[key] = (version, answer)
+        return answer
+
+    @staticmethod
+    def encode(status: int, body: Any) -> Body:
+        """A route's answer as bytes: JSON, or bytes with their content type as they are."""
+        if isinstance(body, tuple):
+            payload, kind = body
+            return status, bytes(payload), str(kind)
+        return status, json.dumps(body, default=str, separators=(",", ":")).encode(), JSON_TYPE
 
     # -- the job -----------------------------------------------------------------------------
 
@@ -232,7 +320,14 @@ class JobMonitor:
         return [m.checkpoint_id for m in store.checkpoints]
 
     def vertices(self) -> List[rest.VertexInfo]:
-        return vertices_of(self.job.graph, self.job.env)
+        """The job graph's vertices, worked out once per graph (a job's graph does not
+        change while it runs; answers ask for it several times each)."""
+        graph = self.job.graph
+        kept = self._vertices
+        if kept is None or kept[0] is not graph:
+            kept = (graph, vertices_of(graph, self.job.env))
+            self._vertices = kept
+        return list(kept[1])
 
     def vertex(self, vertex_id: str) -> Optional[rest.VertexInfo]:
         for v in self.vertices():

@@ -14,8 +14,10 @@ must never wait for a monitoring request, so each checkpoint's mutable parts
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 __all__ = [
     "PERCENTILES",
@@ -182,14 +184,46 @@ def checkpoint_statistics(
     return out
 
 
+_RECORDED: weakref.WeakKeyDictionary[Any, Tuple[Hashable, Dict[str, Any]]] = weakref.WeakKeyDictionary()
+_RECORDED_LOCK = threading.Lock()
+
+
+def _recorded_summary(tracker: Any) -> Dict[str, Any]:
+    """The tracker's all-time summary, worked out again only when a checkpoint
+    completed since the last time. It sorts every completed checkpoint's values (a
+    day of checkpoints every second is 86,400 of each), with the GIL held: done on
+    every request, it would take a long-running job's time as its history grows.
+    The key is read from what ``report_completed`` sets last, so a summary read
+    while a completion is half recorded is not kept under the new count."""
+    key = (
+        dict(tracker.counts).get("completed", 0),
+        id(getattr(tracker, "latest_completed", None)),
+        id(getattr(tracker, "latest_savepoint", None)),
+    )
+    try:
+        with _RECORDED_LOCK:
+            kept = _RECORDED.get(tracker)
+    except TypeError:  # a tracker that takes no weak reference: not kept
+        kept = None
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    try:
+        recorded = dict(tracker.summary())
+    except RuntimeError:  # a list grew under sorted(): the history's values serve
+        return {}
+    try:
+        with _RECORDED_LOCK:
+            _RECORDED[tracker] = (key, recorded)
+    except TypeError:
+        pass
+    return recorded
+
+
 def _summary(tracker: Any, completed: List[Any]) -> Dict[str, Any]:
     """Flink's summary over every completed checkpoint: from the tracker's own
     (all-time) summary where it has every quantile, else from the completed
     checkpoints still in the history."""
-    try:
-        recorded = tracker.summary()
-    except RuntimeError:  # a list grew under sorted(): the history's values serve
-        recorded = {}
+    recorded = _recorded_summary(tracker)
     out: Dict[str, Any] = {}
     for flink_key, tracker_key in _SUMMARY_KEYS:
         dto = _from_tracker(recorded.get(tracker_key))

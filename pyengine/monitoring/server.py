@@ -24,17 +24,21 @@ a token it answers only requests whose ``Host`` is a loopback name, so a web pag
 cannot reach it through DNS rebinding. It reads no request body (a request with
 one is refused before it is read), bounds the request line and the number of
 connections it serves at once, times out slow clients, sends JSON and static
-files only, and never unpickles anything."""
+files only, and never unpickles anything.
+
+What it costs: answers come from ``JobMonitor.body``, built once per version of
+what they show, and the static files are read once; the CPU time of every
+request's thread and of the accept loop is charged to ``JobMonitor.cpu_seconds``."""
 
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import mimetypes
 import re
 import socket
 import threading
+import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
@@ -71,8 +75,16 @@ _SECURITY_HEADERS = {
 Route = Callable[..., Tuple[int, Any]]
 
 
+_STATIC_CACHE: Dict[str, bytes] = {}
+
+
 def _static(name: str) -> bytes:
-    return resources.files("pyengine.monitoring").joinpath("static").joinpath(name).read_bytes()
+    """A file of the dashboard, read from the package once per process."""
+    data = _STATIC_CACHE.get(name)
+    if data is None:
+        data = resources.files("pyengine.monitoring").joinpath("static").joinpath(name).read_bytes()
+        _STATIC_CACHE[name] = data
+    return data
 
 
 class _Server(ThreadingHTTPServer):
@@ -80,11 +92,21 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = False  # a second job must not share a port it cannot own
     request_queue_size = 32
 
-    def __init__(self, address: Tuple[str, int], handler: Any, family: int) -> None:
+    def __init__(self, address: Tuple[str, int], handler: Any, family: int, charge: Callable[[int], None]) -> None:
         self.address_family = family
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.closing = False
+        self.charge = charge
+        self._loop_cpu_ns = 0
         super().__init__(address, handler)
+
+    def service_actions(self) -> None:
+        """Once per turn of ``serve_forever``'s loop (on its thread): charges the CPU
+        time the loop spent since its last turn (polling, accepting, starting threads)."""
+        now = time.thread_time_ns()
+        if self._loop_cpu_ns:
+            self.charge(now - self._loop_cpu_ns)
+        self._loop_cpu_ns = now
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if self.closing or not self.slots.acquire(blocking=False):  # closing, or too many at once
@@ -97,10 +119,12 @@ class _Server(ThreadingHTTPServer):
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        started = time.thread_time_ns()
         try:
             super().process_request_thread(request, client_address)
         finally:
             self.slots.release()
+            self.charge(time.thread_time_ns() - started)
 
 
 class MonitoringServer:
@@ -114,7 +138,7 @@ class MonitoringServer:
         self._loopback_only = token is None and is_loopback(host)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         bind = "127.0.0.1" if host == "localhost" else host
-        self._httpd = _Server((bind, port), _handler(self), family)
+        self._httpd = _Server((bind, port), _handler(self), family, monitor.charge)
         self.port = int(self._httpd.server_address[1])
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self.port}/"
@@ -176,6 +200,15 @@ class MonitoringServer:
         return is_loopback(name)
 
     # -- routes ------------------------------------------------------------------------------
+
+    def respond(self, path: str) -> Tuple[int, bytes, str]:
+        """(status, payload, content type) for a path: the static files as they are,
+        everything else built once per version of the job's statistics (see
+        ``JobMonitor.body``)."""
+        m = self.monitor
+        if path in _STATIC or (path.startswith("/v1/") and path[3:] in _STATIC):
+            return m.encode(*self.route(path))
+        return m.body(path, lambda: m.encode(*self.route(path)))
 
     def route(self, path: str) -> Tuple[int, Any]:
         """(status, body) for a path; the body is JSON-able, or bytes with a content type."""
@@ -244,10 +277,7 @@ def _handler(server: MonitoringServer) -> Any:
             log.debug("monitoring %s: " + format, self.client_address[0], *args)
 
         def _send(self, status: int, body: Any, extra: Optional[Dict[str, str]] = None, head: bool = False) -> None:
-            if isinstance(body, tuple):
-                payload, kind = body
-            else:
-                payload, kind = json.dumps(body, default=str).encode(), "application/json; charset=utf-8"
+            _, payload, kind = server.monitor.encode(status, body)
             self.send_response(status)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(payload)))
@@ -278,7 +308,8 @@ def _handler(server: MonitoringServer) -> Any:
             if len(path) > 1 and path.endswith("/"):
                 path = path[:-1]
             try:
-                status, body = server.route(path)
+                status, payload, kind = server.respond(path)
+                body: Any = (payload, kind)
             except Exception as exc:  # the job's own trouble: said plainly, never a traceback
                 log.exception("monitoring request %s failed", path)
                 status, body = 500, {"errors": [f"{type(exc).__name__}: {str(exc)[:200]}"]}
