@@ -756,6 +756,33 @@ def test_html_summary_of_a_finished_job(scenario: Any) -> None:
     assert line.startswith("clicks RUNNING") and "checkpoint 4" in line and "1 restart(s)" in line
 
 
+def test_an_answer_is_built_once_per_version_and_the_monitor_meters_itself(scenario: Any, monkeypatch: Any) -> None:
+    """Three clients reading every second cost one build per version of what they
+    read (a sample, a checkpoint event), not one per request; what it all costs is
+    on the monitor's own CPU clock."""
+    m = scenario.monitor
+    built: List[int] = []
+    original = m.checkpoints
+    monkeypatch.setattr(m, "checkpoints", lambda: built.append(1) or original())
+    path = f"jobs/{m.job_id}/checkpoints"
+    m.sample()
+    before = m.cpu_seconds
+    first, second = api(scenario, path), api(scenario, path)
+    assert first == second and len(built) == 1
+    in_progress = next(c for c in first["history"] if c["id"] == 5)
+    _ack(scenario.coordinator, 5, AGGS[0], **_metrics(AGGS[0], 5, True))  # an ack of the one in progress
+    third = api(scenario, path)
+    assert len(built) == 2
+    assert next(c for c in third["history"] if c["id"] == 5)["num_acknowledged_subtasks"] == (
+        in_progress["num_acknowledged_subtasks"] + 1
+    )
+    api(scenario, path)
+    m.sample()  # a new sample: built again
+    api(scenario, path)
+    assert len(built) == 3
+    assert m.cpu_seconds > before
+
+
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
