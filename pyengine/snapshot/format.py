@@ -8,7 +8,11 @@ Every file is readable with ``pyarrow.ipc.open_file`` alone. Columns:
   of ``int`` (int64), ``str`` (utf8) and ``packed`` (binary: the key through the
   safe serializer), whichever holds a key exactly;
 * ``value``: with one state, that state's storage type; with several, a dense
-  union with one child per state. A state with a declared Arrow type and no
+  union with one child per state (version 1), or, past the 128 children an Arrow
+  union can have (its type codes are int8), one child per distinct storage type,
+  the metadata mapping each state to its child (version 2, written only then: a
+  file of up to 128 states is the same version 1 file as before, which any
+  pyengine reads). A state with a declared Arrow type and no
   time-to-live stores its values as that type (lists as ``list<type>``, maps as
   ``map<key, value>``); any other state stores each entry through its
   serializer as binary. Deletions in a delta are null values.
@@ -48,14 +52,23 @@ __all__ = [
     "ColumnarSlice",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "MAX_STATES_PER_FILE",
+    "MAX_UNION_CHILDREN",
     "StateColumn",
+    "check_state_count",
     "read_keyed_state",
     "read_schema_info",
     "write_keyed_state",
 ]
 
 FORMAT_NAME = "pyengine-keyed-state"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # what a file of up to MAX_UNION_CHILDREN states is written as
+FORMAT_VERSION_SHARED_CHILDREN = 2  # a file of more states: union children shared by storage type
+READ_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_SHARED_CHILDREN)
+# An Arrow union's type codes are int8 (0..127), so it has at most 128 children.
+MAX_UNION_CHILDREN = 128
+# The ``state`` column's run values are int16.
+MAX_STATES_PER_FILE = (1 << 15) - 1
 ROWS_PER_BATCH = 1 << 20
 TARGET_ROWS = 1 << 17
 OWN_BATCH_ROWS = 1 << 15  # a key group this large is a batch of its own: no copying to merge it
@@ -336,6 +349,60 @@ def _plan_changes(state_index: int, changes: ColumnarChanges, key_group_range: K
     return plan
 
 
+def value_layout(columns: Sequence[StateColumn]) -> Tuple[List[pa.DataType], Optional[List[int]]]:
+    """The value union's children and, when they are shared, each state's child.
+
+    Up to ``MAX_UNION_CHILDREN`` states: one child per state (version 1, None). More:
+    one child per distinct storage type, in order of first use, with the state ->
+    child map (version 2) — an operator's states are mostly a handful of types
+    (binary for untyped ones, a few declared ones; a job with timers has up to 18
+    timer states of int64 alone), so a union of types has room for any number of
+    states. ``ValueError``, naming the limit, when even the distinct types are too
+    many, or the states more than the ``state`` column's int16 holds:
+    ``check_state_count`` says so when the states are declared."""
+    types = [c.storage_type for c in columns]
+    check_state_count(len(columns), types)
+    if len(columns) <= MAX_UNION_CHILDREN:
+        return types, None
+    children: List[pa.DataType] = []
+    child_of: List[int] = []
+    for t in types:
+        for i, known in enumerate(children):
+            if known.equals(t):
+                child_of.append(i)
+                break
+        else:
+            children.append(t)
+            child_of.append(len(children) - 1)
+    return children, child_of
+
+
+def check_state_count(count: int, storage_types: Optional[Sequence[pa.DataType]] = None, *, where: str = "") -> None:
+    """Raises ``ValueError`` when ``count`` states (of ``storage_types``, if known)
+    cannot share one keyed state file: more than ``MAX_STATES_PER_FILE`` states, or,
+    past ``MAX_UNION_CHILDREN`` states, more than ``MAX_UNION_CHILDREN`` distinct
+    storage types. A backend can call it as states are registered (``where`` naming
+    the operator), so a job is refused when it opens, not at its first checkpoint."""
+    who = f"{where}: " if where else ""
+    if count > MAX_STATES_PER_FILE:
+        raise ValueError(
+            f"{who}{count} keyed states in one operator; a keyed state file holds at most {MAX_STATES_PER_FILE} "
+            "(its state column is int16): keep related values in one state (a map, or a typed struct)"
+        )
+    if storage_types is None or count <= MAX_UNION_CHILDREN:
+        return
+    distinct: List[pa.DataType] = []
+    for t in storage_types:
+        if not any(known.equals(t) for known in distinct):
+            distinct.append(t)
+    if len(distinct) > MAX_UNION_CHILDREN:
+        raise ValueError(
+            f"{who}{count} keyed states of {len(distinct)} distinct Arrow types in one operator; a keyed state file "
+            f"with more than {MAX_UNION_CHILDREN} states holds at most {MAX_UNION_CHILDREN} distinct types (an Arrow "
+            "union's type codes are int8): declare fewer distinct types, or keep related values in one state"
+        )
+
+
 def write_keyed_state(
     stream: Any,
     *,
@@ -349,23 +416,26 @@ def write_keyed_state(
     value, or ColumnarSlices) to ``stream`` (a CheckpointStateOutputStream, or one
     duplicating it) and returns the handle. The stream is closed here, or aborted
     on error."""
-    value_types = [c.storage_type for c in columns]
-    value_names = [f"s{i}" for i in range(len(columns))]
+    value_types, child_of = value_layout(columns)
+    shared_children = child_of is not None
+    value_names = [f"{'t' if shared_children else 's'}{i}" for i in range(len(value_types))]
     plan = _plan_batches(groups, key_group_range, len(columns))
     # Plain columns where they can be: unions cost a type id and an offset per row.
     plain_keys = all(_all_int64_keys(group) for batch in plan for _, group, _, _ in batch.parts)
     plain_values = len(columns) == 1
-    meta = {
+    meta: Dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": FORMAT_VERSION_SHARED_CHILDREN if shared_children else FORMAT_VERSION,
         "backend": backend,
         "max_parallelism": max_parallelism,
         "key_groups": [key_group_range.start, key_group_range.end],
         "states": [c.to_json() for c in columns],
         "batches": [[batch.first, batch.last, batch.state] for batch in plan],
         "key_encoding": "int64" if plain_keys else "union",
-        "value_encoding": "plain" if plain_values else "union",
+        "value_encoding": "plain" if plain_values else "union_by_type" if shared_children else "union",
     }
+    if child_of is not None:
+        meta["value_children"] = child_of
     value_union = pa.dense_union([pa.field(n, t) for n, t in zip(value_names, value_types, strict=True)])
     schema = pa.schema(
         [
@@ -406,7 +476,8 @@ def write_keyed_state(
             key_array = pa.array(key_list, pa.int64()) if plain_keys else _key_array(key_list)
             value_child = _value_child(column, [v for _, v in items])
         n = len(key_array)
-        value_array = value_child if plain_values else _union_of(value_types, value_names, state_index, value_child)
+        child = state_index if child_of is None else child_of[state_index]
+        value_array = value_child if plain_values else _union_of(value_types, value_names, child, value_child)
         return pa.record_batch(
             [_runs(run_groups, lengths), _runs([state_index], [n]), key_array, value_array], schema=schema
         )
@@ -473,6 +544,11 @@ class SchemaInfo:
     batches: Tuple[Tuple[int, int, int], ...]  # (first key group, last key group, state) of batches 1..n
     plain_keys: bool = False  # the key column is int64, not a union
     plain_values: bool = False  # the value column is the one state's own, not a union
+    value_children: Optional[Tuple[int, ...]] = None  # each state's union child, when shared (version 2)
+
+    def value_child(self, state_index: int) -> int:
+        """The value union's child that holds ``state_index``'s values."""
+        return state_index if self.value_children is None else self.value_children[state_index]
 
 
 def read_schema_info(schema: pa.Schema, *, where: str) -> SchemaInfo:
@@ -485,19 +561,30 @@ def read_schema_info(schema: pa.Schema, *, where: str) -> SchemaInfo:
         raise CorruptStateError(f"{where}: unreadable schema metadata") from None
     if meta.get("format") != FORMAT_NAME:
         raise CorruptStateError(f"{where} is not a keyed state file (format {meta.get('format')!r})")
-    if meta.get("version") != FORMAT_VERSION:
+    version = meta.get("version")
+    if version not in READ_VERSIONS:
         raise CorruptStateError(
-            f"{where} has state file format version {meta.get('version')!r}; this pyengine reads version "
-            f"{FORMAT_VERSION}"
+            f"{where} has state file format version {version!r}; this pyengine reads versions "
+            f"{', '.join(map(str, READ_VERSIONS))}"
         )
     value_field = schema.field("value").type
-    plain_values = meta.get("value_encoding") == "plain"
+    encoding = meta.get("value_encoding")
+    plain_values = encoding == "plain"
+    value_children: Optional[Tuple[int, ...]] = None
+    if version == FORMAT_VERSION_SHARED_CHILDREN and encoding == "union_by_type":
+        value_children = _checked_children(meta.get("value_children"), len(meta["states"]), value_field, where)
+    elif not plain_values and encoding not in ("union", None):  # absent: a union by state, as always
+        raise CorruptStateError(f"{where}: value encoding {encoding!r} is not one of version {version}")
     columns = []
     for i, c in enumerate(meta["states"]):
         # The exact declared types are the value union's children, not the metadata's text.
         arrow_type = map_key_type = None
         if c.get("typed"):
-            child = value_field if plain_values else value_field.field(i).type
+            child = (
+                value_field
+                if plain_values
+                else value_field.field(i if value_children is None else value_children[i]).type
+            )
             if c["kind"] == "list":
                 arrow_type = child.value_type
             elif c["kind"] == "map":
@@ -523,7 +610,17 @@ def read_schema_info(schema: pa.Schema, *, where: str) -> SchemaInfo:
         plain_keys=meta.get("key_encoding") == "int64",
         plain_values=plain_values,
         batches=tuple((int(b[0]), int(b[1]), int(b[2])) for b in meta["batches"]),
+        value_children=value_children,
     )
+
+
+def _checked_children(raw: Any, count: int, value_field: pa.DataType, where: str) -> Tuple[int, ...]:
+    """A version 2 file's state -> union child map, refused unless it names a child
+    of the value union for every state."""
+    num_children = value_field.num_fields if pa.types.is_union(value_field) else 0
+    if not isinstance(raw, list) or len(raw) != count or not all(type(c) is int and 0 <= c < num_children for c in raw):
+        raise CorruptStateError(f"{where}: its value_children do not map each state to a child of the value union")
+    return tuple(raw)
 
 
 def _union_child(column: Any, code: int) -> pa.Array:
@@ -621,7 +718,9 @@ def read_keyed_state(
             # Decode the whole batch once (unions are never sliced: pyarrow's union
             # offsets ignore a slice's own offset), then cut it into key groups.
             key_column = batch.column(2)
-            value_column = batch.column(3) if info.plain_values else _union_child(batch.column(3), state_index)
+            value_column = (
+                batch.column(3) if info.plain_values else _union_child(batch.column(3), info.value_child(state_index))
+            )
             int_keys: Optional[pa.Array] = None
             if info.plain_keys:
                 int_keys = key_column
