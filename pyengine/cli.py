@@ -1,4 +1,4 @@
-"""The ``pyengine`` command: the demo job, the gate demo, and checkpoint inspection."""
+"""The ``pyengine`` command: the demo job, the gate demo, checkpoint inspection, and tuning."""
 
 from __future__ import annotations
 
@@ -46,7 +46,35 @@ def main(argv: Optional[List[str]] = None) -> int:
     stats.add_argument("dir", help="a job's checkpoint directory (path or URI)")
     stats.add_argument("--json", action="store_true", help="print them as the REST API shapes them (Flink's)")
 
+    tune = sub.add_parser(
+        "tune",
+        help="measure a job across buffer and checkpoint settings and recommend some",
+        description="Runs the job (short runs, a coordinate search with successive halving) across buffer size, "
+        "buffer timeout, channel capacity, checkpoint interval and aligned/unaligned checkpoints, measures "
+        "throughput, latency, checkpoint duration and recovery for each, and recommends settings for the goal.",
+    )
+    tune.add_argument(
+        "job",
+        nargs="?",
+        default="keyed-count",
+        help="module:function that builds the pipeline on the environment it is given (build(env)), "
+        "or a built-in job (default: keyed-count)",
+    )
+    tune.add_argument("--goal", choices=("throughput", "latency"), default="throughput", help="what to optimise")
+    tune.add_argument("--max-latency-ms", type=float, help="constraint: end-to-end latency p99")
+    tune.add_argument("--max-recovery-s", type=float, help="constraint: restore plus replay of one interval")
+    tune.add_argument("--budget-s", type=float, default=120.0, help="time for the search (default 120 s)")
+    tune.add_argument("--trial-s", type=float, default=1.0, help="length of the shortest run (default 1 s)")
+    tune.add_argument("--parallelism", type=int, default=2, help="subtasks per operator (default 2)")
+    tune.add_argument("--latency-field", help="a column or key holding each record's creation time (s since epoch)")
+    tune.add_argument("--input-rate", type=float, help="the job's input rate in production (records/s), for recovery")
+    tune.add_argument("--report", default="pyengine-tune-report", help="directory for report.html and its figures")
+    tune.add_argument("--benchmark-json", help="also write the runs as pytest-benchmark JSON here")
+    tune.add_argument("--no-progress", action="store_true", help="no progress bar")
+
     args = parser.parse_args(argv)
+    if args.command == "tune":
+        return _tune(parser, args)
     if args.command == "demo":
         from . import demo as demo_module
 
@@ -87,6 +115,46 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"pyengine checkpoints {args.action}: {exc}", file=sys.stderr)
             return 1
     return 2  # pragma: no cover - argparse enforces a command
+
+
+def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import os
+
+    from rich.console import Console
+
+    from .tune import tune
+    from .tune.report import print_table
+
+    if args.parallelism < 1:
+        parser.error("--parallelism must be >= 1")
+    for name in ("max_latency_ms", "max_recovery_s", "budget_s", "trial_s", "input_rate"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0")
+    if os.getcwd() not in sys.path:  # module:function names the user's module, as `python -m` finds it
+        sys.path.insert(0, os.getcwd())
+    try:
+        result = tune(
+            args.job,
+            goal=args.goal,
+            max_latency_ms=args.max_latency_ms,
+            max_recovery_s=args.max_recovery_s,
+            budget_s=args.budget_s,
+            trial_s=args.trial_s,
+            parallelism=args.parallelism,
+            latency_field=args.latency_field,
+            input_rate_per_s=args.input_rate,
+            report_dir=args.report,
+            benchmark_json=args.benchmark_json,
+            progress=not args.no_progress,
+        )
+    except (ImportError, ValueError, TypeError, RuntimeError) as exc:
+        print(f"pyengine tune: {exc}", file=sys.stderr)
+        return 1
+    print_table(result, Console())
+    for what, path in sorted(result.files.items()):
+        print(f"{what}: {path}")
+    return 0 if all(result.honoured.values()) else 3
 
 
 def _list(directory: str, as_json: bool = False) -> int:

@@ -1,0 +1,149 @@
+"""``pyengine tune``: the search finds a setting near the best of an exhaustive grid run
+in the same test, the constraints are honoured or reported, and the report renders.
+
+Throughput comparisons are between runs of this test (a shared, noisy machine): the
+grid's points are each measured twice, interleaved, and keep their best."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Dict
+
+import pytest
+
+import pyengine as pe
+from pyengine.cli import main
+from pyengine.tune import Measurement, Setting, measure, recommend
+from pyengine.tune.jobs import LATENCY_FIELD, keyed_count
+from pyengine.tune.settings import grid
+
+# Buffer size matters several times over on this job; capacity and the checkpoint mode
+# within noise: the search must find the big difference and not be fooled by the small.
+SPACE = {"buffer_size": (256, 4096), "channel_capacity": (2, 8), "unaligned": (False, True), "interval_ms": (200,)}
+TRIAL_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    report = tmp_path_factory.mktemp("tune-report")
+    result = pe.tune(
+        "keyed-count",
+        goal="throughput",
+        max_recovery_s=60,
+        budget_s=10,
+        trial_s=TRIAL_S,
+        space=SPACE,
+        report_dir=str(report),
+        benchmark_json=str(report / "bench.json"),
+    )
+    return result, report
+
+
+def test_tune_finds_a_setting_within_10_percent_of_the_grids_best(tuned) -> None:
+    result, _ = tuned
+    points = grid(SPACE)
+    assert len(points) == 8
+    best: Dict[Setting, float] = {}
+    build = keyed_count()
+    for _ in range(2):  # interleaved: a slow spell of the machine hits every point
+        for p in points:
+            m = measure(build, p, seconds=TRIAL_S, latency_field=LATENCY_FIELD)
+            best[p] = max(best.get(p, 0.0), m.throughput)
+    top = max(best.values())
+    assert result.recommended in best, "tune recommended a setting outside the space it was given"
+    assert best[result.recommended] >= 0.9 * top, (
+        f"tune picked {result.recommended.label} ({best[result.recommended]:,.0f}/s); the grid's best is {top:,.0f}/s"
+    )
+    # a search, not a grid in disguise: fewer settings tried than the grid has
+    assert len({m.setting for m in result.trials}) < len(points)
+
+
+def test_tune_honours_a_reachable_constraint_and_says_so(tuned) -> None:
+    result, _ = tuned
+    m = result.measurement
+    assert m.restore_measured and m.restore_s > 0
+    assert m.recovery_s <= 60
+    assert result.honoured == {"max_recovery_s": True}
+    assert "honoured" in result.messages[0] and "NOT" not in result.messages[0]
+    assert m.throughput > 0 and m.checkpoints >= 1 and m.latency_measured
+    assert m.latency_p99_ms >= m.latency_p50_ms > 0
+
+
+def _m(buffer_size: int, throughput: float, p99: float, recovery: float) -> Measurement:
+    m = Measurement(Setting(buffer_size=buffer_size), 1000, 1.0, throughput, latency_p50_ms=p99 / 2)
+    m.latency_p99_ms, m.restore_s, m.replay_s = p99, recovery / 2, recovery / 2
+    return m
+
+
+def test_recommend_trades_the_goal_for_the_constraints() -> None:
+    fast = _m(16384, 3e6, p99=900, recovery=8)
+    quick = _m(1024, 1e6, p99=80, recovery=2)
+    # no constraint: the fastest
+    assert recommend([fast, quick], "throughput")[0] is fast
+    # a latency bound the fastest breaks: the one inside it, honoured
+    best, honoured, messages = recommend([fast, quick], "throughput", max_latency_ms=100, max_recovery_s=5)
+    assert best is quick and honoured == {"max_latency_ms": True, "max_recovery_s": True}
+    # a bound nothing meets: the closest, and it says so
+    best, honoured, messages = recommend([fast, quick], "latency", max_latency_ms=10)
+    assert best is quick and honoured == {"max_latency_ms": False}
+    assert "NOT honoured" in messages[0]
+    # the latency goal ranks by p99
+    assert recommend([fast, quick], "latency")[0] is quick
+
+
+def test_the_report_renders(tuned) -> None:
+    result, report = tuned
+    page = (report / "report.html").read_text()
+    for name in ("frontier.png", "checkpoint_duration.png", "recovery.png"):
+        png = report / name
+        assert png.exists() and png.stat().st_size > 5000, f"{name} is missing or empty"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f'src="{name}"' in page
+    assert "buffer_size=" in page and result.recommended.label in page
+    # the snippet runs as it is pasted
+    namespace = {"pe": pe}
+    exec(result.snippet(), namespace)
+    env = namespace["env"]
+    assert env.buffer_size == result.recommended.buffer_size
+    assert env.checkpointing.interval_ms == result.recommended.interval_ms
+    # pytest-benchmark JSON: one benchmark per setting, with real times and the figures
+    doc = json.loads((report / "bench.json").read_text())
+    assert doc["benchmarks"] and all(b["stats"]["min"] > 0 for b in doc["benchmarks"])
+    recommended = [b for b in doc["benchmarks"] if b["extra_info"]["recommended"]]
+    assert len(recommended) == 1 and recommended[0]["extra_info"]["throughput"] > 0
+
+
+def test_measurement_json_has_no_nan() -> None:
+    m = Measurement(Setting(), 0, 0.0, 0.0)
+    assert math.isnan(m.recovery_s)
+    json.dumps(m.to_json(), allow_nan=False)
+
+
+def test_cli_refuses_what_it_cannot_run(capsys) -> None:
+    assert main(["tune", "no_such_module_here:build", "--no-progress", "--budget-s", "1"]) == 1
+    assert "No module named" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["tune", "--goal", "cost"])
+    with pytest.raises(SystemExit):
+        main(["tune", "--max-latency-ms", "0"])
+    with pytest.raises(ValueError, match="unknown setting"):
+        pe.tune(space={"buffer_bytes": (1,)})
+    with pytest.raises(ValueError, match="goal"):
+        pe.tune(goal="cost")
+
+
+def test_a_user_job_runs_from_module_and_function(tmp_path, monkeypatch) -> None:
+    (tmp_path / "myjob.py").write_text(
+        "import pyengine as pe\n"
+        "def build(env):\n"
+        "    env.from_generator(lambda i: {'k': i % 10, 'v': i}, 20_000).map(lambda r: r)"
+        ".sink_to(pe.sinks.DiscardSink())\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from pyengine.tune.search import load_job
+
+    build, field, name = load_job("myjob:build")
+    assert field is None and name == "build"
+    m = measure(build, Setting(interval_ms=100))
+    assert m.status == "FINISHED" and m.records == 20_000 and m.throughput > 0
