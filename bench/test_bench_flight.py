@@ -3,7 +3,11 @@
 Both send the same Arrow batches over loopback, timed alternately in one run; the
 channel also goes through its send queue, the token check, and the receiving
 gate, which a consumer thread drains. Target: the channel moves >= 50% of the bare
-DoPut's batches per second."""
+DoPut's batches per second.
+
+One pytest-benchmark row per transport, each timing the transfer alone in its rounds
+(the servers start in each round's untimed setup and stop in its teardown); the channel's
+row compares with the bare row's best round of the same run."""
 
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ from typing import Any, List
 import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
-from conftest import SUMMARY
+import pytest
+from conftest import RESULTS, SUMMARY, best_seconds
 
 from pyengine.io import CheckpointedInputGate, EndOfPartition
 from pyengine.runners.flight import RemoteChannel, serve
@@ -39,61 +44,98 @@ def _batches() -> List[pa.RecordBatch]:
     return [pa.record_batch({"k": rng.integers(0, 100_000, ROWS), "v": rng.random(ROWS)}) for _ in range(BATCHES)]
 
 
-def _bare(batches: List[pa.RecordBatch]) -> float:
-    server = _Sink("grpc://127.0.0.1:0")
-    threading.Thread(target=server.serve, daemon=True).start()
-    client = flight.FlightClient(f"grpc://127.0.0.1:{server.port}")
-    start = time.perf_counter()
-    writer, _ = client.do_put(flight.FlightDescriptor.for_command(b"x"), batches[0].schema)
-    for b in batches:
-        writer.write_batch(b)
-    writer.close()
-    elapsed = time.perf_counter() - start
-    client.close()
-    server.shutdown()
-    return elapsed
+class _Bare:
+    """One round of the baseline: a server and a client set up (untimed), then the
+    batches sent (timed)."""
+
+    def setup(self) -> Any:
+        self.server = _Sink("grpc://127.0.0.1:0")
+        threading.Thread(target=self.server.serve, daemon=True).start()
+        self.client = flight.FlightClient(f"grpc://127.0.0.1:{self.server.port}")
+        return (), {}
+
+    def send(self, batches: List[pa.RecordBatch]) -> None:
+        writer, _ = self.client.do_put(flight.FlightDescriptor.for_command(b"x"), batches[0].schema)
+        for b in batches:
+            writer.write_batch(b)
+        writer.close()
+
+    def teardown(self) -> None:
+        self.client.close()
+        self.server.shutdown()
 
 
-def _channel(batches: List[pa.RecordBatch]) -> float:
-    gate = CheckpointedInputGate(1, RecordingListener(), capacity=8)
-    server, _ = serve(gate, TOKEN)
-    received = []
+class _Channel:
+    """One round of the channel: its receiving gate, server and consumer set up
+    (untimed), then the batches sent and drained (timed)."""
 
-    def consume() -> None:
+    def setup(self) -> Any:
+        self.gate = CheckpointedInputGate(1, RecordingListener(), capacity=8)
+        self.server, _ = serve(self.gate, TOKEN)
+        self.received: List[int] = []
+        self.consumer = threading.Thread(target=self.consume)
+        self.consumer.start()
+        self.out = RemoteChannel(self.server.location, 0, TOKEN, capacity=8)
+        return (), {}
+
+    def consume(self) -> None:
         while True:
-            got = gate.next(timeout=5)
+            got = self.gate.next(timeout=5)
             if got is None or isinstance(got[1], EndOfPartition):
                 return
-            received.append(got[1].num_rows)
+            self.received.append(got[1].num_rows)
 
-    consumer = threading.Thread(target=consume)
-    consumer.start()
-    out = RemoteChannel(server.location, 0, TOKEN, capacity=8)
+    def send(self, batches: List[pa.RecordBatch]) -> None:
+        for b in batches:
+            self.out.put(0, b, timeout=10)
+        self.out.put(0, EndOfPartition(), timeout=10)
+        self.consumer.join(30)
+
+    def teardown(self) -> None:
+        self.out.close()
+        self.server.shutdown()
+        assert sum(self.received) == BATCHES * ROWS
+
+
+def _timed(benchmark: Any, kind: Any, batches: List[pa.RecordBatch]) -> float:
+    run = kind()
+    benchmark.group = "flight"
+    benchmark.pedantic(
+        lambda: run.send(batches), setup=run.setup, teardown=lambda *a, **k: run.teardown(), rounds=ROUNDS, iterations=1
+    )
+    return best_seconds(benchmark)
+
+
+def _seconds_once(kind: Any, batches: List[pa.RecordBatch]) -> float:
+    run = kind()
+    run.setup()
     start = time.perf_counter()
-    for b in batches:
-        out.put(0, b, timeout=10)
-    out.put(0, EndOfPartition(), timeout=10)
-    consumer.join(30)
+    run.send(batches)
     elapsed = time.perf_counter() - start
-    out.close()
-    server.shutdown()
-    assert sum(received) == BATCHES * ROWS
+    run.teardown()
     return elapsed
 
 
-def test_flight_channel_against_bare_do_put(benchmark) -> None:
-    batches = _batches()
-    bare, channel = [], []
-    for _ in range(ROUNDS):  # interleaved, best of each: a shared machine's noise hits both
-        bare.append(_bare(batches))
-        channel.append(_channel(batches))
-    benchmark.group = "flight"
-    benchmark.pedantic(lambda: None, rounds=1)
-    ratio = min(bare) / min(channel)
+@pytest.fixture(scope="module")
+def batches() -> List[pa.RecordBatch]:
+    return _batches()
+
+
+def test_flight_bare_do_put(benchmark, batches) -> None:
+    RESULTS[("flight", "bare")] = seconds = _timed(benchmark, _Bare, batches)
     mb = sum(b.nbytes for b in batches) / 1e6
-    benchmark.extra_info.update(ratio=ratio, bare_MB_s=mb / min(bare), channel_MB_s=mb / min(channel))
+    benchmark.extra_info.update(MB_s=mb / seconds)
+
+
+def test_flight_channel(benchmark, batches) -> None:
+    """The channel against the bare DoPut's row (measured now when run alone)."""
+    channel = _timed(benchmark, _Channel, batches)
+    bare = RESULTS.get(("flight", "bare")) or min(_seconds_once(_Bare, batches) for _ in range(ROUNDS))
+    ratio = bare / channel
+    mb = sum(b.nbytes for b in batches) / 1e6
+    benchmark.extra_info.update(ratio_to_bare=ratio, MB_s=mb / channel)
     SUMMARY.append(
-        f"Flight channel: {mb / min(channel):,.0f} MB/s against a bare DoPut's {mb / min(bare):,.0f} MB/s "
+        f"Flight channel: {mb / channel:,.0f} MB/s against a bare DoPut's {mb / bare:,.0f} MB/s "
         f"({BATCHES} batches of {ROWS} rows) -> {ratio:.0%} (target >= 50%)"
     )
     assert ratio >= 0.5
