@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import copy
 import itertools
+import operator
 import threading
 import time
 from typing import (
@@ -351,8 +352,8 @@ class _Ttl:
         return max(1, checked)
 
 
-def _stamp_of(entry: Any) -> Any:
-    return entry[1]
+_stamp_of = operator.itemgetter(1)
+_value_of = operator.itemgetter(0)
 
 
 def _no_key(state: Any) -> NoCurrentKeyError:
@@ -561,16 +562,18 @@ class AggregatingState(_FoldingState, Generic[IN, OUT]):
 
 
 class ListView(MutableSequence[T]):
-    """What ``ListState.get()`` returns: the current key's elements as they were
+    """What ``ListState.view()`` returns: the current key's elements as they were
     at the call, read from the state without copying them.
 
-    A list would cost a copy of every element per ``get`` (a call whose cost grows
-    with the list); the view costs the same for one element or ten thousand. It
-    behaves as the new list ``get`` used to return: it compares equal to a list
-    with the same elements, and the first change to it (``append``, ``sort``,
-    item assignment...) copies the elements into a list of its own, so changing
-    it never changes the state (write back with ``update``). Elements added to the
-    state after the ``get`` do not show in it. ``list(view)`` makes a real list.
+    ``get()`` returns a new list, which costs a copy of every element (a call whose
+    cost grows with the list); the view costs the same for one element or ten
+    thousand (Flink's ``get`` returns an ``Iterable`` for the same reason). It
+    compares equal to a list with the same elements, and the first change to it
+    (``append``, ``sort``, item assignment...) copies the elements into a list of
+    its own, so changing it never changes the state (write back with ``update``).
+    Elements added to the state after the call do not show in it. It is not a
+    ``list``: ``list(view)`` (or ``get()``) for a value to emit downstream, which
+    pyarrow and the serializers take.
     """
 
     __slots__ = ("_list", "_n", "_now", "_ttl")
@@ -692,8 +695,26 @@ class ListState(_KeyedState, Generic[T]):
             stored = table.own(index, key, stored)  # once per key and snapshot
         return stored
 
-    def get(self) -> ListView[T]:
-        """The current key's elements (an empty view when there are none)."""
+    def get(self) -> List[T]:
+        """The current key's elements, as a new list (empty when there are none).
+
+        The copy costs a C-level pass over the list (no Python call per element);
+        ``view()`` reads them without any copy, in the same time for any length."""
+        view = self.view()
+        n = view._n
+        if n <= 0:
+            return view._list if n < 0 else []
+        stored = view._list
+        if not view._ttl:
+            return stored[:n]  # type: ignore[no-any-return]
+        limit = view._now - view._ttl
+        if n == len(stored) and min(map(_stamp_of, stored)) > limit:  # none expired: two C passes
+            return list(map(_value_of, stored))
+        return list(view)
+
+    def view(self) -> ListView[T]:
+        """The current key's elements without copying them (see ``ListView``): the
+        cost of a state call that does not depend on the length of the list."""
         b = self._backend
         index = b._key_index
         if index < 0:
@@ -711,10 +732,10 @@ class ListState(_KeyedState, Generic[T]):
             if not live:
                 self._table.delete(index, b._key)
                 return ListView([], 0)
-            self._table.store(index, b._key, live)
-            return ListView([e[0] for e in live], len(live))
+            self._put(index, b._key, live)
+            return ListView([e[0] for e in live], -1)
         if ttl.return_expired:
-            return ListView([e[0] for e in stored], len(stored))
+            return ListView([e[0] for e in stored], -1)
         return ListView(stored, len(stored), ttl.ttl_ms, now)
 
     def _element(self, value: Any) -> Any:

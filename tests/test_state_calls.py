@@ -1,0 +1,329 @@
+"""Keyed state calls against a plain-dict model: random sequences of value, list
+and map calls (with and without TTL, a manual clock, snapshots and restores in
+between) must give the answers the model gives, call by call; and the state calls
+must not scan a key's entries (TTL included) on writes."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pyengine.state import (
+    ListStateDescriptor,
+    ListView,
+    MapStateDescriptor,
+    StateTtlConfig,
+    StateVisibility,
+    TtlUpdateType,
+    ValueStateDescriptor,
+    create_keyed_backend,
+)
+from pyengine.storage import checkpoint_storage
+
+TTL = 100
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.ms = 1_000
+
+    def __call__(self) -> int:
+        return self.ms
+
+
+class Model:
+    """What the state should answer: per (state, key) the entries with their stamps."""
+
+    def __init__(self, ttl: StateTtlConfig | None) -> None:
+        self.ttl = ttl
+        self.value: dict = {}  # key -> (v, stamp)
+        self.list: dict = {}  # key -> [(v, stamp)]
+        self.map: dict = {}  # key -> {uk: (v, stamp)}
+
+    def live(self, stamp: int, now: int) -> bool:
+        if self.ttl is None:
+            return True
+        return now - stamp < self.ttl.ttl_ms
+
+    def on_read(self) -> bool:
+        return self.ttl is not None and self.ttl.update_type is TtlUpdateType.ON_READ_AND_WRITE
+
+    def value_get(self, key, now):
+        e = self.value.get(key)
+        if e is None or not self.live(e[1], now):
+            self.value.pop(key, None)
+            return None
+        if self.on_read():
+            self.value[key] = (e[0], now)
+        return e[0]
+
+    def list_get(self, key, now):
+        elements = [e for e in self.list.get(key, []) if self.live(e[1], now)]
+        if self.on_read():
+            elements = [(v, now) for v, _ in elements]
+        self.list[key] = elements
+        return [v for v, _ in elements]
+
+    def map_entry(self, key, uk, now, read):
+        m = self.map.get(key, {})
+        e = m.get(uk)
+        if e is None or not self.live(e[1], now):
+            m.pop(uk, None)
+            return None
+        if read and self.on_read():
+            m[uk] = (e[0], now)
+        return e
+
+    def map_items(self, key, now):
+        m = self.map.get(key, {})
+        for uk in [uk for uk, e in m.items() if not self.live(e[1], now)]:
+            del m[uk]
+        if self.on_read():
+            for uk, (v, _) in list(m.items()):
+                m[uk] = (v, now)
+        return sorted((uk, v) for uk, (v, _) in m.items())
+
+
+OPS = st.one_of(
+    st.tuples(st.just("value_get"), st.integers(0, 3)),
+    st.tuples(st.just("value_update"), st.integers(0, 3), st.integers(0, 99)),
+    st.tuples(st.just("value_clear"), st.integers(0, 3)),
+    st.tuples(st.just("list_add"), st.integers(0, 3), st.integers(0, 99)),
+    st.tuples(st.just("list_add_all"), st.integers(0, 3), st.lists(st.integers(0, 99), max_size=3)),
+    st.tuples(st.just("list_update"), st.integers(0, 3), st.lists(st.integers(0, 99), max_size=3)),
+    st.tuples(st.just("list_get"), st.integers(0, 3)),
+    st.tuples(st.just("list_view"), st.integers(0, 3)),
+    st.tuples(st.just("map_put"), st.integers(0, 3), st.integers(0, 4), st.integers(0, 99)),
+    st.tuples(st.just("map_get"), st.integers(0, 3), st.integers(0, 4)),
+    st.tuples(st.just("map_contains"), st.integers(0, 3), st.integers(0, 4)),
+    st.tuples(st.just("map_remove"), st.integers(0, 3), st.integers(0, 4)),
+    st.tuples(st.just("map_items"), st.integers(0, 3)),
+    st.tuples(st.just("map_is_empty"), st.integers(0, 3)),
+    st.tuples(st.just("advance"), st.integers(1, 80)),
+    st.tuples(st.just("cleanup")),
+    st.tuples(st.just("snapshot_restore")),
+)
+
+TTLS = st.sampled_from(
+    [
+        None,
+        StateTtlConfig(TTL),
+        StateTtlConfig(TTL, update_type=TtlUpdateType.ON_READ_AND_WRITE),
+    ]
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    ttl=TTLS, typed=st.booleans(), backend_kind=st.sampled_from(["heap", "incremental"]), ops=st.lists(OPS, max_size=60)
+)
+def test_state_calls_answer_as_a_plain_dict_model(tmp_path_factory, ttl, typed, backend_kind, ops) -> None:
+    clock = Clock()
+    storage = checkpoint_storage(str(tmp_path_factory.mktemp("chk")), "job")
+    checkpoint = [0]
+
+    def make():
+        return create_keyed_backend(backend_kind, max_parallelism=8, ttl_clock_ms=clock)
+
+    def states(b):
+        int_type = pa.int64() if typed else None
+        return (
+            b.get_state(ValueStateDescriptor("v", None, int_type, ttl)),
+            b.get_state(ListStateDescriptor("l", int_type, ttl)),
+            b.get_state(MapStateDescriptor("m", int_type, int_type, ttl)),
+        )
+
+    backend = make()
+    v, lst, mp = states(backend)
+    model = Model(ttl)
+    for op in ops:
+        name = op[0]
+        now = clock.ms
+        if name == "advance":
+            clock.ms += op[1]
+            continue
+        if name == "cleanup":  # the incremental cleanup, a few steps at once
+            for state in (v, lst, mp):
+                if getattr(state, "_ttl", None) is not None:  # columnar value state has no TTL
+                    state._ttl.cleanup(state._table, 50)
+            continue
+        if name == "snapshot_restore":
+            checkpoint[0] += 1
+            location = storage.location(checkpoint[0])
+            result = backend.snapshot(checkpoint[0], location).run()
+            backend = make()
+            backend.restore(result.handles)
+            v, lst, mp = states(backend)
+            continue
+        key = op[1]
+        backend.set_current_key(key)
+        if name == "value_get":
+            assert v.value() == model.value_get(key, now)
+        elif name == "value_update":
+            v.update(op[2])
+            model.value[key] = (op[2], now)
+        elif name == "value_clear":
+            v.clear()
+            model.value.pop(key, None)
+        elif name == "list_add":
+            lst.add(op[2])
+            model.list.setdefault(key, []).append((op[2], now))
+        elif name == "list_add_all":
+            lst.add_all(op[2])
+            model.list.setdefault(key, []).extend((x, now) for x in op[2])
+        elif name == "list_update":
+            lst.update(op[2])
+            model.list[key] = [(x, now) for x in op[2]]
+        elif name == "list_get":
+            got = lst.get()
+            assert type(got) is list and got == model.list_get(key, now)
+            got.append(-1)  # a new list: changing it changes nothing stored
+        elif name == "list_view":
+            view = lst.view()
+            expected = model.list_get(key, now)
+            assert isinstance(view, ListView) and view == expected and len(view) == len(expected)
+            assert list(view) == expected and bool(view) == bool(expected)
+            lst.add(7)  # appended after the view: not in it
+            model.list.setdefault(key, []).append((7, now))
+            assert list(view) == expected
+            view.append(-1)  # the view's own copy
+        elif name == "map_put":
+            mp.put(op[2], op[3])
+            model.map.setdefault(key, {})[op[2]] = (op[3], now)
+        elif name == "map_get":
+            e = model.map_entry(key, op[2], now, read=True)
+            assert mp.get(op[2]) == (None if e is None else e[0])
+        elif name == "map_contains":
+            assert mp.contains(op[2]) == (model.map_entry(key, op[2], now, read=False) is not None)
+        elif name == "map_remove":
+            mp.remove(op[2])
+            model.map.get(key, {}).pop(op[2], None)
+        elif name == "map_items":
+            assert sorted(mp.items()) == model.map_items(key, now)
+            assert sorted(mp.keys()) == [k for k, _ in model.map_items(key, now)]
+        elif name == "map_is_empty":
+            assert mp.is_empty() == (not model.map_items(key, now))
+    # Every answer at the end too, for every key.
+    now = clock.ms
+    for key in range(4):
+        backend.set_current_key(key)
+        assert v.value() == model.value_get(key, now)
+        assert lst.get() == model.list_get(key, now)
+        assert sorted(mp.items()) == model.map_items(key, now)
+
+
+def test_expired_entries_are_left_out_of_a_snapshot(tmp_path) -> None:
+    clock = Clock()
+    storage = checkpoint_storage(str(tmp_path), "job")
+    backend = create_keyed_backend("heap", max_parallelism=8, ttl_clock_ms=clock)
+    v = backend.get_state(ValueStateDescriptor("v", ttl=TTL))
+    lst = backend.get_state(ListStateDescriptor("l", ttl=TTL))
+    mp = backend.get_state(MapStateDescriptor("m", ttl=TTL))
+    for key in range(6):
+        backend.set_current_key(key)
+        v.update(key)
+        lst.add(key)
+        mp.put("old", key)
+    clock.ms += TTL // 2
+    backend.set_current_key(0)
+    lst.add(100)
+    mp.put("new", 100)
+    clock.ms += TTL // 2  # everything written first has expired now, nothing was read
+    snapshot = backend.snapshot(1, storage.location(1))
+    restored = create_keyed_backend("heap", max_parallelism=8, ttl_clock_ms=clock)
+    restored.restore(snapshot.run().handles)
+    assert restored.get_state(ValueStateDescriptor("v", ttl=TTL)) is not None
+    assert restored.num_entries("v") == 0
+    assert restored.num_entries("l") == restored.num_entries("m") == 1  # key 0 only
+    lst2 = restored.get_state(ListStateDescriptor("l", ttl=TTL))
+    mp2 = restored.get_state(MapStateDescriptor("m", ttl=TTL))
+    restored.set_current_key(0)
+    assert lst2.get() == [100] and mp2.items() == [("new", 100)]
+
+
+def test_incremental_cleanup_removes_expired_entries_of_keys_never_read_again() -> None:
+    clock = Clock()
+    backend = create_keyed_backend("heap", max_parallelism=16, ttl_clock_ms=clock)
+    v = backend.get_state(ValueStateDescriptor("v", ttl=TTL))
+    lst = backend.get_state(ListStateDescriptor("l", ttl=TTL))
+    mp = backend.get_state(MapStateDescriptor("m", ttl=TTL))
+    for key in range(200):
+        backend.set_current_key(key)
+        v.update(key)
+        lst.add_all([1, 2, 3])
+        for uk in range(20):
+            mp.put(uk, uk)
+    clock.ms += TTL
+    # Writes to one other key only: the cleanup steps they run reach every key.
+    backend.set_current_key("writer")
+    for i in range(20_000):
+        v.update(i)
+        lst.add(i)
+        mp.put(i % 50, i)
+        clock.ms += 0 if i % 1000 else 1
+    assert backend.num_entries("v") == 1
+    assert backend.num_entries("l") == 1
+    assert backend.num_entries("m") == 1
+
+
+def test_return_expired_if_not_cleaned_up_returns_it_until_cleanup() -> None:
+    clock = Clock()
+    backend = create_keyed_backend("heap", max_parallelism=8, ttl_clock_ms=clock)
+    ttl = StateTtlConfig(TTL, state_visibility=StateVisibility.RETURN_EXPIRED_IF_NOT_CLEANED_UP)
+    lst = backend.get_state(ListStateDescriptor("l", ttl=ttl))
+    mp = backend.get_state(MapStateDescriptor("m", ttl=ttl))
+    backend.set_current_key("k")
+    lst.add(1)
+    mp.put("a", 1)
+    clock.ms += 2 * TTL
+    assert lst.get() == [1] and mp.get("a") == 1 and mp.contains("a")
+    lst._ttl.cleanup(lst._table, 100)
+    mp._ttl.cleanup(mp._table, 100)
+    assert lst.get() == [] and mp.get("a") is None
+
+
+def test_the_wall_clock_is_read_once_per_record_for_ttl(monkeypatch) -> None:
+    """Without a given clock, TTL reads the time once per set_current_key (a system
+    call on some hosts), and again for the next record."""
+    import pyengine.state.heap as heap
+
+    reads = []
+    monkeypatch.setattr(heap, "_wall_clock_ms", lambda: reads.append(1) or 5_000 + len(reads))
+    backend = create_keyed_backend("heap", max_parallelism=8)
+    v = backend.get_state(ValueStateDescriptor("v", ttl=TTL))
+    lst = backend.get_state(ListStateDescriptor("l", ttl=TTL))
+    backend.set_current_key("a")
+    v.update(1)
+    lst.add(1)
+    assert v.value() == 1 and lst.get() == [1]
+    assert len(reads) == 1
+    backend.set_current_key("a")
+    v.value()
+    assert len(reads) == 2
+
+
+@pytest.mark.parametrize("kind", ["list", "map"])
+def test_writes_after_a_snapshot_copy_a_key_once_not_per_call(kind) -> None:
+    """Copy-on-write copies a key's list or map on its first write after a freeze,
+    then writes in place (the randomized freeze test checks what snapshots hold)."""
+    backend = create_keyed_backend("heap", max_parallelism=4)
+    state = backend.get_state(ListStateDescriptor("s") if kind == "list" else MapStateDescriptor("s"))
+    backend.set_current_key(1)
+
+    def write(i):
+        state.add([i]) if kind == "list" else state.put(i, [i])
+
+    for i in range(10):
+        write(i)
+    table = backend._tables["s"]
+    frozen = table.freeze()
+    before = table.groups[backend._key_index][1]
+    write(10)
+    after = table.groups[backend._key_index][1]
+    assert after is not before  # copied once
+    write(11)
+    assert table.groups[backend._key_index][1] is after  # then in place
+    assert len(frozen[backend._key_index][1]) == 10
+    table.release()
