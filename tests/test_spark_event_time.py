@@ -18,6 +18,7 @@ import pyengine as pe
 from pyengine.io import CheckpointBarrier, CheckpointOptions, EndOfPartition
 from pyengine.io.events import MAX_WATERMARK, MIN_WATERMARK, WATERMARK_ACTIVE, WATERMARK_IDLE, Watermark
 from pyengine.runners.flight import RemoteChannel, decode_event, encode_event, serve
+from pyengine.runtime.sources import Source
 from pyengine.state import ValueStateDescriptor
 from pyengine.testing import RecordingListener
 
@@ -259,3 +260,57 @@ def test_event_time_on_spark_equals_embedded_across_a_failure_and_restore(tmp_pa
         assert stats.watermarks[vertex] == [MAX_WATERMARK, MAX_WATERMARK], stats
         assert stats.output_watermarks[vertex] == [MAX_WATERMARK, MAX_WATERMARK], stats
     assert stats.late_records_dropped == 0
+
+
+class OneQuietSplit(Source):
+    """Unbounded: split 0 a record every 10 ms of event time (keys 0-2), at most 40 per
+    read, paced; split 1 one record at ts 0, then nothing, ever. Without idleness the
+    quiet split holds every window back for good."""
+
+    def read(self, subtask: int, parallelism: int, position: int, n: int) -> Any:
+        if subtask == 1:
+            return [{"k": 9, "ts": 0}] if position == 0 else []
+        time.sleep(0.005)
+        return [{"k": (position + i) % 3, "ts": (position + i) * 10} for i in range(min(n, 40))]
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+def test_an_idle_split_on_spark_does_not_hold_windows_back_and_cancel_ends_the_stream(tmp_path, spark) -> None:
+    """The quiet split's IDLE status crosses the Flight channels to the window tasks, so
+    windows fire and commit while the unbounded job runs; client.cancel() ends it."""
+    env = pe.StreamEnvironment(
+        parallelism=2,
+        checkpointing=pe.CheckpointConfig(interval_ms=50),
+        checkpoint_storage=str(tmp_path / "ckpt"),
+        auto_watermark_interval_ms=10,
+        buffer_timeout_ms=2,
+    )
+    strategy = pe.WatermarkStrategy.for_monotonous_timestamps().with_timestamp_assigner("ts").with_idleness(200)
+    sink = pe.sinks.FileSink(str(tmp_path / "out"), format="parquet")
+    env.from_source(OneQuietSplit(), watermark_strategy=strategy).key_by("k").window(
+        pe.windows.tumbling(1_000)
+    ).aggregate(pe.agg.count()).sink_to(sink)
+    client = env.execute_async("idle-on-spark", runner=pe.runners.SparkRunner(spark))
+    deadline = time.monotonic() + 120
+    committed: List[Any] = []
+    while time.monotonic() < deadline and len(committed) < 6 and not client.done():
+        time.sleep(0.5)
+        committed = sink.read_committed()
+    client.cancel()
+    result = client.wait(120, raise_failure=False)
+    assert result.status == "CANCELED", result.cause
+    rows = sink.read_committed()
+    assert len(rows) >= 6, f"windows never fired while the job ran: {rows}"
+    # every committed window is whole: 100 records of event time per second, keys in turn,
+    # and the quiet split's one record (key 9) fired with the first window
+    expected = {
+        (k, w): sum(1 for i in range(w // 10, w // 10 + 100) if i % 3 == k)
+        for k in range(3)
+        for w in range(0, 10**6, 1000)
+    }
+    expected[(9, 0)] = 1
+    got = {(r["k"], r["window_start"]): r["count"] for r in rows}
+    assert len(got) == len(rows), "a window was committed twice"
+    assert all(expected[w] == n for w, n in got.items()), rows
+    assert (9, 0) in got and (0, 0) in got, rows

@@ -787,6 +787,15 @@ class _SparkJob(LocalRunner):
                 from ..io import CheckpointFailureReason
 
                 self.coordinator.abort_pending_checkpoints(CheckpointFailureReason.JOB_FAILOVER_REGION)
+                if outcome == "stopped":
+                    # As the embedded runner: the tasks may have been cancelled before the
+                    # savepoint's commit reached them, so the sink commits what it covers here.
+                    self.graph.sink.recover(covered_by(self._stop_savepoint))
+                    status = "FINISHED"
+                    break
+                if outcome == "cancelled":
+                    status = "CANCELED"
+                    break
                 cause = self._failure
                 if not self._restart(restarts):
                     break
@@ -801,7 +810,7 @@ class _SparkJob(LocalRunner):
                 self._control.shutdown()
             if storage.fs.get_file_info(probe_path).is_file:
                 storage.fs.delete_file(probe_path)
-            self._close_run(status)
+            self._close_run("STOPPED" if self._stop_with_savepoint.is_set() else status)
         return self._result(status, cause, restarts, [], storage, started)
 
     def _check_executors(self, backend: Any) -> None:
@@ -839,6 +848,8 @@ class _SparkJob(LocalRunner):
         while len(self._registered) < len(attempts):
             if self._failure is not None:
                 return "failed"
+            if self._cancel.is_set():
+                return "cancelled"
             if time.monotonic() > deadline:
                 self.fail_job(RuntimeError(f"only {len(self._registered)} of {len(attempts)} tasks started"))
                 return "failed"
@@ -865,6 +876,13 @@ class _SparkJob(LocalRunner):
             if self._failure is not None:
                 coordinator.stop_checkpoint_scheduler()
                 return "failed"
+            # An unbounded job (an event-time stream, say) ends only so, as on the embedded runner.
+            if self._stop_with_savepoint.is_set():
+                coordinator.stop_checkpoint_scheduler(abort_pending=False)
+                return "stopped"
+            if self._cancel.is_set():
+                coordinator.stop_checkpoint_scheduler()
+                return "cancelled"
             if not self._ending and len(self._drained) == len(attempts):
                 if checkpointing and not self._final_checkpoint():
                     coordinator.stop_checkpoint_scheduler()
