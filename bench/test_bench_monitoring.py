@@ -1,21 +1,41 @@
-"""What watching a job costs it: the same job with monitoring on (its server, its
-sampling thread, and a client scraping ``/metrics``, the checkpoint statistics and
-the progress every second, as Prometheus and the dashboard would) against
-``monitoring=None``, runs interleaved in the same session.
+"""What watching a job costs it (issue #15: at most 2% of its throughput).
 
-The target is at most 2% of the throughput, reported with the figures; the
-assertion (at most 10%) leaves room for this shared machine's noise: with other
-processes on its two cores, the same variant's runs differ by more than 2%. The
-per-buffer counters in ``StreamTask`` run in both variants: they cost one addition
-per buffer, nothing per record."""
+The same job runs with monitoring on (its server, its sampling thread, and a
+client reading ``/metrics``, the checkpoint statistics, the progress and the job
+every second, as Prometheus and an open dashboard would) and with
+``monitoring=None``, interleaved in the same session so both meet the same load.
+The client is a separate process, as Prometheus and a browser are: in this
+process its own HTTP code would hold the GIL the job needs and be counted as
+monitoring's cost.
+
+Two figures, because this machine cannot resolve 2% by timing alone: the same
+variant's runs differ by more than that when other processes share its two
+cores.
+
+- **The monitor's own CPU time** (``JobMonitor.cpu_seconds``: sampling, every
+  request's thread, the server's accept loop, each on its thread's CPU clock) as
+  a share of the run. Under the embedded runner the tasks are threads of this
+  process, so this is GIL time they could not have: the upper bound of what
+  monitoring takes from a GIL-bound job, and unaffected by other processes' load.
+  It is asserted at the 2% target.
+- **The throughput ratio**, best monitored run against best unmonitored run over
+  interleaved rounds: reported with the target, and asserted at a guard (95%)
+  when the runs can resolve it, that is when each variant's median run is within
+  10% of its best. On this shared machine they often are not: with other
+  developers' jobs on its two cores, the same variant's runs have differed 4x in
+  one session (best-of-5 ratios of 62% and 399% in the same hour). Then the
+  ratio is reported as unresolved, and the CPU share above is what holds the
+  monitor to its budget.
+
+The per-buffer counters in ``StreamTask`` run in both variants: they cost one
+addition per buffer, nothing per record."""
 
 from __future__ import annotations
 
-import inspect
 import os
-import threading
+import subprocess
+import sys
 import time
-import urllib.request
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -28,45 +48,71 @@ import pyengine as pe
 RECORDS = int(os.environ.get("PYENGINE_BENCH_RECORDS", 10_000_000))
 PER_RECORD = max(RECORDS // 4, 200_000)  # a Python call per record: a quarter runs as long as the rest
 KEYS = 10_000
-ROUNDS = 4
+ROUNDS = 5
+TARGET = 0.98  # issue #15: monitoring costs at most 2% of the throughput
+GUARD = 0.95  # what the timed ratio must show when the runs resolve it (see the docstring)
+RESOLVING = 1.10  # the runs resolve the guard when each variant's median run is within this of its best
 
-pytestmark = pytest.mark.skipif(
-    "monitoring" not in inspect.signature(pe.StreamEnvironment).parameters,
-    reason="the runners do not start monitoring yet (hooks not applied)",
-)
+# The client, in its own process: reads every path once a second from the URL given
+# on a line of its stdin until that job's server stops answering, then says how many
+# requests it made and waits for the next URL.
+_SCRAPER = r"""
+import sys, time, urllib.request
+for line in sys.stdin:
+    url, job = line.split()
+    paths = ["metrics", f"jobs/{job}/checkpoints", f"jobs/{job}/progress", f"jobs/{job}"]
+    served, gone = 0, False
+    while not gone:
+        time.sleep(1.0)
+        for path in paths:
+            try:
+                with urllib.request.urlopen(url + path, timeout=5) as response:
+                    response.read()
+                served += 1
+            except OSError:
+                gone = True
+                break
+    print(served, flush=True)
+"""
 
 
 class Scraper:
-    """Reads the monitoring API once a second while the job runs, as Prometheus
-    (``/metrics``) and an open dashboard (statistics, progress) would."""
+    """The client process, one for the whole benchmark (its start-up is not a run's cost)."""
 
-    def __init__(self, client: Any) -> None:
-        self.client = client
-        self.requests = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _SCRAPER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
 
-    def _run(self) -> None:
-        url = self.client.monitoring_url
-        job_id = self.client._runner.job_id
-        paths = ["metrics", f"jobs/{job_id}/checkpoints", f"jobs/{job_id}/progress", f"jobs/{job_id}"]
-        while not self._stop.wait(1.0):
-            for path in paths:
-                try:
-                    with urllib.request.urlopen(url + path, timeout=5) as response:
-                        response.read()
-                    self.requests += 1
-                except OSError:
-                    return  # the job ended
+    def watch(self, url: str, job_id: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(f"{url} {job_id}\n")
+        self.process.stdin.flush()
 
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join(5)
-        return self.requests
+    def served(self) -> int:
+        """Requests served in the run just ended (the client sees its server gone)."""
+        assert self.process.stdout is not None
+        return int(self.process.stdout.readline())
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        self.process.wait(10)
 
 
-def _run(build: Any, monitored: bool) -> Tuple[float, int]:
+@pytest.fixture(scope="module")
+def scraper() -> Any:
+    client = Scraper()
+    yield client
+    client.close()
+
+
+class Run:
+    def __init__(self, elapsed: float, requests: int = 0, cpu_s: float = 0.0) -> None:
+        self.elapsed, self.requests, self.cpu_s = elapsed, requests, cpu_s
+
+
+def _run(build: Any, monitored: bool, scraper: Scraper) -> Run:
     monitoring: Optional[pe.Monitoring] = (
         pe.Monitoring(sample_interval_s=1.0, progress=False, announce=False) if monitored else None
     )
@@ -76,50 +122,78 @@ def _run(build: Any, monitored: bool) -> Tuple[float, int]:
     build(env)
     start = time.perf_counter()
     client = env.execute_async("monitoring-bench")
-    scraper = Scraper(client) if monitored else None
+    if monitored:
+        assert client.monitoring_url is not None
+        scraper.watch(client.monitoring_url, client._runner.job_id)
     result = client.wait()
     elapsed = time.perf_counter() - start
-    requests = scraper.stop() if scraper is not None else 0
     assert result.status == "FINISHED", result.cause
-    return elapsed, requests
+    if not monitored:
+        return Run(elapsed)
+    monitor = client._runner.monitor
+    return Run(elapsed, scraper.served(), monitor.cpu_seconds)
 
 
-def _best(build: Any) -> Dict[bool, Tuple[float, int]]:
-    best: Dict[bool, Tuple[float, int]] = {}
+def _rounds(build: Any, scraper: Scraper) -> Dict[bool, List[Run]]:
+    runs: Dict[bool, List[Run]] = {False: [], True: []}
     for i in range(ROUNDS):
         for monitored in (False, True) if i % 2 == 0 else (True, False):  # neither always goes first
-            elapsed, requests = _run(build, monitored)
-            if monitored not in best or elapsed < best[monitored][0]:
-                best[monitored] = (elapsed, requests)
-    return best
+            runs[monitored].append(_run(build, monitored, scraper))
+    return runs
 
 
-def _report(benchmark: Any, what: str, records: int, best: Dict[bool, Tuple[float, int]]) -> float:
-    off, on = best[False][0], best[True][0]
+def _spread(runs: List[Run]) -> float:
+    """The median run's time over the best's: how far this machine let the runs wander."""
+    times = sorted(r.elapsed for r in runs)
+    return times[len(times) // 2] / times[0]
+
+
+def _report(benchmark: Any, what: str, records: int, runs: Dict[bool, List[Run]]) -> Tuple[float, float, bool]:
+    off = min(r.elapsed for r in runs[False])
+    on = min(r.elapsed for r in runs[True])
     ratio = off / on
+    cpu_share = max(r.cpu_s / r.elapsed for r in runs[True])  # the worst run's
+    requests = sum(r.requests for r in runs[True])
+    spread = max(_spread(runs[False]), _spread(runs[True]))
+    resolved = spread <= RESOLVING
     benchmark.group = "monitoring"
     benchmark.pedantic(lambda: None, rounds=1)
-    benchmark.extra_info.update(records_per_s_on=records / on, records_per_s_off=records / off, ratio=ratio)
-    SUMMARY.append(
-        f"{what}, {records:,} records, p=2: {records / on / 1e6:.2f} M records/s monitored "
-        f"({best[True][1]} API requests served), {records / off / 1e6:.2f} M/s with monitoring=None -> "
-        f"{ratio:.1%} (target >= 98%: {'met' if ratio >= 0.98 else 'NOT MET in this run'})"
+    benchmark.extra_info.update(
+        records_per_s_on=records / on,
+        records_per_s_off=records / off,
+        ratio=ratio,
+        monitor_cpu_share=cpu_share,
+        spread=spread,
     )
-    return ratio
+    verdict = ("met" if ratio >= TARGET else "NOT MET in this run") if resolved else "not resolved by these runs"
+    SUMMARY.append(
+        f"{what}, {records:,} records, p=2, best of {ROUNDS} interleaved: {records / on / 1e6:.2f} M records/s "
+        f"monitored, {records / off / 1e6:.2f} M/s with monitoring=None -> {ratio:.1%} (target >= {TARGET:.0%}: "
+        f"{verdict}: a variant's median run {spread - 1:.0%} slower than its best, the {GUARD:.0%} guard holds "
+        f"runs within {RESOLVING - 1:.0%}); the monitor's own CPU time at most "
+        f"{cpu_share:.2%} of a run (target <= {1 - TARGET:.0%}; {requests} API requests served in "
+        f"{len(runs[True])} runs)"
+    )
+    return ratio, cpu_share, resolved
 
 
-def test_monitoring_costs_a_vectorised_job_at_most_2_percent(benchmark: Any) -> None:
+def _check(ratio: float, cpu_share: float, resolved: bool) -> None:
+    assert cpu_share <= 1 - TARGET, f"the monitor's own threads took {cpu_share:.2%} of the run"
+    if resolved:
+        assert ratio >= GUARD, f"monitoring cost {1 - ratio:.1%} of the throughput"
+
+
+def test_monitoring_costs_a_vectorised_job_at_most_2_percent(benchmark: Any, scraper: Scraper) -> None:
     rng = np.random.default_rng(0)
     table = pa.table({"user": rng.integers(0, KEYS, RECORDS), "v": rng.integers(0, 1000, RECORDS)})
 
     def build(env: Any) -> None:
         env.from_collection(table).key_by("user").aggregate(pe.agg.count()).sink_to(pe.sinks.DiscardSink())
 
-    ratio = _report(benchmark, "keyed count via aggregate", RECORDS, _best(build))
-    assert ratio >= 0.90, f"monitoring cost {1 - ratio:.1%} of the throughput"
+    _check(*_report(benchmark, "keyed count via aggregate", RECORDS, _rounds(build, scraper)))
 
 
-def test_monitoring_costs_a_per_record_job_at_most_2_percent(benchmark: Any) -> None:
+def test_monitoring_costs_a_per_record_job_at_most_2_percent(benchmark: Any, scraper: Scraper) -> None:
     records: List[Any] = list(range(PER_RECORD))
 
     def build(env: Any) -> None:
@@ -131,5 +205,5 @@ def test_monitoring_costs_a_per_record_job_at_most_2_percent(benchmark: Any) -> 
             .sink_to(pe.sinks.DiscardSink())
         )
 
-    ratio = _report(benchmark, "map -> rebalance -> map, a Python call per record", PER_RECORD, _best(build))
-    assert ratio >= 0.90, f"monitoring cost {1 - ratio:.1%} of the throughput"
+    what = "map -> rebalance -> map, a Python call per record"
+    _check(*_report(benchmark, what, PER_RECORD, _rounds(build, scraper)))
