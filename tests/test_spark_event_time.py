@@ -276,9 +276,11 @@ class OneQuietSplit(Source):
 
 @pytest.mark.spark
 @pytest.mark.slow
-def test_an_idle_split_on_spark_does_not_hold_windows_back_and_cancel_ends_the_stream(tmp_path, spark) -> None:
+@pytest.mark.parametrize("stop", ["cancel", "savepoint"])
+def test_an_idle_split_on_spark_does_not_hold_windows_back_and_the_stream_stops(tmp_path, spark, stop) -> None:
     """The quiet split's IDLE status crosses the Flight channels to the window tasks, so
-    windows fire and commit while the unbounded job runs; client.cancel() ends it."""
+    windows fire and commit while the unbounded job runs; client.cancel() or
+    stop_with_savepoint ends it."""
     env = pe.StreamEnvironment(
         parallelism=2,
         checkpointing=pe.CheckpointConfig(interval_ms=50),
@@ -297,9 +299,13 @@ def test_an_idle_split_on_spark_does_not_hold_windows_back_and_cancel_ends_the_s
     while time.monotonic() < deadline and len(committed) < 6 and not client.done():
         time.sleep(0.5)
         committed = sink.read_committed()
-    client.cancel()
+    if stop == "cancel":
+        client.cancel()
+    else:
+        path = client.stop_with_savepoint(str(tmp_path / "savepoints"), timeout_s=120)
+        assert os.path.exists(os.path.join(path, "_metadata")), path
     result = client.wait(120, raise_failure=False)
-    assert result.status == "CANCELED", result.cause
+    assert result.status == ("CANCELED" if stop == "cancel" else "FINISHED"), result.cause
     rows = sink.read_committed()
     assert len(rows) >= 6, f"windows never fired while the job ran: {rows}"
     # every committed window is whole: 100 records of event time per second, keys in turn,
