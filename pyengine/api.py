@@ -323,11 +323,11 @@ class StreamEnvironment:
         if not hasattr(runner, "job") or isinstance(runner, str):
             raise ValueError(f"runner must be 'embedded', 'spark' or a SparkRunner, got {runner!r}")
         if graph.event_time and not getattr(runner, "supports_event_time", False):
-            # Watermarks travel between Spark tasks as Flight metadata events, which the
-            # Flight channels do not carry yet (pyengine.io.events.time_event_to_json).
+            # A runner opts in with supports_event_time once its channels carry watermarks
+            # (the Spark runner's Flight channels do: pyengine.runners.flight.encode_event).
             raise ValueError(
-                "this job uses event time (a watermark strategy, a window or timers), which the Spark runner does not "
-                "run yet: run it embedded (execute(..., runner='embedded'))"
+                f"this job uses event time (a watermark strategy, a window or timers), which {type(runner).__name__} "
+                "does not run: run it embedded (execute(..., runner='embedded')) or on Spark (runner='spark')"
             )
         return runner.job(graph, self, name, restore_from, resume)
 
@@ -456,8 +456,12 @@ class JobClient:
 
     def event_time(self) -> EventTimeStatistics:
         """Event time now, live: each subtask's watermarks and the late records
-        dropped so far (``pyengine.runtime.task.EventTimeStatistics``; the embedded
-        runner's tasks; empty elsewhere)."""
+        dropped so far (``pyengine.runtime.task.EventTimeStatistics``): the embedded
+        runner's tasks read directly; on Spark, as the tasks last reported them with
+        their poll (about once a second: ``_SparkJob.event_time_statistics``)."""
+        reported = getattr(self._runner, "event_time_statistics", None)
+        if callable(reported):
+            return reported()  # type: ignore[no-any-return]
         return event_time_statistics(list(getattr(self._runner, "_tasks", [])))
 
     def watermarks(self) -> Dict[str, List[int]]:
