@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time these load on 
     from .monitoring.config import Monitoring
     from .runtime.operators import KeyedProcessFunction
     from .time import TimeDomain, WatermarkStrategy
+    from .tune import tune
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,7 @@ __all__ = [
     "errors",
     "runners",
     "sinks",
+    "tune",
     "windows",
 ]
 
@@ -47,6 +49,9 @@ _LAZY = {
     "WatermarkStrategy": ("pyengine.time", "WatermarkStrategy"),
     "TimeDomain": ("pyengine.time", "TimeDomain"),
     "windows": ("pyengine.windows", None),
+    # the package itself: it is callable (pe.tune(...) is pyengine.tune.tune), and once
+    # imported Python binds pyengine.tune to the package whatever this table says
+    "tune": ("pyengine.tune", None),
 }
 
 
