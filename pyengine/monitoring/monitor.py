@@ -109,6 +109,13 @@ class JobMonitor:
     # -- life --------------------------------------------------------------------------------
 
     def start(self) -> Optional[str]:
+        started = time.thread_time_ns()
+        try:
+            return self._start()
+        finally:
+            self.charge(time.thread_time_ns() - started)  # the job's start pays it: part of the cost
+
+    def _start(self) -> Optional[str]:
         from .server import MonitoringServer
 
         try:
