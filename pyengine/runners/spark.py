@@ -650,7 +650,7 @@ class _SparkJob(LocalRunner):
         started: float,
     ) -> JobResult:
         result = super()._result(status, cause, restarts, records, storage, started)
-        if getattr(self.graph, "event_time", False):  # the embedded runner's reads its own tasks, which are remote here
+        if getattr(self.graph, "event_time", False):  # LocalRunner reads its task objects; here they are remote
             result.event_time = self.event_time_statistics()
         return result
 
