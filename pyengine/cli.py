@@ -71,6 +71,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     tune.add_argument("--report", default="pyengine-tune-report", help="directory for report.html and its figures")
     tune.add_argument("--benchmark-json", help="also write the runs as pytest-benchmark JSON here")
     tune.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for flag, values in (
+        ("buffer-sizes", "buffer sizes"),
+        ("buffer-timeouts-ms", "buffer timeouts"),
+        ("channel-capacities", "channel capacities"),
+        ("intervals-ms", "checkpoint intervals"),
+    ):
+        tune.add_argument(f"--{flag}", help=f"the {values} to try, comma-separated (default: a built-in range)")
+    tune.add_argument("--aligned-only", action="store_true", help="do not try unaligned checkpoints")
 
     args = parser.parse_args(argv)
     if args.command == "tune":
@@ -131,6 +139,23 @@ def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and not value > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
+    from .tune.settings import DEFAULT_SPACE
+
+    space = dict(DEFAULT_SPACE)
+    for option, setting in (
+        ("buffer_sizes", "buffer_size"),
+        ("buffer_timeouts_ms", "buffer_timeout_ms"),
+        ("channel_capacities", "channel_capacity"),
+        ("intervals_ms", "interval_ms"),
+    ):
+        given = getattr(args, option)
+        if given is not None:
+            try:
+                space[setting] = tuple(int(v) for v in given.split(",") if v.strip())
+            except ValueError:
+                parser.error(f"--{option.replace('_', '-')} takes integers separated by commas, got {given!r}")
+    if args.aligned_only:
+        space["unaligned"] = (False,)
     if os.getcwd() not in sys.path:  # module:function names the user's module, as `python -m` finds it
         sys.path.insert(0, os.getcwd())
     try:
@@ -147,6 +172,7 @@ def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             report_dir=args.report,
             benchmark_json=args.benchmark_json,
             progress=not args.no_progress,
+            space=space,
         )
     except (ImportError, ValueError, TypeError, RuntimeError) as exc:
         print(f"pyengine tune: {exc}", file=sys.stderr)

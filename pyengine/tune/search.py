@@ -13,7 +13,7 @@ import importlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .measure import JobBuilder, Measurement, measure
 from .settings import DEFAULT_SPACE, Setting, check_space
@@ -283,7 +283,7 @@ def tune(
     budget_s: float = 120.0,
     trial_s: float = 1.0,
     parallelism: int = 2,
-    space: Optional[Dict[str, Sequence[Any]]] = None,
+    space: Optional[Mapping[str, Sequence[Any]]] = None,
     latency_field: Optional[str] = None,
     input_rate_per_s: Optional[float] = None,
     report_dir: Optional[str] = None,
