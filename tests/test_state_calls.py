@@ -243,7 +243,8 @@ def test_expired_entries_are_left_out_of_a_snapshot(tmp_path) -> None:
     assert lst2.get() == [100] and mp2.items() == [("new", 100)]
 
 
-def test_incremental_cleanup_removes_expired_entries_of_keys_never_read_again() -> None:
+@pytest.mark.parametrize("restored", [False, True])
+def test_incremental_cleanup_removes_expired_entries_of_keys_never_read_again(tmp_path, restored) -> None:
     clock = Clock()
     backend = create_keyed_backend("heap", max_parallelism=16, ttl_clock_ms=clock)
     v = backend.get_state(ValueStateDescriptor("v", ttl=TTL))
@@ -255,6 +256,13 @@ def test_incremental_cleanup_removes_expired_entries_of_keys_never_read_again() 
         lst.add_all([1, 2, 3])
         for uk in range(20):
             mp.put(uk, uk)
+    if restored:  # restored entries may be of any age: a full pass finds out
+        result = backend.snapshot(1, checkpoint_storage(str(tmp_path), "job").location(1)).run()
+        backend = create_keyed_backend("heap", max_parallelism=16, ttl_clock_ms=clock)
+        backend.restore(result.handles)
+        v = backend.get_state(ValueStateDescriptor("v", ttl=TTL))
+        lst = backend.get_state(ListStateDescriptor("l", ttl=TTL))
+        mp = backend.get_state(MapStateDescriptor("m", ttl=TTL))
     clock.ms += TTL
     # Writes to one other key only: the cleanup steps they run reach every key.
     backend.set_current_key("writer")
@@ -294,6 +302,7 @@ def test_the_wall_clock_is_read_once_per_record_for_ttl(monkeypatch) -> None:
     backend = create_keyed_backend("heap", max_parallelism=8)
     v = backend.get_state(ValueStateDescriptor("v", ttl=TTL))
     lst = backend.get_state(ListStateDescriptor("l", ttl=TTL))
+    reads.clear()  # get_state read it (a new state's entries are all younger than that)
     backend.set_current_key("a")
     v.update(1)
     lst.add(1)

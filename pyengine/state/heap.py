@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import copy
 import itertools
+import math
 import operator
 import threading
 import time
@@ -229,7 +230,9 @@ class _Ttl:
     writes that checks at most ``CLEANUP_SIZE`` entries (Flink's incremental
     cleanup, bounded per record): a cursor walks the key groups, the keys of each
     and, for a map, its entries, so the cost per write never depends on how much
-    state a key holds.
+    state a key holds. A step costs one comparison while nothing can have expired:
+    ``floor`` is a lower bound of the stamps in the state (the state's creation
+    for a new one; after a restore, the oldest stamp a full pass of the cursor saw).
     """
 
     __slots__ = (
@@ -239,8 +242,11 @@ class _Ttl:
         "_group",
         "_keys",
         "_kpos",
+        "_pass_min",
+        "_pass_start",
         "clock",
         "config",
+        "floor",
         "on_read",
         "return_expired",
         "ttl_ms",
@@ -249,7 +255,7 @@ class _Ttl:
     CLEANUP_EVERY = 32  # writes between two cleanup steps
     CLEANUP_SIZE = 16  # key groups, keys or map entries checked per step
 
-    def __init__(self, config: StateTtlConfig, clock: Callable[[], int]) -> None:
+    def __init__(self, config: StateTtlConfig, clock: Callable[[], int], empty: bool = False) -> None:
         self.config = config
         self.clock = clock
         self.ttl_ms = config.ttl_ms
@@ -261,6 +267,12 @@ class _Ttl:
         self._kpos = 0
         self._entries: Optional[List[Any]] = None
         self._epos = 0
+        now = clock()
+        # Every stamp in the state is >= floor: a new state's entries are all written
+        # from now on; restored ones may be of any age until a full pass has seen them.
+        self.floor: float = now if empty else -math.inf
+        self._pass_start = now  # the pass of the cursor under way: when it began,
+        self._pass_min = math.inf  # and the oldest stamp it has kept
 
     def expired(self, stamp: int, now: int) -> bool:
         return now - stamp >= self.ttl_ms
@@ -269,10 +281,15 @@ class _Ttl:
         return now - stamp < self.ttl_ms or self.return_expired
 
     def tick(self, table: StateTable) -> None:
-        """Counts a write; every CLEANUP_EVERY writes, one bounded cleanup step."""
+        """Counts a write; every CLEANUP_EVERY writes, one bounded cleanup step.
+        (The per-record writes inline the countdown and call ``step``.)"""
         self._countdown -= 1
         if self._countdown <= 0:
-            self._countdown = self.CLEANUP_EVERY
+            self.step(table)
+
+    def step(self, table: StateTable) -> None:
+        self._countdown = self.CLEANUP_EVERY
+        if self.clock() - self.ttl_ms >= self.floor:  # else nothing can have expired yet
             self.cleanup(table, self.CLEANUP_SIZE)
 
     def cleanup(self, table: StateTable, budget: int) -> None:
@@ -281,47 +298,77 @@ class _Ttl:
         now = self.clock()
         limit = now - self.ttl_ms  # stamps at or below this have expired
         groups = table.groups
-        moves = len(groups)  # visit each key group at most once per step (all may be empty)
+        n = len(groups)
+        moves = n  # key groups entered in one step, at most: all may be empty
         while budget > 0:
             if self._kpos >= len(self._keys):
-                if moves == 0:
-                    return
-                moves -= 1
-                budget -= 1
-                self._group = (self._group + 1) % len(groups)
-                self._keys = list(groups[self._group])
+                g = self._group
+                while True:  # the next key group with entries (an empty one costs a test)
+                    if moves == 0:
+                        self._group, self._keys, self._kpos = g, [], 0
+                        return
+                    moves -= 1
+                    if g + 1 < n:
+                        g += 1
+                    else:  # a full pass: every entry it did not remove is >= the floor
+                        g = 0
+                        self.floor = min(self._pass_min, self._pass_start)
+                        self._pass_start, self._pass_min = now, math.inf
+                    if groups[g]:
+                        break
+                self._group = g
+                self._keys = list(groups[g])
                 self._kpos = 0
                 self._entries = None
+                budget -= 1
                 continue
-            index, key = self._group, self._keys[self._kpos]
-            stored = groups[index].get(key, _ABSENT)
-            if stored is _ABSENT:
-                self._kpos += 1
-                budget -= 1
-            elif kind == "list":
-                budget -= 1 + self._clean_list(table, index, key, stored, limit)
-                self._kpos += 1
-            elif kind == "map":
-                budget -= self._clean_map(table, index, key, stored, limit, budget)
-            else:
-                if stored[1] <= limit:
+            index, group = self._group, groups[self._group]
+            if kind == "list" or kind == "map":
+                key = self._keys[self._kpos]
+                stored = group.get(key, _ABSENT)
+                if stored is _ABSENT:
+                    self._kpos += 1
+                    budget -= 1
+                elif kind == "list":
+                    budget -= 1 + self._clean_list(table, index, key, stored, limit)
+                    self._kpos += 1
+                else:
+                    budget -= self._clean_map(table, index, key, stored, limit, budget)
+                continue
+            # one value per key: a chunk of the keys in one comprehension
+            chunk = self._keys[self._kpos : self._kpos + budget]
+            self._kpos += len(chunk)
+            budget -= len(chunk)
+            get = group.get
+            oldest = self._pass_min
+            for key in chunk:
+                e = get(key)
+                if e is None:
+                    continue
+                if e[1] <= limit:
                     table.delete(index, key)
-                self._kpos += 1
-                budget -= 1
+                elif e[1] < oldest:
+                    oldest = e[1]
+            self._pass_min = oldest
 
     def _clean_list(self, table: StateTable, index: int, key: Any, stored: List[Any], limit: int) -> int:
         """Drops the expired prefix of a list (elements are appended in stamp order,
         so expired ones gather at its front); copies only when at least half of the
         list goes, so the copying is paid for by the elements it removes."""
-        if not stored or stored[0][1] > limit:
+        if not stored:
+            return 0
+        if stored[0][1] > limit:
+            self._pass_min = min(self._pass_min, stored[0][1])
             return 0
         cut = bisect.bisect_right(stored, limit, key=_stamp_of)
         if 2 * cut < len(stored):
+            self._pass_min = min(self._pass_min, stored[0][1])  # expired ones stay: the floor stays below
             return 1
         live = [e for e in stored[:cut] if e[1] > limit]  # stamps out of order (a clock set back)
         live.extend(stored[cut:])
         if live:
             table.store(index, key, live)
+            self._pass_min = min(self._pass_min, live[0][1])
         else:
             table.delete(index, key)
         return 1 + cut // 64
@@ -334,10 +381,16 @@ class _Ttl:
             self._epos = 0
         stop = min(len(self._entries), self._epos + budget)
         dead = []
+        oldest = self._pass_min
         for user_key in self._entries[self._epos : stop]:
             entry = stored.get(user_key, _ABSENT)
-            if entry is not _ABSENT and entry[1] <= limit:
+            if entry is _ABSENT:
+                continue
+            if entry[1] <= limit:
                 dead.append(user_key)
+            elif entry[1] < oldest:
+                oldest = entry[1]
+        self._pass_min = oldest
         checked = stop - self._epos
         self._epos = stop
         if stop >= len(self._entries):
@@ -398,7 +451,7 @@ class _KeyedState:
         ttl = self._ttl
         if ttl is not None:
             value, stamp = stored
-            now = ttl.clock()
+            now = b._ttl_now or ttl.clock()
             if now - stamp >= ttl.ttl_ms and not ttl.return_expired:
                 table.delete(index, key)
                 return _ABSENT
@@ -421,7 +474,7 @@ class _KeyedState:
         ttl = self._ttl
         table = self._table
         if ttl is not None:
-            value = (value, ttl.clock())
+            value = (value, (self._backend._ttl_now or ttl.clock()))
         if table.shared[index]:
             table.writable(index)
         table.groups[index][key] = value
@@ -430,7 +483,9 @@ class _KeyedState:
         if table.changes is not None:
             table.changes[index].add(key)
         if ttl is not None:
-            ttl.tick(table)
+            ttl._countdown -= 1
+            if ttl._countdown <= 0:
+                ttl.step(table)
 
     def clear(self) -> None:
         """Removes the current key's entry of this state."""
@@ -465,7 +520,7 @@ class ValueState(_KeyedState, Generic[T]):
         ttl = self._ttl
         if ttl is not None:
             value, stamp = stored
-            now = ttl.clock()
+            now = b._ttl_now or ttl.clock()
             if now - stamp >= ttl.ttl_ms and not ttl.return_expired:
                 table.delete(index, key)
                 return self._default  # type: ignore[no-any-return]
@@ -756,7 +811,7 @@ class ListState(_KeyedState, Generic[T]):
         key = b._key
         table = self._table
         ttl = self._ttl
-        element = value if ttl is None else (value, ttl.clock())
+        element = value if ttl is None else (value, (b._ttl_now or ttl.clock()))
         stored = table.groups[index].get(key)
         if stored is None:
             self._put(index, key, [element])
@@ -767,7 +822,9 @@ class ListState(_KeyedState, Generic[T]):
             if table.changes is not None:
                 table.changes[index].add(key)
         if ttl is not None:
-            ttl.tick(table)
+            ttl._countdown -= 1
+            if ttl._countdown <= 0:
+                ttl.step(table)
 
     def _put(self, index: int, key: Any, elements: List[Any]) -> None:
         table = self._table
@@ -868,7 +925,7 @@ class MapState(_KeyedState, Generic[K, V]):
         ttl = self._ttl
         if ttl is not None:
             value, stamp = entry
-            now = ttl.clock()
+            now = b._ttl_now or ttl.clock()
             if now - stamp >= ttl.ttl_ms and not ttl.return_expired:
                 self._drop(index, key, user_key)
                 return None
@@ -899,7 +956,7 @@ class MapState(_KeyedState, Generic[K, V]):
         entry = stored.get(user_key, _ABSENT)
         if entry is _ABSENT:
             return False
-        if ttl.clock() - entry[1] >= ttl.ttl_ms and not ttl.return_expired:
+        if (b._ttl_now or ttl.clock()) - entry[1] >= ttl.ttl_ms and not ttl.return_expired:
             self._drop(index, b._key, user_key)
             return False
         return True
@@ -918,8 +975,10 @@ class MapState(_KeyedState, Generic[K, V]):
         if ttl is None:
             self._writable(index, b._key)[user_key] = value
         else:
-            self._writable(index, b._key)[user_key] = (value, ttl.clock())
-            ttl.tick(self._table)
+            self._writable(index, b._key)[user_key] = (value, (b._ttl_now or ttl.clock()))
+            ttl._countdown -= 1
+            if ttl._countdown <= 0:
+                ttl.step(self._table)
 
     def put_all(self, entries: Mapping[K, V]) -> None:
         """Sets several entries of the current key's map."""
@@ -1166,7 +1225,8 @@ class HeapKeyedStateBackend:
             )
         else:
             self._adopt(table, descriptor)
-        ttl = _Ttl(descriptor.ttl, self._ttl_time) if descriptor.ttl is not None else None  # type: ignore[attr-defined]
+        ttl_config = getattr(descriptor, "ttl", None)
+        ttl = _Ttl(ttl_config, self._ttl_time, empty=len(table) == 0) if ttl_config is not None else None
         state = cls(self, table, ttl)
         self._states[descriptor.name] = state
         return state
