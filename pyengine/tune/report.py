@@ -27,7 +27,7 @@ def _fmt(value: float, spec: str = ",.0f", suffix: str = "") -> str:
 
 def _rows(result: TuneResult) -> List[Measurement]:
     """One row per setting: its latest (longest) measurement, best first."""
-    from .search import rank
+    from .ranking import rank
 
     latest: Dict[Any, Measurement] = {}
     for m in result.trials:
