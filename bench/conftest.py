@@ -1,8 +1,13 @@
 """Shared pieces of the benchmark suite.
 
-Targets are ratios against a baseline measured in the same run (these machines
-are shared and noisy); the measured figures are attached to each benchmark's
-``extra_info`` and printed in a summary table at the end of the session.
+Every benchmark times its real work in pytest-benchmark's own rounds, one row per
+engine or setting it compares, so ``--benchmark-compare`` between two commits shows a
+real difference (a row that timed ``lambda: None`` would show a microsecond of nothing).
+Targets are ratios against a row measured earlier in the same run (``RESULTS``: these
+machines are shared and noisy); a row selected alone measures its baseline itself.
+Figures beyond time go to each benchmark's ``extra_info`` and a summary printed at the
+end of the session. Whole jobs are timed with ``pyengine.testing.JobBenchmark``, the
+fixture users benchmark their own jobs with.
 """
 
 from __future__ import annotations
