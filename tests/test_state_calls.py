@@ -298,7 +298,7 @@ def test_the_wall_clock_is_read_once_per_record_for_ttl(monkeypatch) -> None:
     import pyengine.state.heap as heap
 
     reads = []
-    monkeypatch.setattr(heap, "_wall_clock_ms", lambda: reads.append(1) or 5_000 + len(reads))
+    monkeypatch.setattr(heap, "_time_ns", lambda: (reads.append(1) or 5_000 + len(reads)) * 1_000_000)
     backend = create_keyed_backend("heap", max_parallelism=8)
     v = backend.get_state(ValueStateDescriptor("v", ttl=TTL))
     lst = backend.get_state(ListStateDescriptor("l", ttl=TTL))

@@ -1081,8 +1081,11 @@ _STATE_CLASSES = {
 }
 
 
+_time_ns = time.time_ns
+
+
 def _wall_clock_ms() -> int:
-    return time.time_ns() // 1_000_000
+    return _time_ns() // 1_000_000
 
 
 class HeapKeyedStateBackend:
@@ -1151,9 +1154,10 @@ class HeapKeyedStateBackend:
         """Processing time for TTL, in ms: the clock, read once per record."""
         now = self._ttl_now
         if now is None:
-            now = self._ttl_clock()
-            if self._ttl_cached:
-                self._ttl_now = now
+            if self._ttl_cached:  # the wall clock, without a call of _wall_clock_ms
+                now = self._ttl_now = _time_ns() // 1_000_000
+            else:
+                now = self._ttl_clock()
         return now
 
     @property
