@@ -7,7 +7,7 @@ of a task call each other through plain lists: no queue, no copy."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, List, Optional, overload
+from typing import Any, Callable, Iterable, List, Optional, TypeAlias, overload
 
 import pyarrow as pa
 
@@ -447,7 +447,7 @@ class KeyedProcessFunction:
     downstream like the output of ``process_element``. ``ctx`` is a
     ``KeyedContext`` (also ``KeyedProcessFunction.Context``, PyFlink's name)."""
 
-    Context = KeyedContext
+    Context: TypeAlias = KeyedContext  # PyFlink's name: ``ctx: KeyedProcessFunction.Context``
 
     def open(self, ctx: KeyedContext) -> None:
         pass
