@@ -177,7 +177,8 @@ def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except (ImportError, ValueError, TypeError, RuntimeError) as exc:
         print(f"pyengine tune: {exc}", file=sys.stderr)
         return 1
-    print_table(result, Console())
+    # a pipe or a file gets the whole table, not one squeezed to 80 columns
+    print_table(result, Console() if sys.stdout.isatty() else Console(width=200))
     for what, path in sorted(result.files.items()):
         print(f"{what}: {path}")
     return 0 if all(result.honoured.values()) else 3
