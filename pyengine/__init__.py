@@ -1,7 +1,9 @@
 """pyengine: Flink-grade, exactly-once checkpointing for Python stream pipelines.
 
 ``import pyengine as pe``; then ``pe.StreamEnvironment``, ``pe.CheckpointConfig``,
-``pe.KeyedProcessFunction``, ``pe.sinks.FileSink`` and friends."""
+``pe.KeyedProcessFunction``, ``pe.sinks.FileSink`` and friends; keyed state through
+``pe.KeyedContext`` with ``pe.ValueStateDescriptor[int](...)`` and the other typed
+descriptors and state classes."""
 
 from __future__ import annotations
 
@@ -13,15 +15,46 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time these load on 
     from .coordinator.config import CheckpointConfig
     from .errors import JobFailedError
     from .monitoring.config import Monitoring
-    from .runtime.operators import KeyedProcessFunction
+    from .runtime.operators import KeyedContext, KeyedProcessFunction
+    from .state import (
+        AggregatingState,
+        AggregatingStateDescriptor,
+        ListState,
+        ListStateDescriptor,
+        ListView,
+        MapState,
+        MapStateDescriptor,
+        ReducingState,
+        ReducingStateDescriptor,
+        StateTtlConfig,
+        StateVisibility,
+        TtlUpdateType,
+        ValueState,
+        ValueStateDescriptor,
+    )
     from .time import TimeDomain, WatermarkStrategy
     from .tune import tune
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AggregatingState",
+    "AggregatingStateDescriptor",
     "CheckpointConfig",
+    "KeyedContext",
     "KeyedProcessFunction",
+    "ListState",
+    "ListStateDescriptor",
+    "ListView",
+    "MapState",
+    "MapStateDescriptor",
+    "ReducingState",
+    "ReducingStateDescriptor",
+    "StateTtlConfig",
+    "StateVisibility",
+    "TtlUpdateType",
+    "ValueState",
+    "ValueStateDescriptor",
     "Monitoring",
     "StreamEnvironment",
     "__version__",
@@ -40,6 +73,26 @@ _LAZY = {
     "StreamEnvironment": ("pyengine.api", "StreamEnvironment"),
     "CheckpointConfig": ("pyengine.coordinator.config", "CheckpointConfig"),
     "KeyedProcessFunction": ("pyengine.runtime.operators", "KeyedProcessFunction"),
+    "KeyedContext": ("pyengine.runtime.operators", "KeyedContext"),
+    **{
+        name: ("pyengine.state", name)
+        for name in (
+            "AggregatingState",
+            "AggregatingStateDescriptor",
+            "ListState",
+            "ListStateDescriptor",
+            "ListView",
+            "MapState",
+            "MapStateDescriptor",
+            "ReducingState",
+            "ReducingStateDescriptor",
+            "StateTtlConfig",
+            "StateVisibility",
+            "TtlUpdateType",
+            "ValueState",
+            "ValueStateDescriptor",
+        )
+    },
     "Monitoring": ("pyengine.monitoring.config", "Monitoring"),
     "sinks": ("pyengine.sinks", None),
     "errors": ("pyengine.errors", None),
