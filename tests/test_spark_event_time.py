@@ -100,6 +100,39 @@ def test_a_flight_channel_keeps_watermarks_in_order_with_the_data() -> None:
         server.shutdown()
 
 
+def test_a_tasks_reported_event_time_is_kept_only_well_formed_and_only_for_the_current_attempt() -> None:
+    """What a Spark task sends with its poll is JSON from another process: the driver
+    keeps its three figures only as 64-bit ints, and only the current attempt's."""
+    import threading
+
+    from pyengine.coordinator import ExecutionAttempt
+    from pyengine.runners.spark import EVENT_TIME_KEY, _clean_time_metrics, _SparkJob
+
+    good = {"currentInputWatermark": 5, "currentOutputWatermark": 4, "numLateRecordsDropped": 2}
+    assert _clean_time_metrics(good) == good
+    for bad in (
+        None,
+        [],
+        "x",
+        {"currentInputWatermark": 5},
+        {**good, "numLateRecordsDropped": True},
+        {**good, "currentInputWatermark": 2**63},
+        {**good, "currentOutputWatermark": "4"},
+        {**good, "currentOutputWatermark": 4.0},
+    ):
+        assert _clean_time_metrics(bad) is None, bad
+    job = object.__new__(_SparkJob)  # just the driver's bookkeeping, no Spark
+    job._attempt_number, job._time_lock, job._time_reports, job.monitor = 1, threading.Lock(), {}, None
+    job._on_report(ExecutionAttempt("v1", 1, 1), {EVENT_TIME_KEY: {**good, "currentInputWatermark": 7}})
+    job._on_report(ExecutionAttempt("v1", 0, 1), {EVENT_TIME_KEY: good})
+    job._on_report(ExecutionAttempt("v1", 0, 0), {EVENT_TIME_KEY: {**good, "currentInputWatermark": 99}})  # stale
+    job._on_report(ExecutionAttempt("v0", 0, 1), {EVENT_TIME_KEY: {"currentInputWatermark": "hostile"}})
+    job._on_report(ExecutionAttempt("v0", 1, 1), ["not", "a", "dict"])
+    stats = job.event_time_statistics()
+    assert stats.watermarks == {"v1": [5, 7]} and stats.output_watermarks == {"v1": [4, 4]}
+    assert stats.late_records_dropped == 4
+
+
 # -- jobs on Spark ---------------------------------------------------------------------------------
 
 pyspark = pytest.importorskip("pyspark", reason="the Spark runner needs pyspark (the test extra installs it)")
