@@ -154,7 +154,9 @@ def spark():
     session.stop()
 
 
-ROUNDS = 2  # interleaved; each side keeps its least disturbed run, as the throughput benchmarks keep their best
+ROUNDS = 2  # each side keeps its least disturbed run, as the throughput benchmarks keep their best
+ENGINES = ["pyengine", "structured-streaming"]
+_P99: dict = {}
 
 
 def _percentiles(latencies: np.ndarray) -> tuple:
@@ -162,25 +164,40 @@ def _percentiles(latencies: np.ndarray) -> tuple:
     return float(np.percentile(latencies, 50) * 1e3), float(np.percentile(latencies, 99) * 1e3)
 
 
-def test_end_to_end_latency_on_spark_against_structured_streaming(benchmark, spark) -> None:
-    runs: dict = {"ours": [], "ss": []}
-    for _ in range(ROUNDS):
-        # A slow spell of this shared machine (one CI run: every figure 1.5x slow, and a
-        # 575 ms p99 where 80-180 ms is usual) lands in one round, not in both.
-        runs["ours"].append(_percentiles(_pyengine_latencies(spark)))
-        runs["ss"].append(_percentiles(_structured_streaming_latencies(spark)))
+def _measure(engine: str, spark: Any) -> tuple:
+    run = _pyengine_latencies if engine == "pyengine" else _structured_streaming_latencies
+    return _percentiles(run(spark))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_end_to_end_latency_on_spark_against_structured_streaming(benchmark, spark, engine: str) -> None:
+    """One row per engine; a round is one paced run of ``SECONDS`` s (its time is mostly
+    the pacing: the figure that matters, latency p50/p99 of each round, is in
+    ``extra_info``). The last row compares the best p99 of each."""
+    runs: list = []
     benchmark.group = "latency"
-    benchmark.pedantic(lambda: None, rounds=1)
-    p = {name: min(measured, key=lambda pair: pair[1]) for name, measured in runs.items()}
-    benchmark.extra_info.update(pyengine_ms=runs["ours"], structured_streaming_ms=runs["ss"])
-    ratio = p["ss"][1] / p["ours"][1]
+    benchmark.pedantic(lambda: runs.append(_measure(engine, spark)), rounds=ROUNDS, iterations=1)
+    # A slow spell of this shared machine (one CI run: every figure 1.5x slow, and a
+    # 575 ms p99 where 80-180 ms is usual) lands in one round, not in both.
+    _P99[engine] = runs
+    best = min(runs, key=lambda pair: pair[1])
+    benchmark.extra_info.update(p50_ms=best[0], p99_ms=best[1], every_round_ms=runs)
+    if engine != ENGINES[-1]:
+        return
+    for other in ENGINES:
+        if other not in _P99:  # a row selected alone: the other engine runs now, untimed
+            _P99[other] = [_measure(other, spark) for _ in range(ROUNDS)]
+    p = {name: min(measured, key=lambda pair: pair[1]) for name, measured in _P99.items()}
+    ratio = p["structured-streaming"][1] / p["pyengine"][1]
+    benchmark.extra_info["p99_ratio"] = ratio
     SUMMARY.append(
-        f"end-to-end latency at {RATE:,} rows/s, {USERS:,} keys, Spark local[4], best p99 of {ROUNDS} interleaved "
-        f"runs: pyengine (checkpoints every {INTERVAL_MS} ms) p50 {p['ours'][0]:.0f} ms, p99 {p['ours'][1]:.0f} ms; "
-        f"Structured Streaming (RocksDB) p50 {p['ss'][0]:.0f} ms, p99 {p['ss'][1]:.0f} ms -> p99 {ratio:.1f}x lower "
+        f"end-to-end latency at {RATE:,} rows/s, {USERS:,} keys, Spark local[4], best p99 of {ROUNDS} runs each: "
+        f"pyengine (checkpoints every {INTERVAL_MS} ms) p50 {p['pyengine'][0]:.0f} ms, p99 {p['pyengine'][1]:.0f} ms; "
+        f"Structured Streaming (RocksDB) p50 {p['structured-streaming'][0]:.0f} ms, "
+        f"p99 {p['structured-streaming'][1]:.0f} ms -> p99 {ratio:.1f}x lower "
         f"(target >= 10x: {'met' if ratio >= 10 else 'NOT MET'}); every run's p99: pyengine "
-        f"{', '.join(f'{r[1]:.0f}' for r in runs['ours'])} ms, Structured Streaming "
-        f"{', '.join(f'{r[1]:.0f}' for r in runs['ss'])} ms"
+        f"{', '.join(f'{r[1]:.0f}' for r in _P99['pyengine'])} ms, Structured Streaming "
+        f"{', '.join(f'{r[1]:.0f}' for r in _P99['structured-streaming'])} ms"
     )
     # Measured 9-29x here; the guard leaves room for this shared machine's noise, and
     # the figure above says whether the target was met in this run.
