@@ -336,3 +336,21 @@ def test_writes_after_a_snapshot_copy_a_key_once_not_per_call(kind) -> None:
     assert table.groups[backend._key_index][1] is after  # then in place
     assert len(frozen[backend._key_index][1]) == 10
     table.release()
+
+
+def test_timers_firing_read_the_clock_afresh() -> None:
+    """Timers set the backend's key without set_current_key: the context's time
+    domain, set as a batch of timers starts and ends, makes TTL read the clock again."""
+    from types import SimpleNamespace
+
+    from pyengine.runtime.operators import KeyedContext
+    from pyengine.time import TimeDomain
+
+    backend = create_keyed_backend("heap", max_parallelism=8)
+    ctx = KeyedContext(SimpleNamespace(backend=backend))  # type: ignore[arg-type]
+    v = ctx.get_state(ValueStateDescriptor("v", ttl=TTL))
+    backend.set_current_key("a")
+    v.update(1)
+    assert backend._ttl_now is not None
+    ctx._domain = TimeDomain.PROCESSING_TIME
+    assert backend._ttl_now is None and ctx.time_domain() is TimeDomain.PROCESSING_TIME

@@ -344,23 +344,23 @@ class KeyedContext:
 
     def __init__(self, operator: KeyedProcessOperator) -> None:
         self._op = operator
-        self._backend: Any = None  # the operator's keyed backend, once set up
-        self._current_key: Any = None
+        self._backend: Any = None  # the operator's keyed backend, once state is asked for
+        self.current_key: Any = None  # the record's key (or the firing timer's)
         self._record: Any = None
         self._timer_ts: Optional[int] = None
-        self._domain: Any = None
+        self._time_domain: Any = None
         self._service: Any = None  # the operator's TimerService, once made
 
     @property
-    def current_key(self) -> Any:
-        """The key of the record being processed (or of the timer firing)."""
-        return self._current_key
+    def _domain(self) -> Any:
+        return self._time_domain
 
-    @current_key.setter
-    def current_key(self, key: Any) -> None:
-        # A new record or timer: TTL reads the clock afresh (the backend reads it
-        # once per record). Timers set the backend's key directly, then this.
-        self._current_key = key
+    @_domain.setter
+    def _domain(self, domain: Any) -> None:
+        # Set as timers start and stop firing: TTL reads the clock afresh (the backend
+        # reads it once per record, at set_current_key, which firing timers skip).
+        # Once per batch of timers, not per record: current_key stays a plain attribute.
+        self._time_domain = domain
         backend = self._backend
         if backend is not None:
             backend._ttl_now = None
@@ -405,7 +405,7 @@ class KeyedContext:
         return self.get_state(descriptor)
 
     def get_current_key(self) -> Any:
-        return self._current_key
+        return self.current_key
 
     def timer_service(self) -> Any:
         """Register and delete the current key's timers; read the clocks."""
