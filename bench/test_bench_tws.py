@@ -31,7 +31,7 @@ from pyspark.sql.streaming import StatefulProcessor
 import pyengine as pe
 from pyengine.state import ValueStateDescriptor
 
-RECORDS = 200_000
+RECORDS = 100_000
 KEYS = 10_000
 
 
@@ -62,18 +62,30 @@ class RunningCountFunction(pe.KeyedProcessFunction):
         yield {"user": ctx.current_key, "count": n}
 
 
-def _run(records: List[Dict[str, Any]], adapter: bool) -> float:
+class RunningCountRowsFunction(RunningCountFunction):
+    """The function yielding what the processor yields, a pyspark ``Row`` per output:
+    what the processor's own code costs, so the adapter's share can be told apart."""
+
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        n = self.count.value() + 1
+        self.count.update(n)
+        yield Row(user=ctx.current_key, count=n)
+
+
+def _run(records: List[Dict[str, Any]], kind: str) -> float:
+    """CPU seconds of this process for one job (its subtasks are threads here): on a
+    2-core machine shared with other builds, wall time swings 2-3x with the load,
+    CPU time far less; the ratio is taken between runs measured the same way."""
     env = pe.StreamEnvironment(parallelism=2, buffer_size=2048)
     keyed = env.from_collection(records).key_by("user")
-    stream = (
-        keyed.transform_with_state(RunningCount(), "user bigint, count bigint")
-        if adapter
-        else keyed.process(RunningCountFunction())
-    )
+    if kind == "adapter":
+        stream = keyed.transform_with_state(RunningCount(), "user bigint, count bigint")
+    else:
+        stream = keyed.process(RunningCountFunction() if kind == "function" else RunningCountRowsFunction())
     stream.sink_to(pe.sinks.DiscardSink())
-    start = time.perf_counter()
-    result = env.execute("tws-bench" if adapter else "kpf-bench")
-    elapsed = time.perf_counter() - start
+    start = time.process_time()
+    result = env.execute(f"tws-bench-{kind}")
+    elapsed = time.process_time() - start
     assert result.status == "FINISHED"
     return elapsed
 
@@ -89,23 +101,31 @@ def _best_interleaved(runs: Dict[str, Callable[[], float]], rounds: int) -> Dict
 def test_running_count_through_the_adapter_against_a_keyed_process_function(benchmark: Any) -> None:
     users = np.random.default_rng(3).integers(0, KEYS, RECORDS).tolist()
     records = [{"user": u, "v": i} for i, u in enumerate(users)]
-    best = _best_interleaved({"function": lambda: _run(records, False), "adapter": lambda: _run(records, True)}, 3)
+    kinds = ("function", "function_rows", "adapter")
+    best = _best_interleaved({k: (lambda k=k: _run(records, k)) for k in kinds}, 3)
     ratio = best["function"] / best["adapter"]
+    ratio_rows = best["function_rows"] / best["adapter"]
     benchmark.group = "tws"
     benchmark.pedantic(lambda: None, rounds=1)
-    benchmark.extra_info.update(adapter_rows_per_s=RECORDS / best["adapter"], ratio_to_function=ratio)
+    benchmark.extra_info.update(
+        adapter_rows_per_cpu_s=RECORDS / best["adapter"], ratio_to_function=ratio, ratio_to_row_function=ratio_rows
+    )
     met = "met" if ratio >= 0.6 else "NOT MET, reported only"
     SUMMARY.append(
-        f"StatefulProcessor running count via transform_with_state, {RECORDS:,} records / {KEYS:,} keys, p=2: "
-        f"{RECORDS / best['adapter'] / 1e3:.0f} k rows/s; the same as a KeyedProcessFunction "
-        f"{RECORDS / best['function'] / 1e3:.0f} k rows/s -> {ratio:.0%} (target >= 60%: {met})"
+        f"StatefulProcessor running count via transform_with_state, {RECORDS:,} records / {KEYS:,} keys, p=2, "
+        f"per CPU second: {RECORDS / best['adapter'] / 1e3:.0f} k rows/s; the same as a KeyedProcessFunction "
+        f"{RECORDS / best['function'] / 1e3:.0f} k rows/s -> {ratio:.0%} (target >= 60%: {met}); "
+        f"a KeyedProcessFunction yielding pyspark Rows as the processor does "
+        f"{RECORDS / best['function_rows'] / 1e3:.0f} k rows/s -> {ratio_rows:.0%}"
     )
-    # The target is 60%. Measured 20-37% here (2 cores, load average 10-16 while
-    # measuring): the Rows in (one per record) and out (one per key and buffer) and a
-    # generator per key cost more than the function's dict per record, and with
-    # ~1 record per key per buffer the per-key part is paid per record. Reported,
-    # not met; the guard catches a regression from there.
+    # The target is 60% of the function. Not met: measured 20-30% (CPU time,
+    # 2 cores under load 8-18). The ceiling is the processor's own code, not the
+    # adapter: the same function made to yield a pyspark Row per output, as the
+    # processor does, drops to about 40% of its dict-yielding self (a Row costs
+    # 1.4-4 us: a Python-level __setattr__ and a __dict__ per Row), and the
+    # adapter runs at about 50-60% of that one. Guards hold a regression from there.
     assert ratio >= 0.15, f"the adapter at {ratio:.0%} of the KeyedProcessFunction"
+    assert ratio_rows >= 0.35, f"the adapter at {ratio_rows:.0%} of the Row-yielding KeyedProcessFunction"
 
 
 def test_one_state_call_through_the_adapter(benchmark: Any) -> None:

@@ -39,6 +39,8 @@ from __future__ import annotations
 import copy
 import datetime as _dt
 import re
+from itertools import repeat
+from operator import attrgetter, itemgetter
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
@@ -333,7 +335,10 @@ class _ScalarValueState:
         self.exists = exists
 
     def update(self, newValue: Any) -> None:
-        self._s.update(_one(newValue, self._what))
+        if newValue.__class__ is tuple and len(newValue) == 1 and newValue[0].__class__ in _PLAIN:
+            self._s.update(newValue[0])  # the common case, without a call to _one
+        else:
+            self._s.update(_one(newValue, self._what))
 
     def clear(self) -> None:
         self._s.clear()
@@ -805,30 +810,55 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         return kept
 
     def _group_rows(self, records: Any) -> Iterable[Tuple[Any, List[Any]]]:
-        """Rows per key, in arrival order, keys in order of first arrival."""
-        new = tuple.__new__
-        row_class = self._row_class
-        groups: Dict[Any, List[Any]] = {}
-        if isinstance(records, (pa.RecordBatch, pa.Table)) and self.time_mode != "EventTime":
-            fields = list(records.schema.names)
-            columns = [c.to_pylist() for c in records.columns]
-            if self.key_column is not None and self.key_column in fields:
-                keys: Any = columns[fields.index(self.key_column)]
-                cls = row_class(tuple(fields))
-                for key, values in zip(keys, zip(*columns, strict=True), strict=True):
-                    row = new(cls, values)
-                    bucket = groups.get(key)
-                    if bucket is None:
-                        self._check_key(key)
-                        groups[key] = [row]
-                    else:
-                        bucket.append(row)
-                return groups.items()
-            records = records.to_pylist()
-        elif isinstance(records, (pa.RecordBatch, pa.Table)):
+        """Rows per key, in arrival order, keys in order of first arrival.
+
+        With ~1 record per key per buffer (many keys), everything here is paid per
+        record, so the common shapes get a path of C-level passes over the whole
+        buffer (``map``, ``zip``, ``list.count``) and one Python loop that only
+        groups: a buffer of dicts with the same fields in the same order (one Row
+        class for all), and an Arrow batch (its columns transposed once)."""
+        if isinstance(records, (pa.RecordBatch, pa.Table)):
+            if self.time_mode != "EventTime" and self.key_column in records.schema.names:
+                cls = self._row_class(tuple(records.schema.names))
+                values = zip(*[c.to_pylist() for c in records.columns], strict=True)
+                keys = records.column(self.key_column).to_pylist()
+                return self._bucket(keys, map(tuple.__new__, repeat(cls), values))
             records = records.to_pylist()
         if self.time_mode == "EventTime":
             records = self._late(records)
+        if not records:
+            return ()
+        column = self.key_column
+        first = records[0]
+        if column is not None and first.__class__ is dict and column in first:
+            fields = tuple(first)
+            n = len(records)
+            # Every record a dict of exactly these fields, in this order (a Row's
+            # values are taken in dict order, so the order must be the same too).
+            if list(map(_shape, records)).count(fields) == n:
+                cls = self._row_class(fields)
+                keys = list(map(itemgetter(column), records))
+                return self._bucket(keys, map(tuple.__new__, repeat(cls), map(dict.values, records)))
+        return self._group_any(records)
+
+    def _bucket(self, keys: List[Any], rows: Iterable[Any]) -> Iterable[Tuple[Any, List[Any]]]:
+        groups: Dict[Any, List[Any]] = {}
+        get = groups.get
+        for key, row in zip(keys, rows, strict=False):  # rows is a lazy map of the same length
+            bucket = get(key)
+            if bucket is None:
+                if key.__class__ is float and key != key:
+                    self._check_key(key)
+                groups[key] = [row]
+            else:
+                bucket.append(row)
+        return groups.items()
+
+    def _group_any(self, records: Iterable[Any]) -> Iterable[Tuple[Any, List[Any]]]:
+        """Records of any shape: dicts of varying fields, Rows, tuples."""
+        new = tuple.__new__
+        row_class = self._row_class
+        groups: Dict[Any, List[Any]] = {}
         select = self.key_selector
         column = self.key_column
         for r in records:
@@ -965,7 +995,11 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         fitted: List[Any] = rows
         # Rows whose fields are the schema's, in its order, go as they are (one
         # comparison each); any other row is matched by name (or by position, a tuple).
-        if any([getattr(r, "__fields__", None) != names for r in rows]):
+        try:  # C-level passes: the Rows a processor makes each carry their names
+            same = list(map(_fields_of, rows)).count(names) == len(rows)
+        except AttributeError:  # a plain tuple or a dict among them
+            same = False
+        if not same:
             fitted = [self._fit_row(r) for r in rows]
         columns = list(zip(*fitted, strict=True)) if fitted else [()] * width
         arrays = [self._column(field, list(col)) for field, col in zip(self.output_schema, columns, strict=True)]
@@ -1035,6 +1069,10 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         if not field.nullable and array.null_count:
             raise self._fail(f"output column {field.name!r} is not nullable, got a null")
         return array
+
+
+_shape = tuple  # a dict record's fields, in order
+_fields_of = attrgetter("__fields__")
 
 
 def _fits(value: Any, arrow_type: pa.DataType) -> bool:
