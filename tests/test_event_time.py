@@ -354,7 +354,7 @@ def test_an_idle_split_holds_windows_back_only_without_idleness() -> None:
 
 
 def test_a_runner_without_event_time_refuses_an_event_time_job_up_front() -> None:
-    class Elsewhere:  # stands for the Spark runner, whose Flight channels carry no watermarks yet
+    class Elsewhere:  # a runner that has not opted in with supports_event_time
         def job(self, *args: Any) -> Any:
             raise AssertionError("the job must be refused before the runner gets it")
 
