@@ -91,7 +91,9 @@ class JobBenchmark:
             m = pyengine_benchmark(build, pe.tune.Setting(buffer_size=16384), rounds=3)
             assert m.throughput > 0
 
-    The job must be bounded (it is timed to its end)."""
+    The job must be bounded (it is timed to its end). ``between`` runs before each round,
+    untimed: a baseline measured there is interleaved with the rounds, so a slow spell
+    of a shared machine hits both sides of a ratio."""
 
     def __init__(self, benchmark: Any) -> None:
         self.benchmark = benchmark
@@ -107,6 +109,7 @@ class JobBenchmark:
         latency_field: Optional[str] = None,
         input_rate_per_s: Optional[float] = None,
         group: Optional[str] = None,
+        between: Optional[Callable[[], Any]] = None,
     ) -> Measurement:
         from .tune import Setting, measure
 
@@ -125,9 +128,13 @@ class JobBenchmark:
                 )
             )
 
+        def setup() -> None:
+            if between is not None:
+                between()
+
         if group is not None:
             self.benchmark.group = group
-        self.benchmark.pedantic(once, rounds=rounds, iterations=1)
+        self.benchmark.pedantic(once, setup=setup, rounds=rounds, iterations=1)
         best = max(runs, key=lambda m: m.throughput)
         info = best.to_json()
         info.pop("notes", None)
