@@ -137,23 +137,30 @@ def test_a_timer_per_record_against_the_same_function_without(benchmark: Any) ->
         f"records / {KEYS:,} keys, p=2: {TIMER_RECORDS / best['timers'] / 1e6:.2f} M records/s, without timers "
         f"{TIMER_RECORDS / best['plain'] / 1e6:.2f} M/s -> {ratio:.0%} (target >= 70%: {met})"
     )
-    # The target is 70%. Measured 45-55% on this 2-core machine: the function without timers
-    # costs ~2 us a record, and a timer adds a Python call to on_timer (and its state
-    # clear) besides the C register and fire; the guard catches a regression from there.
+    # The target is 70%. Measured 45-55% on this 2-core machine (50% after the timer's
+    # slot entry was written without NumPy item assignment). The function without timers
+    # costs ~2 us a record; a timer adds ~1 us that is mostly not the timer's: on_timer
+    # is a second Python call per record, its count.clear() a third, and the next record
+    # of the key re-inserts the count instead of updating it in place. The timer's own
+    # part (the C register, and the C firing loop's setattrs and call) is ~0.4 us, and
+    # it is instruction-bound, not memory-bound: firing a no-op on_timer costs the same
+    # per timer with 10k keys as with 300k, and prefetching the next keys' slots gained
+    # nothing. The guard catches a regression from there.
     assert ratio >= 0.4, f"timers at {ratio:.0%} of the function without them"
 
 
 # -- 3. a checkpoint of a million pending timers -------------------------------------------------
 
 
-def _snapshot(backend: Any, storage: Any, checkpoint_id: int) -> Tuple[float, float]:
-    """(synchronous part, asynchronous part) of one snapshot of ``backend``, in seconds."""
+def _snapshot(backend: Any, storage: Any, checkpoint_id: int) -> Tuple[float, float, int]:
+    """(synchronous part, asynchronous part) of one snapshot of ``backend``, in
+    seconds, and the bytes it wrote."""
     started = time.perf_counter()
     snapshot = backend.snapshot(checkpoint_id, storage.location(checkpoint_id))
     sync = time.perf_counter() - started
     started = time.perf_counter()
-    snapshot.run()
-    return sync, time.perf_counter() - started
+    result = snapshot.run()
+    return sync, time.perf_counter() - started, int(result.full_size)
 
 
 def test_a_checkpoint_with_a_million_pending_timers(benchmark: Any, tmp_path: Any) -> None:
@@ -162,7 +169,22 @@ def test_a_checkpoint_with_a_million_pending_timers(benchmark: Any, tmp_path: An
     keys' state without the timers, and against the same keys with an ordinary int64
     value state holding the very timestamps the timers hold (the same bytes as
     state: what the timers cost beyond their data). And the synchronous part against
-    the asynchronous part."""
+    the asynchronous part.
+
+    The due times are per-record timeouts, not window ends: a million distinct
+    timestamps spread over a second of event time, about 20 random bits each, so they
+    do not compress away. Measured: the checkpoint writes ~3.3x the bytes of the
+    counts alone (7.3 MB -> 24 MB: a key and a timestamp per timer, and with more
+    than one state in the file a dense-union type id and offset per row), and its
+    time grows with the bytes (the write is I/O-bound here: about a tenth of it is
+    CPU). The timers cost no more than the same timestamps as a value state (the
+    asserted ratio). Against the counts alone the target (1.5x) is out of reach for
+    such timers with a byte-level codec: the pairs hold ~3.5 bytes of entropy each (a
+    key among a group's ~8k of a million, ~1 byte; a timestamp, ~2.5 bytes) against
+    the counts' 7.3 bytes a key, and LZ4 over byte-aligned columns (sorted per key
+    group, keys or timestamps delta-encoded) measured 6 MB for them, 1.8x. Window-end
+    timers (few distinct timestamps) would compress far better; they are not this
+    case. The sizes are in the summary line so a change of format shows there."""
     from pyengine.state import create_keyed_backend
     from pyengine.state.timers import InternalTimerService
     from pyengine.storage import checkpoint_storage
@@ -186,9 +208,10 @@ def test_a_checkpoint_with_a_million_pending_timers(benchmark: Any, tmp_path: An
     storage = checkpoint_storage(str(tmp_path / "ckpt"), "timers")
     ids = iter(range(1, 100))
     best: Dict[str, Tuple[float, float]] = {}
-    for _ in range(3):
+    size: Dict[str, int] = {}
+    for _ in range(4):  # the disk is shared: one more round than the job benchmarks
         for variant, backend in backends.items():
-            sync, async_ = _snapshot(backend, storage, next(ids))
+            sync, async_, size[variant] = _snapshot(backend, storage, next(ids))
             if variant not in best or sync + async_ < sum(best[variant]):
                 best[variant] = (sync, async_)
     state, timers, same_bytes = (sum(best[v]) for v in ("state", "timers", "state+state"))
@@ -203,9 +226,13 @@ def test_a_checkpoint_with_a_million_pending_timers(benchmark: Any, tmp_path: An
         f"checkpoint of {PENDING:,} keys with a count and a pending timer each: {timers * 1000:.0f} ms (sync "
         f"{best['timers'][0] * 1000:.1f} ms, async {best['timers'][1] * 1000:.0f} ms); the counts alone "
         f"{state * 1000:.0f} ms -> {ratio_to_state:.2f}x (target <= 1.5x: "
-        f"{'met' if ratio_to_state <= 1.5 else 'NOT MET, reported only: the timers add a column of timestamps'}); "
+        f"{'met' if ratio_to_state <= 1.5 else 'NOT MET, reported only: see the docstring'}; bytes "
+        f"{size['timers'] / 1e6:.1f} MB against {size['state'] / 1e6:.1f} MB, "
+        f"{size['timers'] / size['state']:.2f}x); "
         f"the counts and the same timestamps as a value state {same_bytes * 1000:.0f} ms -> "
         f"{ratio_to_same_bytes:.2f}x (asserted <= 1.5x); sync/async {sync_share:.1%} (target <= 5%)"
     )
+    # The bytes do not depend on the disk's mood: timers written as more than their data fail here.
+    assert size["timers"] <= 1.05 * size["state+state"], f"timers write {size['timers']:,} bytes"
     assert ratio_to_same_bytes <= 1.5, f"timers cost {ratio_to_same_bytes:.2f}x the same data as value state"
     assert sync_share <= 0.05, f"the synchronous part is {sync_share:.1%} of the asynchronous part"

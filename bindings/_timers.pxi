@@ -59,6 +59,24 @@ cdef int timer_group_remove(ColumnarGroup g, int64_t key) except -1:
     return 1
 
 
+cdef Py_ssize_t timer_group_append(ColumnarGroup g, int64_t key, int64_t ts) except -1:
+    """A new entry ``key -> ts`` in an int64 group (owned already): written through
+    the arrays' data pointers while they have room (ColumnarGroup.append stores the
+    key through NumPy's item assignment), else by ColumnarGroup.append, which grows
+    them."""
+    cdef Py_ssize_t pos = g.n
+    if pos < cnp.PyArray_DIM(<cnp.ndarray>g.keys, 0):
+        if pe_i64map_put(&g.index, key, pos, &PY_ALLOC) < 0:
+            raise MemoryError()
+        (<int64_t*>cnp.PyArray_DATA(<cnp.ndarray>g.keys))[pos] = key
+        g.n = pos + 1
+    else:
+        pos = g.append(key)
+    timer_values(g)[pos] = ts
+    g.mark(pos)
+    return pos
+
+
 cdef enum:  # results of TimerHeap._remove
     REMOVED = 1
     ABSENT = 0
@@ -314,9 +332,7 @@ cdef class TimerHeap:
             pos = pe_i64map_get(&g.index, k)
             if pos < 0:
                 g.own()
-                pos = g.append(k)
-                timer_values(g)[pos] = t
-                g.mark(pos)
+                timer_group_append(g, k, t)
                 self._push(t, k, i)
                 return None
             if timer_values(g)[pos] == t:

@@ -124,6 +124,80 @@ def test_timers_fill_typed_slots_then_the_overflow_and_keep_no_holes() -> None:
     assert all(len(tables[_name]) == 0 for _name in tables if _name.startswith("_timer_state/"))
 
 
+def _random_timer_run(
+    seed: int, int_keys: bool, nkeys: int
+) -> Tuple[List[Tuple[int, int]], Dict[int, Tuple[int, ...]], int]:
+    """One random sequence of registrations, deletions and watermarks, with an
+    ``on_timer`` that registers, deletes and clears a columnar count: int keys take
+    the native heap (and its prefetching firing loop), str keys the Python index.
+    Returns the firings (key number, timestamp), each key's pending timers and how
+    many slot states the timers took (more than one: keys with several timers)."""
+    import random
+
+    rng = random.Random(seed)
+    backend = create_keyed_backend("heap")
+    service = InternalTimerService(backend, MIN_WATERMARK)
+    count = backend.get_state(COUNT)
+    name = (lambda i: i) if int_keys else (lambda i: f"k{i}")
+    number = (lambda k: k) if int_keys else (lambda k: int(k[1:]))
+    fired: List[Tuple[int, int]] = []
+
+    class Ctx:
+        current_key: Any = None
+        _timer_ts: Any = None
+
+    def on_timer(ts: int, ctx: Any) -> Any:
+        fired.append((number(ctx.current_key), ts))
+        assert backend.current_key == ctx.current_key
+        count.clear()
+        # what it does depends on the timer alone, not on the order among equal timestamps
+        h = (number(ctx.current_key) * 7919 + ts * 104729) % 100
+        if h < 30:
+            service.event.register(ts + 1 + h % 7)  # possibly due in this very advance
+        elif h < 50:
+            service.event.delete(ts + h % 11)
+        return ()
+
+    watermark, clock = MIN_WATERMARK, 0
+    for _ in range(3000):
+        op = rng.random()
+        key = name(rng.randrange(nkeys))
+        if op < 0.75:
+            clock += rng.randrange(0, 3)
+            backend.set_current_key(key)
+            count.update(count.value() + 1)
+            # mostly in order (the sorted run), sometimes not (the heap), sometimes a key's 2nd..9th+
+            due = clock + (rng.randrange(0, 50) if rng.random() < 0.8 else rng.randrange(-30, 5))
+            service.event.register(due)
+        elif op < 0.85:
+            backend.set_current_key(key)
+            service.event.delete(clock + rng.randrange(-10, 50))
+        else:
+            watermark = max(watermark, clock - rng.randrange(0, 30))
+            service.current_watermark = watermark
+            service.event.fire(watermark, Ctx(), on_timer, [])
+    pending = {}
+    for i in range(nkeys):
+        backend.set_current_key(name(i))
+        pending[i] = service.event.timestamps()
+    return fired, pending, len(service.event._slots)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_native_timer_heap_fires_as_the_python_index(seed: int) -> None:
+    """The native heap (prefetching ahead while it fires) against the Python index on
+    the same random sequence: the same timers fire, in the same timestamp order (the
+    order among equal timestamps is not defined), and the same ones stay pending."""
+    nkeys = 20 if seed % 2 else 300  # 20: keys with every slot taken and an overflow
+    native_fired, native_pending, native_slots = _random_timer_run(seed, True, nkeys)
+    python_fired, python_pending, python_slots = _random_timer_run(seed, False, nkeys)
+    assert len(native_fired) > 300
+    assert [ts for _, ts in native_fired] == [ts for _, ts in python_fired]
+    assert sorted(native_fired) == sorted(python_fired)
+    assert native_pending == python_pending
+    assert native_slots == python_slots > (7 if seed % 2 else 1)
+
+
 # -- timers in jobs ------------------------------------------------------------------------------
 
 BUCKETS = ValueStateDescriptor("buckets")  # {bucket end: records}
