@@ -7,7 +7,14 @@ workers. A Spark Connect server (``SparkConnectServer`` through ``spark-submit``
 started the same way where a test needs one.
 
 Addresses: the machine's routable address when it has one (so the runner's
-off-loopback path, mutual TLS included, is what runs), else loopback."""
+off-loopback path, mutual TLS included, is what runs), else loopback.
+
+Executors run a packed virtualenv when the session is built with one
+(``packed_venv``): pyengine installed from its wheel, as a user installs it, with
+its Delta extra, packed by ``venv-pack`` and shipped through ``spark.archives``;
+each executor unpacks it into its working directory and starts its Python workers
+from it, so nothing of the driver's environment (the editable checkout) is on the
+executors' path."""
 
 from __future__ import annotations
 
@@ -22,6 +29,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 START_TIMEOUT_S = 120.0
+PACKED_ENV = "environment"  # where each executor unpacks the packed virtualenv (spark.archives' "#" name)
+REPO = Path(__file__).resolve().parents[1]
 EXECUTOR_MEMORY = "512m"  # Spark's floor is 450 MiB
 WORKER_MEMORY = "640m"
 
@@ -90,7 +99,10 @@ class Daemon:
 
 
 def _env(root: Path, host: str, daemon: bool) -> Dict[str, str]:
-    env = dict(os.environ)
+    # Not the test process's PYTHONPATH: executors inherit their worker's environment
+    # and put it on their Python workers' path, which would hand them the driver's
+    # pyengine whatever the packed virtualenv holds.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(
         SPARK_HOME=spark_home(),
         SPARK_LOCAL_IP=host,
@@ -150,10 +162,12 @@ class Cluster:
                 pids.append(int(entry))
         return sorted(pids)
 
-    def session_builder(self, app: str) -> Any:
+    def session_builder(self, app: str, archive: Optional[Path] = None) -> Any:
+        """A session on this cluster; with ``archive`` (``packed_venv``), its executors
+        run their Python workers from that packed virtualenv."""
         from pyspark.sql import SparkSession
 
-        return (
+        builder = (
             SparkSession.builder.master(self.url)
             .appName(app)
             .config("spark.driver.host", self.host)
@@ -169,6 +183,31 @@ class Cluster:
             .config("spark.scheduler.barrier.maxConcurrentTasksCheck.interval", "1s")
             .config("spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures", "120")
         )
+        if archive is not None:
+            builder = builder.config("spark.archives", f"{archive}#{PACKED_ENV}").config(
+                "spark.pyspark.python", f"./{PACKED_ENV}/bin/python"
+            )
+        return builder
+
+    def session(self, app: str, archive: Optional[Path] = None) -> Any:
+        """``session_builder(app, archive).getOrCreate()``. A driver that is a plain
+        Python process (not launched by spark-submit) takes its executors' Python from
+        ``PYSPARK_PYTHON`` as its SparkContext starts: ``spark.pyspark.python`` is read
+        by spark-submit alone, for a Python application it launches (measured: with the
+        setting only, the executors ran the driver's interpreter). So with ``archive``
+        the variable names the unpacked environment for that moment."""
+        builder = self.session_builder(app, archive)
+        if archive is None:
+            return builder.getOrCreate()
+        before = os.environ.get("PYSPARK_PYTHON")
+        os.environ["PYSPARK_PYTHON"] = f"./{PACKED_ENV}/bin/python"
+        try:
+            return builder.getOrCreate()
+        finally:
+            if before is None:
+                os.environ.pop("PYSPARK_PYTHON", None)
+            else:
+                os.environ["PYSPARK_PYTHON"] = before
 
     def wait_for_executors(self, spark: Any, count: Optional[int] = None, timeout: float = START_TIMEOUT_S) -> None:
         """Until ``count`` executors (default: one per worker) have registered with the driver."""
@@ -280,3 +319,70 @@ def start_connect(root: Path, master: str, host: Optional[str] = None, cores_max
     tail = "\n".join(server.text().splitlines()[-30:])
     server.stop()
     raise RuntimeError(f"the Spark Connect server did not start:\n{tail}")
+
+
+def _newest_source() -> float:
+    """When the package's sources last changed (what a wheel is built from)."""
+    newest = max((REPO / name).stat().st_mtime for name in ("pyproject.toml", "setup.py"))
+    for folder in ("pyengine", "bindings", "csrc"):
+        for path in (REPO / folder).rglob("*"):
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix not in (".so", ".pyc"):
+                newest = max(newest, path.stat().st_mtime)
+    return newest
+
+
+def pyengine_wheel(root: Path) -> Path:
+    """pyengine as a wheel: the one CI's packaging step built from this tree
+    (``build/dist``) when no source changed since, else one built now (a minute or
+    more: the native core compiles). A stale wheel has the same version number, so
+    the runner's version check would let its older code run on the executors."""
+    built = sorted((REPO / "build" / "dist").glob("pyengine-*.whl"), key=lambda p: p.stat().st_mtime)
+    if built and built[-1].stat().st_mtime >= _newest_source():
+        return built[-1]
+    out = root / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir", str(out), str(REPO)],
+        check=True,
+        timeout=1200,
+    )
+    return next(out.glob("pyengine-*.whl"))
+
+
+def packed_venv(root: Path) -> Path:
+    """What a user ships to a cluster whose nodes lack pyengine: a virtualenv with
+    ``pyengine[delta]`` installed from its wheel, packed by ``venv-pack`` into a
+    ``.tar.gz`` for ``spark.archives``. The interpreter itself is not packed (a
+    virtualenv links to its base Python), so every node needs that Python at the
+    same path: true of these workers, which share this machine."""
+    try:
+        import venv_pack
+    except ImportError:
+        raise RuntimeError(
+            "the cluster tests ship pyengine to executors as a venv-pack archive: install the test extra "
+            "(pip install -e '.[test]', which brings venv-pack)"
+        ) from None
+    env = root / "venv"
+    python = str(env / "bin" / "python")
+    # Nothing of this process's path: a pyengine on PYTHONPATH (a source tree) would
+    # look installed to pip, which would then leave it out of the virtualenv.
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # What costs time here is CI's: no pip of its own in the virtualenv (this one's
+    # installs into it), no bytecode compiled ahead (each executor compiles what it
+    # imports), and the fastest gzip level (the archive only crosses this machine).
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True, timeout=120, env=clean)
+    wheel = pyengine_wheel(root)
+    pip = [sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--no-compile"]
+    subprocess.run([*pip, "--disable-pip-version-check", f"{wheel}[delta]"], check=True, timeout=600, env=clean)
+    found = subprocess.run(
+        [python, "-c", "import pyengine, sys; print(pyengine.__file__.startswith(sys.prefix))"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean,
+        cwd=str(root),
+    )
+    if found.stdout.strip() != "True":
+        raise RuntimeError(f"the virtualenv to pack has no pyengine of its own: {found.stdout}{found.stderr}")
+    archive = root / "venv.tar.gz"
+    venv_pack.pack(prefix=str(env), output=str(archive), compress_level=1)
+    return archive

@@ -2,7 +2,12 @@
 processes (``spark_cluster``), each executor its own JVM with its own Python workers,
 reached over the machine's address (mutual TLS off loopback). Three faults, each
 recovered within ``restart_attempts`` with exact output: a raised error, a killed
-Python worker, and ``kill -9`` of an executor JVM (into a Delta table)."""
+Python worker, and ``kill -9`` of an executor JVM (into a Delta table).
+
+The executors do not see the driver's environment: they run a virtualenv with
+pyengine installed from its wheel, packed by venv-pack and shipped through
+``spark.archives`` (``spark_cluster.packed_venv``), as a user whose cluster nodes
+lack pyengine ships it."""
 
 from __future__ import annotations
 
@@ -40,11 +45,19 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def spark(cluster):
+def archive(tmp_path_factory):
+    started = time.monotonic()
+    packed = spark_cluster.packed_venv(tmp_path_factory.mktemp("packed-venv"))
+    print(f"packed virtualenv: {packed.stat().st_size / 2**20:.0f} MiB in {time.monotonic() - started:.1f} s")
+    return packed
+
+
+@pytest.fixture(scope="module")
+def spark(cluster, archive):
     from pyspark import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # not installed on the executors
-    session = cluster.session_builder("pyengine-cluster-tests").getOrCreate()
+    session = cluster.session("pyengine-cluster-tests", archive)
     session.sparkContext.setLogLevel("ERROR")
     cluster.wait_for_executors(session)
     yield session
@@ -143,6 +156,23 @@ def test_kill_9_of_an_executor_jvm_recovers_exactly_into_a_delta_table(tmp_path,
     commits = [h for h in table.history() if "pyengine.checkpoint_id" in h]
     keys = [(c["pyengine.run_id"], c["pyengine.checkpoint_id"]) for c in commits]
     assert len(keys) == len(set(keys)) and sum(c["pyengine.rows"] for c in commits) == N
+
+
+def test_executors_run_pyengine_from_the_packed_virtualenv(spark) -> None:
+    """Every executor's Python workers start from the unpacked archive and import
+    pyengine (the same version as the driver's) from it, not from the driver's checkout."""
+
+    def where(_: Any) -> Any:
+        import pyengine
+
+        yield (os.getpid(), sys.prefix, pyengine.__file__, pyengine.__version__)
+
+    seen = spark.sparkContext.parallelize(range(4), 4).mapPartitions(where).collect()
+    driver = os.path.dirname(os.path.dirname(os.path.abspath(pe.__file__)))
+    for _, prefix, module, version in seen:
+        assert os.path.basename(prefix) == spark_cluster.PACKED_ENV, prefix
+        assert module.startswith(prefix + os.sep) and not module.startswith(driver + os.sep), module
+        assert version == pe.__version__
 
 
 def test_an_executor_with_another_pyengine_is_named_before_the_job_starts(tmp_path, spark, monkeypatch) -> None:
