@@ -12,6 +12,7 @@ task drives it: ``process`` per buffer, ``process_watermark``, ``on_processing_t
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from typing import Any, ClassVar, Dict, Iterator, List, Optional, Tuple
 
@@ -673,3 +674,62 @@ def test_exactly_once_with_a_failure_state_and_timers(tmp_path: Any, backend: st
     assert out == expected
     table = read_keyed_state(result.latest_checkpoint, "counter", "count")
     assert dict(zip(table.column("key").to_pylist(), table.column("value").to_pylist(), strict=True)) == dict(per_user)
+
+
+class SlowCountWithTimers(CountWithTimers):
+    """CountWithTimers that takes its time, so a savepoint stops it midway."""
+
+    def __init__(self) -> None:
+        super().__init__(Chaos(10**9))
+
+    def __deepcopy__(self, memo: Any) -> SlowCountWithTimers:
+        return SlowCountWithTimers()
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Iterator[Any]:
+        time.sleep(0.001)
+        yield from super().handleInputRows(key, rows, timerValues)
+
+
+def _rescaled_job(env: Any, out: str) -> Any:
+    sink = pe.sinks.FileSink(out)
+    (
+        env.from_collection(RECORDS)
+        .assign_timestamps_and_watermarks(
+            pe.WatermarkStrategy.for_monotonous_timestamps().with_timestamp_assigner("ts")
+        )
+        .key_by("user")
+        .transform_with_state(SlowCountWithTimers(), "user bigint, n bigint", time_mode="EventTime")
+        .uid("counter")
+        .sink_to(sink)
+    )
+    return sink
+
+
+def test_a_savepoint_at_parallelism_2_resumes_at_3_with_state_and_timers(tmp_path: Any) -> None:
+    """Value state and pending event-time timers of the adapter move by key group:
+    stopped with a savepoint at 2 subtasks, resumed at 3, the output is exactly an
+    uninterrupted run's (every count once, every timer fired once)."""
+    env = pe.StreamEnvironment(
+        parallelism=2,
+        checkpointing=pe.CheckpointConfig(interval_ms=10),
+        checkpoint_storage=str(tmp_path / "ckpt"),
+        buffer_size=8,
+        buffer_timeout_ms=1,
+    )
+    sink = _rescaled_job(env, str(tmp_path / "out"))
+    client = env.execute_async("tws-rescale-first")
+    time.sleep(0.3)
+    savepoint = client.stop_with_savepoint(str(tmp_path / "sp"))
+    assert client.wait(60).status == "FINISHED"
+    assert len(sink.read_committed()) < 2 * N, "the job ended before the savepoint stopped it"
+    timers = read_keyed_state(savepoint, "counter", "_timer_state/event_timers")
+    assert timers.num_rows > 0, "no timer was pending in the savepoint: nothing moved"
+    env3 = pe.StreamEnvironment(parallelism=3, checkpointing=pe.CheckpointConfig(interval_ms=10), buffer_size=8)
+    _rescaled_job(env3, str(tmp_path / "out"))
+    resumed = env3.execute("tws-rescale-second", restore_from=savepoint)
+    assert resumed.status == "FINISHED", resumed.cause
+    out = Counter((r["user"], r["n"]) for r in sink.read_committed())
+    per_user = Counter(r["user"] for r in RECORDS)
+    expected = Counter({(u, n): 1 for u, c in per_user.items() for n in range(1, c + 1)})
+    expected.update((r["user"], -(r["ts"] + 1)) for r in RECORDS)
+    assert out == expected
