@@ -115,7 +115,7 @@ TTLS = st.sampled_from(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     ttl=TTLS, typed=st.booleans(), backend_kind=st.sampled_from(["heap", "incremental"]), ops=st.lists(OPS, max_size=60)
 )

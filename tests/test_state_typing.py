@@ -11,6 +11,7 @@ import pytest
 
 HEADER = """
 from typing import Iterator, Optional
+import pyengine as pe
 from pyengine.runtime.operators import KeyedContext, KeyedProcessFunction
 from pyengine.state import (
     ListState, ListStateDescriptor, ListView, MapState, MapStateDescriptor, ValueState,
@@ -42,6 +43,17 @@ def typed(ctx: KeyedContext) -> None:
     lst: ListState[str] = ctx.get_state(ListStateDescriptor[str]("l"))
     m: MapState[str, int] = ctx.get_state(MapStateDescriptor[str, int]("m"))
     reveal_type(v.value())
+
+
+class ThroughPe(pe.KeyedProcessFunction):  # what `import pyengine as pe` gives an editor
+    def open(self, ctx: pe.KeyedContext) -> None:
+        self.total = ctx.get_state(pe.ValueStateDescriptor[float]("total", ttl=pe.StateTtlConfig(60_000)))
+        self.seen: pe.MapState[str, int] = ctx.get_map_state(pe.MapStateDescriptor[str, int]("seen"))
+
+    def process_element(self, value: float, ctx: pe.KeyedProcessFunction.Context) -> Iterator[float]:
+        total = (self.total.value() or 0.0) + value
+        self.total.update(total)
+        yield total
 """
 
 
@@ -52,6 +64,8 @@ def wrong(ctx: KeyedContext) -> None:
     pages = ctx.get_map_state(MapStateDescriptor[str, int]("pages"))
     pages.put(1, 1)
     doubled: str = count.value()
+    amounts = ctx.get_list_state(pe.ListStateDescriptor[float]("amounts"))
+    amounts.add("2.5")
 """
 
 
@@ -94,3 +108,4 @@ def test_a_wrong_value_for_a_typed_state_is_reported(mypy_output) -> None:
     assert 'Argument 1 to "update" of "ValueState" has incompatible type "str"' in errors, out
     assert 'Argument 1 to "put" of "MapState" has incompatible type "int"' in errors, out
     assert 'expression has type "int | None", variable has type "str"' in errors, out
+    assert 'Argument 1 to "add" of "ListState" has incompatible type "str"; expected "float"' in errors, out
