@@ -5,10 +5,12 @@ without one.
 Per call: value get/update, list add/get/view, map put/get/contains, each with and
 without TTL, on a key whose list or map holds 1, 100 or 10,000 entries (value
 state: a backend with 1, 100 or 10,000 keys). Calls are timed in batches of
-``BATCH``, the sizes interleaved round by round, and the p50 of the batch averages
-is the call's cost. Asserted: the cost at 10,000 within 1.5x the cost at 1 (a ratio
-in the same run). Reported: the p50s against the issue's targets (<= 0.5 us value,
-<= 1 us list and map), met or not. ``ListState.get()`` returns a new list, so it
+``BATCH``, the sizes interleaved round by round; the p50 of the batch averages is
+the call's cost reported. Asserted: the cost at 10,000 within 1.5x the cost at 1 (a
+ratio in the same run, of each size's fastest batch: p50s of calls this short
+moved by up to 1.9x between sizes on this shared machine, in both directions).
+Reported: the p50s against the issue's targets (<= 0.5 us value, <= 1 us list and
+map), met or not. ``ListState.get()`` returns a new list, so it
 copies the elements (a C-level copy, no Python call per element): its ratio is
 reported, not asserted; ``view()`` is the read whose cost does not grow, asserted.
 
@@ -20,9 +22,9 @@ Sessionizer (the issue's job, written here): per event a ValueState pair (sessio
 start, last event), a MapState of page counts and a ListState of amounts; a gap
 of 30 minutes of event time closes a session and emits its summary. Parallelism 1,
 the embedded runner, no checkpoints. The target is TTL costing <= 15% and >= 200 k
-events/s with TTL, reported met or not: measured here TTL costing 35-50% (no TTL
-130-300 k events/s, with TTL 80-150 k, depending on the machine's load). Most of it
-is the wall clock read once per record (a system call on this host: 0.2-0.7 us
+events/s with TTL, reported met or not: measured here TTL costing 17-40% (no TTL
+130-190 k events/s, with TTL 80-157 k, depending on the machine's load). Most of it
+is the wall clock read once per record (a system call on this host: 0.1-0.7 us
 with the Python around it) and a tuple per stamped entry; the calls themselves cost
 0.05-0.15 us more with TTL (the rows above). Asserted, as a regression guard: with
 TTL >= 40% of the events/s without it.
@@ -124,17 +126,20 @@ def test_state_call_costs_do_not_grow_with_the_state() -> None:
     failures = []
     for ttl in (False, True):
         for call in CALLS:
-            p50 = {}
+            p50, best = {}, {}
+            lambda_row = call in ("value update", "list add", "map put", "map get", "map contains")
             for size in SIZES:
-                raw = statistics.median(results[(call, ttl, size)])
-                lambda_row = call in ("value update", "list add", "map put", "map get", "map contains")
-                p50[size] = max(raw - overhead, 0.01) if lambda_row else raw
-            ratio = p50[10_000] / p50[1]
+                batches = results[(call, ttl, size)]
+                p50[size] = max(statistics.median(batches) - (overhead if lambda_row else 0), 0.01)
+                best[size] = max(min(batches) - (overhead if lambda_row else 0), 0.01)
+            # The ratio from each size's fastest batch: a call of 0.1-0.5 us is at the mercy of
+            # the other jobs on this machine, and the fastest batch is the call's own cost.
+            ratio = best[10_000] / best[1]
             target = TARGET_US[call.split()[0]]
             met = "met" if p50[1] <= target and p50[10_000] <= target else "NOT MET"
             SUMMARY.append(
                 f"  {call:<13}{' ttl' if ttl else '    '}  1: {p50[1]:.2f}  100: {p50[100]:.2f}  "
-                f"10,000: {p50[10_000]:.2f}  (10,000/1: {ratio:.2f}x; target <= {target} us: {met})"
+                f"10,000: {p50[10_000]:.2f}  (fastest batches 10,000/1: {ratio:.2f}x; target <= {target} us: {met})"
             )
             if call == "list get":
                 continue  # a new list: a copy of the elements, reported (view() is the O(1) read)
