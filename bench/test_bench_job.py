@@ -27,9 +27,10 @@ from pyengine.testing import JobBenchmark
 from pyengine.tune import Setting, measure
 
 RECORDS = int(os.environ.get("PYENGINE_BENCH_RECORDS", 10_000_000))
-# The default settings (1,024-record buffers) move a vectorised job 3-5x slower than the
-# tuned ones: their rows run a twentieth of the records, in their own group, within CI's budget.
-DEFAULT_RECORDS = max(RECORDS // 20, 100_000)
+# The default settings (buffer_size=None: slices of ~256 KiB from this columnar source) run in
+# their own group on a fifth of the records, within CI's budget. With 1,024-row buffers, the
+# default before, the same job ran 3-5x slower than tuned (0.16 against 0.55 M/s in one run).
+DEFAULT_RECORDS = max(RECORDS // 5, 100_000)
 KEYS = 100_000
 PROCESS_RECORDS = max(RECORDS // 20, 100_000)  # a Python call per record: a twentieth is enough to measure
 COUNT = ValueStateDescriptor("count", 0, pa.int64())
@@ -115,10 +116,12 @@ def _row(
         assert ratio >= guard, f"checkpoints cost {1 - ratio:.0%} of the throughput at {setting.label}"
     default = RESULTS.get(("aggregate-defaults", DEFAULTS, True))
     if setting == TUNED and default is not None:
-        speedup = (records / seconds) / (DEFAULT_RECORDS / default)
-        SUMMARY.append(f"  tuned against the defaults, with checkpoints: {speedup:.1f}x the records/s")
-        benchmark.extra_info["records_per_s_to_defaults"] = speedup
-        assert speedup >= 1.0, "the tuned setting is slower than the defaults"
+        share = (DEFAULT_RECORDS / default) / (records / seconds)
+        SUMMARY.append(f"  the defaults against tuned, with checkpoints: {share:.0%} of the records/s (target >= 80%)")
+        benchmark.extra_info["defaults_to_tuned"] = share
+        # what users get without tuning: the defaults ran this job at 6-30% of tuned when
+        # buffers were 1,024 rows; the guard leaves room for the defaults' shorter runs
+        assert share >= 0.5, f"the default settings run this job at {share:.0%} of the tuned records/s"
 
 
 def _aggregate(env: Any, table: pa.Table) -> None:

@@ -72,7 +72,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     tune.add_argument("--benchmark-json", help="also write the runs as pytest-benchmark JSON here")
     tune.add_argument("--no-progress", action="store_true", help="no progress bar")
     for flag, values in (
-        ("buffer-sizes", "buffer sizes"),
+        ("buffer-sizes", "buffer sizes ('auto': the engine's choice)"),
         ("buffer-timeouts-ms", "buffer timeouts"),
         ("channel-capacities", "channel capacities"),
         ("intervals-ms", "checkpoint intervals"),
@@ -151,7 +151,11 @@ def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         given = getattr(args, option)
         if given is not None:
             try:
-                space[setting] = tuple(int(v) for v in given.split(",") if v.strip())
+                space[setting] = tuple(
+                    None if setting == "buffer_size" and v.strip() == "auto" else int(v)
+                    for v in given.split(",")
+                    if v.strip()
+                )
             except ValueError:
                 parser.error(f"--{option.replace('_', '-')} takes integers separated by commas, got {given!r}")
     if args.aligned_only:

@@ -166,6 +166,7 @@ def build_task(
         restored=restored,
         buffer_size=env.buffer_size,
         buffer_timeout_ms=env.buffer_timeout_ms,
+        read_bytes=env.batch_bytes,
         on_failure=on_failure,
         on_drained=on_drained,
         channel_state_uid=f"__channel_state__{vertex.name}",

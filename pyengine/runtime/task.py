@@ -38,6 +38,9 @@ _CHANNEL_STATE = ListStateDescriptor("in-flight")
 _INPUT, _OUTPUT = 0, 1  # the two kinds of in-flight records of an unaligned checkpoint
 
 
+MAX_READ_ROWS = 1 << 20  # a slice of a columnar source holds at most this many rows
+
+
 class _EndOfData:
     """Sent down every channel, in order, once a task has emitted everything it will:
     the end of bounded input. Tasks still run after it (they take the final checkpoint);
@@ -341,8 +344,15 @@ class StreamTask:
         on_drained: Callable[[ExecutionAttempt], None],
         channel_state_uid: str,
         input_key_selector: Optional[Callable[[Any], Any]] = None,
+        read_bytes: Optional[int] = None,
     ) -> None:
         self.input_key_selector = input_key_selector
+        # A source of Arrow batches is read in slices of about ``read_bytes`` (never fewer
+        # rows than ``buffer_size``): a buffer's fixed cost in Python (tens of microseconds
+        # per operator) needs batches far larger than Flink's 32 KiB to vanish, and columnar
+        # data already there gains no latency from a small slice. None: ``buffer_size`` rows.
+        self.read_bytes = read_bytes
+        self._row_bytes = 0
         self.attempt = attempt
         self.chain = chain
         self.ctx = ctx
@@ -777,7 +787,12 @@ class StreamTask:
             if self._backpressured():
                 continue
             if not source.exhausted:
-                records = source.read(self.buffer_size)
+                n = self.buffer_size
+                if self._row_bytes:
+                    n = max(n, min(self.read_bytes // self._row_bytes, MAX_READ_ROWS))  # type: ignore[operator]
+                records = source.read(n)
+                if self.read_bytes and type(records) is pa.RecordBatch and records.num_rows:
+                    self._row_bytes = max(1, records.nbytes // records.num_rows)
                 self.records_in += len(records)
                 self._emit(records, start=1)
                 self._time_tick()

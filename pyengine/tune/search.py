@@ -235,8 +235,10 @@ def _start(space: Dict[str, Tuple[Any, ...]]) -> Setting:
     changes: Dict[str, Any] = {}
     for name, values in space.items():
         default = getattr(base, name)
+        if name == "buffer_size" and default is None:
+            default = 1024  # "auto" moves to the nearest size to its Python-record buffers
         if default not in values:
-            numeric = [v for v in values if not isinstance(v, bool)]
+            numeric = [v for v in values if v is not None and not isinstance(v, bool)]
             changes[name] = min(numeric, key=lambda v: abs(v - default)) if numeric else values[0]
     return base.with_(**changes)
 

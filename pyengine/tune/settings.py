@@ -4,7 +4,7 @@ checkpoints are set to, and how to write that back into a job."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["DEFAULT_SPACE", "Setting"]
 
@@ -14,9 +14,11 @@ class Setting:
     """One point of the search: ``StreamEnvironment``'s ``buffer_size``,
     ``buffer_timeout_ms`` and ``channel_capacity``, and ``CheckpointConfig``'s
     ``interval_ms``, ``unaligned`` and ``aligned_timeout_ms``. The defaults are the
-    engine's own defaults, so ``Setting()`` is what a job gets when nobody tuned it."""
+    engine's own defaults, so ``Setting()`` is what a job gets when nobody tuned it
+    (``buffer_size=None``: the engine chooses per stream, 1,024 Python records per
+    buffer and slices of about 256 KiB from a source of Arrow batches)."""
 
-    buffer_size: int = 1024
+    buffer_size: Optional[int] = None
     buffer_timeout_ms: int = 100
     channel_capacity: int = 8
     interval_ms: int = 500
@@ -29,7 +31,7 @@ class Setting:
         if not self.unaligned and self.aligned_timeout_ms:
             object.__setattr__(self, "aligned_timeout_ms", 0)
 
-    def environment_kwargs(self) -> Dict[str, int]:
+    def environment_kwargs(self) -> Dict[str, Optional[int]]:
         """The ``StreamEnvironment(...)`` arguments of this setting."""
         return {
             "buffer_size": self.buffer_size,
@@ -54,8 +56,9 @@ class Setting:
         mode = "unaligned" if self.unaligned else "aligned"
         if self.unaligned and self.aligned_timeout_ms:
             mode = f"aligned→unaligned@{self.aligned_timeout_ms}ms"
+        buf = "auto" if self.buffer_size is None else self.buffer_size
         return (
-            f"buf={self.buffer_size} timeout={self.buffer_timeout_ms}ms cap={self.channel_capacity} "
+            f"buf={buf} timeout={self.buffer_timeout_ms}ms cap={self.channel_capacity} "
             f"interval={self.interval_ms}ms {mode}"
         )
 
@@ -67,8 +70,8 @@ class Setting:
         return (
             "env = pe.StreamEnvironment(\n"
             f"    parallelism={parallelism},\n"
-            f"    buffer_size={self.buffer_size},\n"
-            f"    buffer_timeout_ms={self.buffer_timeout_ms},\n"
+            + (f"    buffer_size={self.buffer_size},\n" if self.buffer_size is not None else "")
+            + f"    buffer_timeout_ms={self.buffer_timeout_ms},\n"
             f"    channel_capacity={self.channel_capacity},\n"
             f"    checkpointing=pe.CheckpointConfig({checkpoint}),\n"
             ")\n"
@@ -82,7 +85,7 @@ class Setting:
 # batch of records here (not Flink's bytes), and much smaller batches spend the time on the
 # per-buffer overhead that Flink's 256-byte debloated buffers ran into (FLINK-33077).
 DEFAULT_SPACE: Dict[str, Tuple[Any, ...]] = {
-    "buffer_size": (256, 1024, 4096, 16384),
+    "buffer_size": (None, 256, 1024, 4096, 16384),
     "buffer_timeout_ms": (1, 10, 100),
     "channel_capacity": (2, 8, 32),
     "interval_ms": (200, 500, 1000, 2000),
