@@ -149,6 +149,19 @@ def test_the_limits_that_remain_are_named() -> None:
         )
 
 
+def test_a_state_no_file_could_hold_is_refused_when_declared() -> None:
+    """Past 128 states, a 129th distinct storage type is refused by ``get_state`` (in the
+    function's ``open``), naming the state, not at the job's first checkpoint."""
+    from pyengine.state import create_keyed_backend
+
+    backend = create_keyed_backend("heap", max_parallelism=MAX_P)
+    for n in range(1, MAX_UNION_CHILDREN + 1):
+        backend.get_state(ValueStateDescriptor(f"s{n}", None, pa.binary(n)))
+    with pytest.raises(ValueError, match=r"state 's129'.*at most 128 distinct"):
+        backend.get_state(ValueStateDescriptor("s129", None, pa.binary(MAX_UNION_CHILDREN + 1)))
+    backend.get_state(ValueStateDescriptor("s129", None, pa.binary(1)))  # a type already there: room
+
+
 STATES = 150
 
 

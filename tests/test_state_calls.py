@@ -354,3 +354,28 @@ def test_timers_firing_read_the_clock_afresh() -> None:
     assert backend._ttl_now is not None
     ctx._domain = TimeDomain.PROCESSING_TIME
     assert backend._ttl_now is None and ctx.time_domain() is TimeDomain.PROCESSING_TIME
+
+
+@pytest.mark.parametrize(
+    "arrow_type, values",
+    [
+        (pa.struct([("a", pa.int64()), ("b", pa.string())]), [{"a": 1, "b": "x"}, {"a": 2, "b": None}]),
+        (pa.string(), ["x", "yz"]),
+    ],
+)
+def test_typed_value_state_of_other_than_numbers_restores(tmp_path, arrow_type, values) -> None:
+    """A value state typed with a struct or a string, int keys: written as typed columns,
+    restored as values (NumPy columns hold only numbers and booleans)."""
+    storage = checkpoint_storage(str(tmp_path), "job")
+    backend = create_keyed_backend("heap", max_parallelism=8)
+    state = backend.get_state(ValueStateDescriptor("v", None, arrow_type))
+    for key, value in enumerate(values):
+        backend.set_current_key(key)
+        state.update(value)
+    snapshot = backend.snapshot(1, storage.location(1))
+    restored = create_keyed_backend("heap", max_parallelism=8)
+    restored.restore(snapshot.run().handles)
+    again = restored.get_state(ValueStateDescriptor("v", None, arrow_type))
+    for key, value in enumerate(values):
+        restored.set_current_key(key)
+        assert again.value() == value

@@ -1210,6 +1210,7 @@ class HeapKeyedStateBackend:
         if isinstance(table, ColumnarValueTable) and (dtype is None or dtype != table.dtype):
             table = self._columnar_table_to_dict(descriptor.name)
         if table is None and dtype is not None:
+            self._check_room(descriptor)
             table = ColumnarValueTable(descriptor, len(self.key_group_range), dtype)
             self._tables[descriptor.name] = table
         if isinstance(table, ColumnarValueTable):
@@ -1221,6 +1222,7 @@ class HeapKeyedStateBackend:
             self._states[descriptor.name] = columnar_state
             return columnar_state
         if table is None:
+            self._check_room(descriptor)
             table = StateTable(descriptor, len(self.key_group_range))
             self._tables[descriptor.name] = table
         elif table.descriptor.kind != descriptor.kind:
@@ -1234,6 +1236,21 @@ class HeapKeyedStateBackend:
         state = cls(self, table, ttl)
         self._states[descriptor.name] = state
         return state
+
+    def _check_room(self, descriptor: StateDescriptor) -> None:
+        """Refuses a new state that one keyed state file could not hold (more than
+        32767 states, or past 128 states more than 128 distinct storage types:
+        ``pyengine.snapshot.format.check_state_count``) when it is declared, in the
+        function's ``open``, rather than at the job's first checkpoint."""
+        from ..snapshot.format import MAX_UNION_CHILDREN, check_state_count
+
+        count = len(self._tables) + 1
+        if count <= MAX_UNION_CHILDREN:
+            return  # one union child per state: always room
+        from ..snapshot.strategies import column_of
+
+        descriptors = [t.descriptor for t in self._tables.values()] + [descriptor]
+        check_state_count(count, [column_of(d).storage_type for d in descriptors], where=f"state {descriptor.name!r}")
 
     @property
     def state_names(self) -> List[str]:
@@ -1329,6 +1346,15 @@ class HeapKeyedStateBackend:
             )
             for key_group, spec, keys, values in entries:
                 table = restored.get(spec.name)
+                # typed value state with int keys: straight into columns, if NumPy can hold the
+                # type (a struct- or string-typed value state restores into dicts, as any other)
+                if isinstance(keys, pa.Array) and not (
+                    pa.types.is_integer(values.type)
+                    or pa.types.is_floating(values.type)
+                    or pa.types.is_boolean(values.type)
+                ):
+                    keys = keys.to_pylist()
+                    values = [TOMBSTONE if v is None else v for v in values.to_pylist()]
                 if isinstance(keys, pa.Array):  # typed value state with int keys: straight into columns
                     if table is None:
                         table = ColumnarValueTable(
