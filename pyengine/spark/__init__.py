@@ -10,11 +10,23 @@ from typing import TYPE_CHECKING, Any
 
 from .dataframe import DataFrameSource
 from .foreach_batch import ForeachBatchHandler
+from .tws import OutputSchemaError, StateNotFoundError, TransformWithStateOperator
+from .tws_dataframe import transform_with_state, transform_with_state_in_pandas
 
 if TYPE_CHECKING:
     from .state_source import StateDataSource, register_state_source
 
-__all__ = ["DataFrameSource", "ForeachBatchHandler", "StateDataSource", "register_state_source"]
+__all__ = [
+    "DataFrameSource",
+    "ForeachBatchHandler",
+    "OutputSchemaError",
+    "StateDataSource",
+    "StateNotFoundError",
+    "TransformWithStateOperator",
+    "register_state_source",
+    "transform_with_state",
+    "transform_with_state_in_pandas",
+]
 
 _LAZY = {"StateDataSource", "register_state_source"}
 
