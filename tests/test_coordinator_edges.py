@@ -362,3 +362,53 @@ def test_a_late_task_does_not_leave_the_aborted_checkpoints_directory_behind(mak
     coordinator.receive_acknowledge_message(7, TASKS[0])
     assert storage.fs.get_file_info(storage.checkpoint_dir(7)).type.name == "Directory"
     assert storage.fs.get_file_info(storage.checkpoint_dir(2)).type.name == "Directory"  # pending
+
+
+def test_a_snapshot_that_fails_in_its_async_part_declines_with_what_it_wrote(tmp_path, monkeypatch) -> None:
+    """The operators' state files of a snapshot whose asynchronous part then fails go with
+    the decline, and the coordinator deletes them: no checkpoint will reference them."""
+    import os
+
+    import pyengine as pe
+    from pyengine.coordinator.coordinator import CheckpointCoordinator
+    from pyengine.runtime.task import StreamTask
+
+    declined: list = []
+    real_decline = CheckpointCoordinator.receive_decline_message
+
+    def spy(self, checkpoint_id, task, cause=None, state=None):  # type: ignore[no-untyped-def]
+        if state is not None:
+            streams = [getattr(h, "stream", h) for h in state.handles()]
+            declined.append([st.path for st in streams if getattr(st, "path", None)])
+        return real_decline(self, checkpoint_id, task, cause, state)
+
+    def broken(self, checkpoint_id, inputs, outputs):  # type: ignore[no-untyped-def]
+        raise OSError("disk full while persisting in-flight data")
+
+    monkeypatch.setattr(CheckpointCoordinator, "receive_decline_message", spy)
+    monkeypatch.setattr(StreamTask, "_write_channel_state", broken)
+
+    class Count(pe.KeyedProcessFunction):
+        def open(self, ctx):  # type: ignore[no-untyped-def]
+            self.n = ctx.get_state(pe.ValueStateDescriptor("n", 0))
+
+        def process_element(self, value, ctx):  # type: ignore[no-untyped-def]
+            self.n.update(self.n.value() + 1)
+            if value["i"] % 100 == 0:
+                time.sleep(0.002)  # long enough for several checkpoints to start
+            yield value
+
+    env = pe.StreamEnvironment(
+        parallelism=1,
+        checkpointing=pe.CheckpointConfig(interval_ms=50, unaligned=True, tolerable_failures=1000),
+        checkpoint_storage=str(tmp_path / "ckpt"),
+        monitoring=None,
+        buffer_size=64,
+    )
+    env.from_collection([{"k": i, "i": i} for i in range(20_000)]).key_by("k").process(Count()).uid("count").sink_to(
+        pe.sinks.DiscardSink()
+    )
+    env.execute("declines", resume="never")
+    files = [path for paths in declined for path in paths]
+    assert declined, "no snapshot declined with its state"
+    assert files and not [p for p in files if os.path.exists(p)], "a declined snapshot's files were left behind"

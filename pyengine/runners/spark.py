@@ -75,7 +75,10 @@ class _CoordinatorProxy:
         with self._lock:
             self._client.acknowledge(checkpoint_id, snapshot, metrics)
 
-    def receive_decline_message(self, checkpoint_id: int, attempt: Any, cause: Any) -> None:
+    def receive_decline_message(self, checkpoint_id: int, attempt: Any, cause: Any, state: Any = None) -> None:
+        # ``state`` (what the failed snapshot wrote) is not sent: only the driver's registry
+        # may judge whether a shared file is still referenced, and the control plane takes
+        # no file list from an executor for deletion. Those files stay, as they did before.
         with self._lock:
             self._client.decline(checkpoint_id, cause)
 

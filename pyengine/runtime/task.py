@@ -460,6 +460,7 @@ class StreamTask:
 
         def run_async() -> None:
             async_started = time.perf_counter()
+            snapshot: Optional[TaskStateSnapshot] = None
             try:
                 snapshot = TaskStateSnapshot()
                 for uid, write in writers:
@@ -502,7 +503,9 @@ class StreamTask:
                     ),
                 )
             except Exception as exc:
-                self.coordinator.receive_decline_message(checkpoint_id, self.attempt, exc)
+                # what was written before the failure goes with the decline, so the
+                # coordinator deletes it (a delta no checkpoint will ever reference)
+                self.coordinator.receive_decline_message(checkpoint_id, self.attempt, exc, snapshot)
 
         self.executor.submit(run_async)
 
