@@ -16,6 +16,7 @@ import json
 import random
 import socket
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -491,6 +492,7 @@ def test_progress_has_the_shape_of_spark_streaming_query_progress(scenario: Any)
             records_in=990,
             operators=[{"uid": "2-aggregate", "name": "2-aggregate", "state_rows": 7}],
             watermark=1_700_000_000_000,
+            input_watermark=1_700_000_000_000,
         ),
     ]
     sample = s.monitor.sample()
@@ -529,6 +531,106 @@ def test_progress_has_the_shape_of_spark_streaming_query_progress(scenario: Any)
     assert [p["numInputRows"] for p in recent][-2:] == [100, 1000]
 
 
+def _prometheus(url: str) -> Dict[Tuple[str, Tuple[Tuple[str, str], ...]], float]:
+    """``/metrics`` parsed with prometheus_client's parser: value by (name, labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, body, _ = get(url, "metrics")
+    assert status == 200
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(body.decode())
+        for sample in family.samples
+    }
+
+
+def _late_by_operator(
+    metrics: Dict[Tuple[str, Tuple[Tuple[str, str], ...]], float],
+) -> Dict[Tuple[str, str, str], float]:
+    """(task_id, subtask_index, operator_id) -> numLateRecordsDropped."""
+    return {
+        (dict(labels)["task_id"], dict(labels)["subtask_index"], dict(labels)["operator_id"]): value
+        for (name, labels), value in metrics.items()
+        if name == "flink_taskmanager_job_task_operator_numLateRecordsDropped"
+    }
+
+
+def _window(state_rows: int, late: int) -> List[Dict[str, Any]]:
+    return [{"uid": "2-aggregate", "name": "2-aggregate", "state_rows": state_rows, "late_records_dropped": late}]
+
+
+def test_late_drops_reach_the_progress_and_metrics_per_interval_and_in_total(scenario: Any) -> None:
+    """Spark's ``numRowsDroppedByWatermark`` counts a trigger's drops; Flink's
+    ``numLateRecordsDropped`` the total so far, which survives a restore (the
+    operator checkpoints it), so a restarted attempt's count is not added to the
+    count before."""
+    s = scenario
+    s.job.counters = [_counters("v1", 0, operators=_window(3, 2)), _counters("v1", 1, operators=_window(4, 0))]
+    s.monitor.sample()
+    s.job.counters = [_counters("v1", 0, operators=_window(3, 7)), _counters("v1", 1, operators=_window(4, 1))]
+    s.monitor.sample()
+    [state] = api(s, f"jobs/{s.job.job_id}/progress")["stateOperators"]
+    assert state["numRowsDroppedByWatermark"] == (7 - 2) + (1 - 0)
+    assert state["customMetrics"]["numLateRecordsDropped"] == 8
+    assert _late_by_operator(_prometheus(s.monitor.url)) == {
+        ("v1", "0", "2-aggregate"): 7,
+        ("v1", "1", "2-aggregate"): 1,
+    }
+    # v1#0 restarts from a checkpoint taken when it had dropped 5, then drops 2 more
+    s.job.counters = [
+        _counters("v1", 0, attempt=1, operators=_window(3, 7)),
+        _counters("v1", 1, operators=_window(4, 1)),
+    ]
+    s.monitor.sample()
+    [state] = api(s, f"jobs/{s.job.job_id}/progress")["stateOperators"]
+    assert state["numRowsDroppedByWatermark"] == 0, "no drop in this interval: none is counted twice"
+    assert state["customMetrics"]["numLateRecordsDropped"] == 8, "the restored count is the run's, not 7 + 7"
+    recent = api(s, f"jobs/{s.job.job_id}/recent-progress")
+    assert sum(p["stateOperators"][0]["numRowsDroppedByWatermark"] for p in recent if p["stateOperators"]) == 8
+
+
+def test_the_jobs_watermark_leaves_idle_and_finished_subtasks_out(scenario: Any) -> None:
+    """Flink's rule: the watermark that reached the last vertex, over its subtasks
+    that are neither idle nor finished; a source split that went idle with an old
+    watermark (still v0#1's output here) holds nothing back."""
+    s = scenario
+    at = 1_700_000_000_000
+
+    def watermark(*v1: Dict[str, Any]) -> Optional[str]:
+        s.job.counters = [
+            _counters("v0", 0, watermark=at + 900, input_watermark=at + 900),
+            _counters("v0", 1, watermark=at - 60_000, input_watermark=at - 60_000, idle=True),
+            *v1,
+        ]
+        s.monitor.sample()
+        return api(s, f"jobs/{s.job.job_id}/progress")["eventTime"].get("watermark")  # type: ignore[no-any-return]
+
+    assert watermark(_counters("v1", 0, input_watermark=at + 500), _counters("v1", 1, input_watermark=at + 800)) == (
+        "2023-11-14T22:13:20.500Z"
+    ), "the minimum over the last vertex, not over every subtask of the job (v0#1 is a minute behind)"
+    assert (
+        watermark(_counters("v1", 0, input_watermark=at + 500, idle=True), _counters("v1", 1, input_watermark=at + 800))
+        == "2023-11-14T22:13:20.800Z"
+    ), "an idle subtask is left out"
+    assert (
+        watermark(
+            _counters("v1", 0, input_watermark=at + 500, status="FINISHED"),
+            _counters("v1", 1, input_watermark=at + 800),
+        )
+        == "2023-11-14T22:13:20.800Z"
+    ), "a finished one too"
+    assert (
+        watermark(
+            _counters("v1", 0, input_watermark=at + 500, idle=True),
+            _counters("v1", 1, input_watermark=at + 800, idle=True),
+        )
+        == "2023-11-14T22:13:20.800Z"
+    ), "all idle: the largest, as the valve flushes it"
+    assert watermark(_counters("v1", 0), _counters("v1", 1, input_watermark=at + 800)) is None, (
+        "an active subtask without a watermark yet: the job has none yet (Flink's Long.MIN_VALUE)"
+    )
+
+
 def test_counters_carry_over_a_restart_and_rates_never_go_negative() -> None:
     history = MetricsHistory(maxlen=3)
     history.add([_counters("v0", 0, records_in=100, uptime_ns=10**9)], now_ns=0)
@@ -559,7 +661,9 @@ def test_task_counters_read_a_task_as_plain_values() -> None:
         ended_ns=0,
         output_watermark=-(2**63),  # no watermark yet
         chain=[
-            SimpleNamespace(uid="agg", name="2-aggregate", backend=SimpleNamespace(num_entries=lambda: 12)),
+            SimpleNamespace(
+                uid="agg", name="2-aggregate", backend=SimpleNamespace(num_entries=lambda: 12), late_records_dropped=3
+            ),
             SimpleNamespace(uid="sink", name="3-sink"),
         ],
         running=running,
@@ -577,16 +681,22 @@ def test_task_counters_read_a_task_as_plain_values() -> None:
         "uptime_ns": 1000,
         "state_rows": 12,
         "watermark": None,
+        "input_watermark": None,
+        "idle": False,
+        "late_records_dropped": 3,
         "operators": [
-            {"uid": "agg", "name": "2-aggregate", "state_rows": 12},
-            {"uid": "sink", "name": "3-sink", "state_rows": None},
+            {"uid": "agg", "name": "2-aggregate", "state_rows": 12, "late_records_dropped": 3},
+            {"uid": "sink", "name": "3-sink", "state_rows": None, "late_records_dropped": None},
         ],
     }
     task.output_watermark = 1_700_000_000_000
+    task.output_idle = True
     finished.set()
     task.ended_ns = 600
     counters = task_counters(task, now_ns=5000)
     assert counters["watermark"] == 1_700_000_000_000 and counters["status"] == "FINISHED"
+    assert counters["input_watermark"] == 1_700_000_000_000, "a task without a gate: its chain's watermark"
+    assert counters["idle"] is True
     assert counters["uptime_ns"] == 500  # stops at the task's end
     assert clean_counters(json.loads(json.dumps(counters))) == counters  # what a Spark task sends survives the trip
 
@@ -717,14 +827,20 @@ def test_a_token_guards_every_path(scenario: Any) -> None:
         monitor.stop("FINISHED")
 
 
-def test_a_port_in_use_leaves_the_job_running_and_says_why(scenario: Any) -> None:
+def test_a_port_in_use_leaves_the_job_running_and_says_why(scenario: Any, caplog: Any) -> None:
     taken = urllib.parse.urlsplit(scenario.monitor.url).port
     out = io.StringIO()
+    caplog.set_level("DEBUG", logger="pyengine.monitoring")
     monitor = start_monitor(scenario.job, Monitoring(port=taken, sample_interval_s=60, progress=False), out=out)
     assert monitor is not None
     try:
         assert monitor.url is None
-        assert f"could not listen on 127.0.0.1:{taken}" in out.getvalue() and "runs without it" in out.getvalue()
+        [line] = out.getvalue().splitlines()  # said once
+        assert line.startswith("pyengine: ") and f"could not listen on 127.0.0.1:{taken}" in line
+        assert "runs without it" in line and "Monitoring(port=0) picks a free port" in line
+        # not a warning through logging as well: with no handler configured, Python's
+        # last-resort handler would print it a second time, without the prefix
+        assert not [r for r in caplog.records if r.levelno >= 30 and "could not listen" in r.getMessage()]
         assert monitor.error is not None and monitor.latest() is not None  # sampling goes on
     finally:
         monitor.stop("FINISHED")
@@ -833,6 +949,7 @@ def test_a_finished_runs_statistics_are_kept_beside_its_checkpoints(scenario: An
 # -- through a runner (needs the hooks: see the module docstring of pyengine.monitoring) -------
 
 import pyengine as pe  # noqa: E402
+from pyengine.runtime.sources import Source  # noqa: E402
 
 
 def _slow(i: int) -> Dict[str, int]:
@@ -889,7 +1006,8 @@ def test_a_job_whose_port_is_taken_still_runs(capfd: Any) -> None:
         blocker.close()
     assert result.status == "FINISHED" and sorted(result.records) == list(range(1, 101))
     assert result.monitoring_url is None
-    assert f"could not listen on 127.0.0.1:{port}" in capfd.readouterr().err
+    said = [line for line in capfd.readouterr().err.splitlines() if "could not listen" in line]
+    assert len(said) == 1 and said[0].startswith("pyengine: ") and f"127.0.0.1:{port}" in said[0], said
 
 
 def test_the_cli_shows_a_finished_job_as_json(tmp_path: Any, capsys: Any) -> None:
@@ -953,3 +1071,105 @@ def test_the_demo_draws_one_progress_line_on_a_terminal(tmp_path: Any, monkeypat
     assert "\n  job clickstream-demo failed" in text and "restart 1 of 2" in text
     assert "records read" in text and "OK: all" in text
     assert err.getvalue() == ""
+
+
+class LateAndIdle(Source):
+    """Two splits: split 0 reads on (event time 10 ms a record) until ``release``,
+    and once ``late`` is set sends five records at event time 0, long behind the
+    watermark; split 1 sends one record at event time 0 and then nothing (not
+    ended), so with idleness it turns idle with its watermark at -1."""
+
+    def __init__(self, late: threading.Event, release: threading.Event) -> None:
+        self.late = late
+        self.release = release
+        self.sent_late = False
+
+    def read(self, subtask: int, parallelism: int, position: int, n: int) -> Any:
+        if subtask == 1:
+            if position == 0:
+                return [{"k": 1, "ts": 0}]
+            return None if self.release.is_set() else []
+        if self.release.is_set():
+            return None
+        if self.late.is_set() and not self.sent_late:
+            self.sent_late = True
+            return [{"k": 0, "ts": 0}] * 5
+        time.sleep(0.002)
+        return [{"k": 0, "ts": p * 10} for p in range(position, position + 5)]
+
+
+def _wait_for(what: str, check: Any, timeout_s: float = 15.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_a_running_job_shows_its_late_drops_and_a_watermark_an_idle_split_does_not_hold_back() -> None:
+    from pyengine.monitoring.progress import iso_time
+    from pyengine.time import WatermarkStrategy
+
+    late, release = threading.Event(), threading.Event()
+    strategy = WatermarkStrategy.for_monotonous_timestamps().with_timestamp_assigner("ts").with_idleness(50)
+    env = pe.StreamEnvironment(
+        parallelism=2,
+        auto_watermark_interval_ms=5,
+        monitoring=pe.Monitoring(sample_interval_s=0.05, progress=False, announce=False),
+    )
+    env.from_source(LateAndIdle(late, release), watermark_strategy=strategy).key_by("k").window(
+        pe.windows.tumbling(100)
+    ).aggregate(pe.agg.count()).sink_to(pe.sinks.CollectSink())
+    client = env.execute_async("late-and-idle")
+    try:
+        url, job_id = client.monitoring_url, client._runner.job_id
+        assert url is not None
+
+        def progress() -> Dict[str, Any]:
+            status, body, _ = get(url, f"jobs/{job_id}/progress")
+            assert status == 200
+            return body  # type: ignore[no-any-return]
+
+        # the windows are past 2 s of event time while split 1 idles at -1 ms: the job's
+        # watermark follows the windows (it read 1969-12-31T23:59:59.999Z before)
+        ahead = _wait_for(
+            "the job's watermark to pass 2 s",
+            lambda: (w := progress()["eventTime"].get("watermark")) is not None and w >= iso_time(2000) and w,
+        )
+        metrics = _prometheus(url)
+        idle_source = [
+            v
+            for (name, labels), v in metrics.items()
+            if name == "flink_taskmanager_job_task_currentOutputWatermark" and dict(labels)["task_id"] == "v0"
+        ]
+        assert -1 in idle_source, f"the idle split's own watermark is still shown per subtask: {idle_source}"
+        assert ahead >= iso_time(2000)
+
+        late.set()
+        _wait_for("the window to drop the five late records", lambda: client.event_time().late_records_dropped == 5)
+        _wait_for(
+            "/metrics to show them",
+            lambda: (
+                _late_by_operator(_prometheus(url))
+                in (
+                    {("v1", "0", "2-window"): 5, ("v1", "1", "2-window"): 0},
+                    {("v1", "0", "2-window"): 0, ("v1", "1", "2-window"): 5},
+                )
+            ),
+        )
+        state = _wait_for(
+            "the progress to show them",
+            lambda: [op for op in progress()["stateOperators"] if op["customMetrics"]["numLateRecordsDropped"] == 5],
+        )
+        assert state[0]["operatorName"] == "2-window"
+        _, recent, _ = get(url, f"jobs/{job_id}/recent-progress")
+        per_trigger = sum(op["numRowsDroppedByWatermark"] for p in recent for op in p["stateOperators"])
+        assert per_trigger == 5, "each interval counts its own drops, and together they are the total"
+    finally:
+        release.set()
+        result = client.wait(60)
+    assert result.status == "FINISHED" and result.event_time is not None
+    assert result.event_time.late_records_dropped == 5

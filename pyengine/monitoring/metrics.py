@@ -17,14 +17,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, Iterable, List, Optional, Tuple
 
-__all__ = ["JobSample", "MetricsHistory", "SubtaskSample", "task_counters"]
+__all__ = ["JobSample", "MetricsHistory", "SubtaskSample", "job_watermark", "task_counters"]
 
 TaskKey = Tuple[str, int]  # (vertex, subtask)
 
 # What a counters dict may carry, and of which type: reports from Spark tasks are
 # JSON from another process, so the driver keeps only these, as these types.
 _INT_FIELDS = ("subtask", "attempt", "records_in", "records_out", "idle_ns", "backpressured_ns", "uptime_ns")
-_OPTIONAL_INT_FIELDS = ("state_rows", "watermark")
+_OPTIONAL_INT_FIELDS = ("state_rows", "watermark", "input_watermark", "late_records_dropped")
 _MAX_OPERATORS = 64
 
 
@@ -43,13 +43,20 @@ def _state_rows(op: Any) -> Optional[int]:
     return None
 
 
-def _watermark(task: Any) -> Optional[int]:
-    """The task's output watermark (event time, ms), None while it has none: before
-    the first one (Long.MIN_VALUE, as in Flink) and after the last (MAX)."""
-    value = getattr(task, "output_watermark", None)
+def _watermark(task: Any, name: str = "output_watermark") -> Optional[int]:
+    """The task's output (or input) watermark (event time, ms), None while it has
+    none: before the first one (Long.MIN_VALUE, as in Flink) and after the last (MAX)."""
+    value = getattr(task, name, None)
     if type(value) is not int or not -(2**62) < value < 2**62:
         return None
     return value
+
+
+def _late(op: Any) -> Optional[int]:
+    """Records an operator dropped as too late (Flink's ``numLateRecordsDropped``);
+    None for an object that does not count them."""
+    value = getattr(op, "late_records_dropped", None)
+    return value if type(value) is int else None
 
 
 def task_counters(task: Any, now_ns: Optional[int] = None) -> Dict[str, Any]:
@@ -60,11 +67,24 @@ def task_counters(task: Any, now_ns: Optional[int] = None) -> Dict[str, Any]:
     started = getattr(task, "started_ns", 0) or 0
     operators = []
     rows_total: Optional[int] = None
+    late_total: Optional[int] = None
     for op in getattr(task, "chain", [])[:_MAX_OPERATORS]:
         rows = _state_rows(op)
-        operators.append({"uid": str(getattr(op, "uid", "")), "name": str(getattr(op, "name", "")), "state_rows": rows})
+        late = _late(op)
+        operators.append(
+            {
+                "uid": str(getattr(op, "uid", "")),
+                "name": str(getattr(op, "name", "")),
+                "state_rows": rows,
+                "late_records_dropped": late,
+            }
+        )
         if rows is not None:
             rows_total = (rows_total or 0) + rows
+        if late is not None:
+            late_total = (late_total or 0) + late
+    # a source's input watermark is what its chain generated (as ``time_metrics`` says)
+    has_gate = getattr(task, "gate", None) is not None
     finished = task.finished.is_set() if hasattr(task, "finished") else False
     running = task.running.is_set() if hasattr(task, "running") else False
     ended_ns = getattr(task, "ended_ns", 0) or 0
@@ -80,8 +100,17 @@ def task_counters(task: Any, now_ns: Optional[int] = None) -> Dict[str, Any]:
         "uptime_ns": max(0, (ended_ns or now) - started) if started else 0,
         "state_rows": rows_total,
         "watermark": _watermark(task),
+        "input_watermark": _watermark(task, "input_watermark" if has_gate else "output_watermark"),
+        # idle: the subtask told downstream its output is idle (every split or input
+        # idle), so, as in Flink, its watermark holds nothing back
+        "idle": bool(getattr(task, "output_idle", False)),
+        "late_records_dropped": late_total,
         "operators": operators,
     }
+
+
+def _int_or_none(value: Any) -> Optional[int]:
+    return value if isinstance(value, int) and type(value) is not bool else None
 
 
 def clean_counters(data: Any) -> Optional[Dict[str, Any]]:
@@ -98,7 +127,8 @@ def clean_counters(data: Any) -> Optional[Dict[str, Any]]:
             out[name] = value
         for name in _OPTIONAL_INT_FIELDS:
             value = data.get(name)
-            out[name] = value if isinstance(value, int) and type(value) is not bool else None
+            out[name] = _int_or_none(value)
+        out["idle"] = data.get("idle") is True
         status = data.get("status", "RUNNING")
         out["status"] = status if status in ("INITIALIZING", "RUNNING", "FINISHED") else "RUNNING"
         operators = data.get("operators", [])
@@ -106,7 +136,8 @@ def clean_counters(data: Any) -> Optional[Dict[str, Any]]:
             {
                 "uid": str(o.get("uid", ""))[:200],
                 "name": str(o.get("name", ""))[:200],
-                "state_rows": o.get("state_rows") if isinstance(o.get("state_rows"), int) else None,
+                "state_rows": _int_or_none(o.get("state_rows")),
+                "late_records_dropped": _int_or_none(o.get("late_records_dropped")),
             }
             for o in (operators if isinstance(operators, list) else [])[:_MAX_OPERATORS]
             if isinstance(o, dict)
@@ -137,7 +168,12 @@ class SubtaskSample:
     accumulated_backpressured_ms: float = 0.0
     accumulated_idle_ms: float = 0.0
     state_rows: Optional[int] = None
-    watermark: Optional[int] = None
+    watermark: Optional[int] = None  # output watermark
+    input_watermark: Optional[int] = None
+    idle: bool = False
+    # records dropped as too late, over the chain's operators: checkpointed with
+    # them, so the latest attempt's count is the run's (never carried across restarts)
+    late_records_dropped: Optional[int] = None
     operators: List[Dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -155,6 +191,39 @@ class JobSample:
     # per vertex: rows that came in / went out during the interval
     vertex_in: Dict[str, int] = field(default_factory=dict)
     vertex_out: Dict[str, int] = field(default_factory=dict)
+
+
+def _late_by_uid(counters: Optional[Dict[str, Any]]) -> Dict[str, int]:
+    if counters is None:
+        return {}
+    return {
+        str(o.get("uid")): int(o["late_records_dropped"])
+        for o in counters.get("operators", [])
+        if isinstance(o.get("late_records_dropped"), int)
+    }
+
+
+def _late_delta(op: Dict[str, Any], before: Dict[str, int]) -> Optional[int]:
+    late = op.get("late_records_dropped")
+    if not isinstance(late, int):
+        return None
+    return max(0, late - before.get(str(op.get("uid")), 0))
+
+
+def job_watermark(sample: JobSample, last_vertex: str) -> Optional[int]:
+    """The job's event time, as Flink's rules make it: the watermark that reached the
+    last vertex (the sink's input watermark), the minimum over its subtasks that are
+    running and not idle. An idle subtask (every split or input idle) holds nothing
+    back, as the valve leaves an idle channel out; a finished one has passed the end
+    of input. When every running subtask is idle, the largest of their watermarks
+    (the valve flushes the largest when all its inputs turn idle). None while an
+    active subtask has no watermark yet, or the job has no event time."""
+    subs = [s for (vid, _), s in sample.subtasks.items() if vid == last_vertex and s.status != "FINISHED"]
+    active = [s.input_watermark for s in subs if not s.idle]
+    if active:
+        return None if any(w is None for w in active) else min(w for w in active if w is not None)
+    idle = [s.input_watermark for s in subs if s.input_watermark is not None]
+    return max(idle) if idle else None
 
 
 class MetricsHistory:
@@ -197,6 +266,10 @@ class MetricsHistory:
                 d_up = int(c["uptime_ns"]) - (int(before["uptime_ns"]) if before else 0)
                 d_idle = int(c["idle_ns"]) - (int(before["idle_ns"]) if before else 0)
                 d_bp = int(c["backpressured_ns"]) - (int(before["backpressured_ns"]) if before else 0)
+                # late drops are checkpointed with the operator: a restarted attempt starts from
+                # the restored count, so the interval's drops are measured against the last
+                # count seen of the key, whichever attempt it came from (never below 0)
+                late_before = _late_by_uid(self._last.get(key))
                 sample = SubtaskSample(
                     vertex=key[0],
                     subtask=key[1],
@@ -206,7 +279,10 @@ class MetricsHistory:
                     records_out=self._total(key, c, "records_out"),
                     state_rows=c.get("state_rows"),
                     watermark=c.get("watermark"),
-                    operators=list(c.get("operators", [])),
+                    input_watermark=c.get("input_watermark"),
+                    idle=bool(c.get("idle", False)),
+                    late_records_dropped=c.get("late_records_dropped"),
+                    operators=[{**o, "late_in_interval": _late_delta(o, late_before)} for o in c.get("operators", [])],
                 )
                 up = self._total(key, c, "uptime_ns")
                 idle = self._total(key, c, "idle_ns")

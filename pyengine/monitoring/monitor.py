@@ -121,11 +121,14 @@ class JobMonitor:
         try:
             self._server = MonitoringServer(self, self.config.host, self.config.port, self.config.token)
         except OSError as exc:
+            hint = "; Monitoring(port=0) picks a free port" if self.config.port != 0 else ""
             self.error = (
                 f"the monitoring server of job {self.name!r} could not listen on "
-                f"{self.config.host}:{self.config.port} ({exc.strerror or exc}); the job runs without it"
+                f"{self.config.host}:{self.config.port} ({exc.strerror or exc}); the job runs without it{hint}"
             )
-            log.warning("%s", self.error)
+            # said once, on ``out`` (stderr): a warning through logging as well would print it a
+            # second time (Python's last-resort handler writes warnings to stderr, unprefixed)
+            log.debug("%s", self.error)
             self._say(f"pyengine: {self.error}")
         else:
             self.url = self._server.url

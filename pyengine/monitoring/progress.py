@@ -11,17 +11,24 @@ checkpoint, and one "trigger" is one sampling interval of the monitor. So:
   completed checkpoint's end-to-end duration (it commits state and source
   positions), with its parts (``checkpointStartDelay``, ``checkpointAlignment``,
   ``checkpointSync``, ``checkpointAsync``: the slowest subtask's);
-- ``eventTime.watermark``: the lowest subtask watermark, when the job has event time;
+- ``eventTime.watermark``: the job's event time, as Flink's rules make it: the
+  watermark that reached the last vertex, the minimum over its running subtasks
+  that are not idle (``metrics.job_watermark``), so an idle split's old watermark
+  does not hold it back (it holds back no window either);
 - ``stateOperators``: per stateful operator, its keyed state entries
   (``numRowsTotal``), the rows that reached it in the interval
-  (``numRowsUpdated``), and its state's size in the latest completed checkpoint
-  (``memoryUsedBytes``, as the state is held in memory by both backends)."""
+  (``numRowsUpdated``), the records it dropped as too late in the interval
+  (``numRowsDroppedByWatermark``, per trigger as in Spark; the job's total so far,
+  Flink's ``numLateRecordsDropped``, is in its ``customMetrics``), and its state's
+  size in the latest completed checkpoint (``memoryUsedBytes``, as the state is
+  held in memory by both backends)."""
 
 from __future__ import annotations
 
 import datetime
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
+from .metrics import job_watermark
 from .rest import subtask_key
 
 if TYPE_CHECKING:
@@ -77,15 +84,13 @@ def streaming_query_progress(monitor: JobMonitor, sample: JobSample) -> Dict[str
         subs = [s for (vid, _), s in sample.subtasks.items() if vid == v.id]
         stateful = []
         for uid, name in v.operators:
-            rows = [
-                o["state_rows"]
-                for s in subs
-                for o in s.operators
-                if o.get("uid") == uid and isinstance(o.get("state_rows"), int)
-            ]
+            ops = [o for s in subs for o in s.operators if o.get("uid") == uid]
+            rows = [o["state_rows"] for o in ops if isinstance(o.get("state_rows"), int)]
             if rows:
-                stateful.append((uid, name, sum(rows)))
-        for uid, name, total in stateful:
+                late = sum(int(o.get("late_records_dropped") or 0) for o in ops)
+                late_now = sum(int(o.get("late_in_interval") or 0) for o in ops)
+                stateful.append((uid, name, sum(rows), late, late_now))
+        for uid, name, total, late, late_now in stateful:
             state_operators.append(
                 {
                     "operatorName": name,
@@ -96,17 +101,22 @@ def streaming_query_progress(monitor: JobMonitor, sample: JobSample) -> Dict[str
                     "allRemovalsTimeMs": -1,
                     "commitTimeMs": -1,
                     "memoryUsedBytes": sizes.get(v.id, 0) if len(stateful) == 1 else -1,
-                    "numRowsDroppedByWatermark": 0,
+                    "numRowsDroppedByWatermark": late_now,
                     "numShufflePartitions": v.parallelism,
                     "numStateStoreInstances": v.parallelism,
-                    "customMetrics": {"operatorUid": uid, "vertex": v.id, "maxParallelism": v.max_parallelism},
+                    "customMetrics": {
+                        "operatorUid": uid,
+                        "vertex": v.id,
+                        "maxParallelism": v.max_parallelism,
+                        "numLateRecordsDropped": late,
+                    },
                 }
             )
 
-    watermarks = [s.watermark for s in sample.subtasks.values() if s.watermark is not None]
+    watermark = job_watermark(sample, last.id) if last is not None else None
     event_time: Dict[str, str] = {}
-    if watermarks:
-        event_time["watermark"] = iso_time(min(watermarks))
+    if watermark is not None:
+        event_time["watermark"] = iso_time(watermark)
 
     duration_ms: Dict[str, int] = {"triggerExecution": round(duration)}
     if latest is not None:

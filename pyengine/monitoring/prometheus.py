@@ -20,9 +20,13 @@ alert rule reads a pyengine job unchanged:
   ``accumulatedIdleTime``, ``checkpointAlignmentTime`` and
   ``checkpointStartDelayNanos`` (ns, of the latest completed checkpoint),
   ``checkpointedStateSize`` (the subtask's state in it, bytes), and, for jobs with
-  event time, ``currentOutputWatermark`` and ``watermarkLag`` (ms behind wall time).
-- ``flink_taskmanager_job_task_operator_stateEntries`` (plus ``operator_id``,
-  ``operator_name``): keyed state entries per stateful operator and subtask.
+  event time, ``currentInputWatermark``, ``currentOutputWatermark`` and
+  ``watermarkLag`` (ms behind wall time).
+- ``flink_taskmanager_job_task_operator_<name>`` (plus ``operator_id``,
+  ``operator_name``) per operator and subtask: ``stateEntries`` (keyed state
+  entries, stateful operators) and ``numLateRecordsDropped`` (records a window
+  dropped as too late, checkpointed with it: a restore neither loses nor repeats
+  the count; for keyed operators, and any other once it has dropped one).
 
 Every value is read when Prometheus scrapes, from the monitor's latest sample and
 the coordinator's statistics; nothing is registered in the process-wide registry,
@@ -142,6 +146,11 @@ class JobCollector:
             "Keyed state entries of a stateful operator's subtask.",
             labels=[*task_labels, "operator_id", "operator_name"],
         )
+        late_family = GaugeMetricFamily(
+            OPERATOR + "numLateRecordsDropped",
+            "Records the operator's subtask dropped as too late (behind the watermark).",
+            labels=[*task_labels, "operator_id", "operator_name"],
+        )
         for (vid, index), s in sorted(sample.subtasks.items()):
             labels = [*job_values, vid, vertex_names.get(vid, vid), str(index), str(s.attempt)]
             task_gauge("numRecordsIn", "Records this subtask took in.").add_metric(labels, s.records_in)
@@ -169,6 +178,10 @@ class JobCollector:
                 task_gauge(
                     "checkpointedStateSize", "This subtask's state in the latest completed checkpoint (bytes)."
                 ).add_metric(labels, int(ack.full_size))
+            if s.input_watermark is not None:
+                task_gauge("currentInputWatermark", "The subtask's input watermark (ms since the epoch).").add_metric(
+                    labels, s.input_watermark
+                )
             if s.watermark is not None:
                 task_gauge("currentOutputWatermark", "The subtask's watermark (ms since the epoch).").add_metric(
                     labels, s.watermark
@@ -179,8 +192,14 @@ class JobCollector:
             for op in s.operators:
                 if isinstance(op.get("state_rows"), int):
                     operator_family.add_metric([*labels, op["uid"], op["name"]], op["state_rows"])
+                # as Flink registers it on window operators only: keyed (stateful) operators,
+                # or any other that did drop records, rather than a zero for every map and sink
+                late = op.get("late_records_dropped")
+                if isinstance(late, int) and (late > 0 or isinstance(op.get("state_rows"), int)):
+                    late_family.add_metric([*labels, op["uid"], op["name"]], late)
         yield from families.values()
         yield operator_family
+        yield late_family
 
 
 def exposition(monitor: JobMonitor) -> Tuple[bytes, str]:

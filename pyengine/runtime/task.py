@@ -381,6 +381,7 @@ class StreamTask:
         self.event_time = False
         self.input_watermark = MIN_WATERMARK  # what the valve (or, for a source, the chain) put out
         self.output_watermark = MIN_WATERMARK  # the last watermark sent downstream
+        self.output_idle = False  # the last status sent downstream (idle: left out of the watermark)
         self._valve: Any = None
         self._generators: List[Any] = []  # (index, operator) of the chain's watermark generators
         self._timer_ops: List[Any] = []  # (index, operator) with processing-time timers
@@ -637,6 +638,7 @@ class StreamTask:
                 self.output.broadcast_event(Watermark(watermark))
 
     def _forward_status(self, status: WatermarkStatus) -> None:
+        self.output_idle = status.idle
         if self.output is not None:
             self.output.broadcast_event(status)
 
