@@ -382,6 +382,9 @@ def _counters(vertex: str, subtask: int, attempt: int = 0, **values: Any) -> Dic
         operators=[],
     )
     base.update(values)
+    # a task's input watermark is its output's unless told (true of a chain without a
+    # watermark generator, such as a window and its sink)
+    base.setdefault("input_watermark", base["watermark"])
     return base
 
 
