@@ -524,36 +524,105 @@ class JobClient:
         return _raise_if_failed(self._result) if raise_failure else self._result
 
 
-class DataStream:
-    def __init__(self, env: StreamEnvironment, steps: List[_Step]) -> None:
-        self._env = env
-        self._steps = steps
-        self._sink: Optional[Sink] = None
-        self._schema: Any = None  # the records' pyarrow.Schema while a step keeps it known
+def _call_of(step: _Step) -> str:
+    """The call a user made for ``step``, for messages."""
+    name = step.name.split("-", 1)[-1]
+    calls = {"hash": "key_by", "sink": "sink_to", "timestamps": "assign_timestamps_and_watermarks"}
+    return calls.get(name, name) + "()"
+
+
+class _Chain:
+    """The one line of steps a source's stream builds, shared by every handle on it."""
+
+    __slots__ = ("schema", "sink", "steps", "timestamps")
+
+    def __init__(self, steps: List[_Step]) -> None:
+        self.steps = steps
+        self.sink: Optional[Sink] = None
+        self.schema: Any = None  # the records' pyarrow.Schema while a step keeps it known
         # Where a record's event time is (a TimestampAssigner), once a strategy or a
         # window gave the stream timestamps. Records carry no timestamp of their own:
         # time-aware operators downstream read it with this, so it must still find its
         # column or field after a map (or assign timestamps again after the map).
-        self._timestamps: Optional[TimestampAssigner] = None
+        self.timestamps: Optional[TimestampAssigner] = None
+
+
+class DataStream:
+    """A stream at one point of its job's line: each transformation returns a new
+    handle at the next point. A handle that was already continued cannot be continued
+    again: that would branch the stream (two sinks, or a side path), which a job
+    cannot express yet, and continuing the line instead would silently change what
+    the first branch receives."""
+
+    def __init__(self, env: StreamEnvironment, steps: List[_Step], chain: Optional[_Chain] = None) -> None:
+        self._env = env
+        self._chain = chain if chain is not None else _Chain(steps)
+        self._at = len(self._chain.steps)  # the point of the line this handle stands at
+
+    @property
+    def _steps(self) -> List[_Step]:
+        return self._chain.steps
+
+    @property
+    def _schema(self) -> Any:
+        return self._chain.schema
+
+    @_schema.setter
+    def _schema(self, schema: Any) -> None:
+        self._chain.schema = schema
+
+    @property
+    def _timestamps(self) -> Optional[TimestampAssigner]:
+        return self._chain.timestamps
+
+    @_timestamps.setter
+    def _timestamps(self, timestamps: Optional[TimestampAssigner]) -> None:
+        self._chain.timestamps = timestamps
+
+    @property
+    def _sink(self) -> Optional[Sink]:
+        return self._chain.sink
+
+    @_sink.setter
+    def _sink(self, sink: Optional[Sink]) -> None:
+        self._chain.sink = sink
+
+    def _check_tip(self, what: str) -> None:
+        if self._at != len(self._chain.steps):
+            done = _call_of(self._chain.steps[self._at])
+            raise ValueError(
+                f"{what}: this stream was already continued with {done}; a job is one line from its "
+                "source to one sink for now, so a stream cannot branch into two paths or two sinks "
+                "(union, connect, side outputs and several sinks come with job graphs). Chain the "
+                "calls on what each one returns: env.from_...(...).map(...).key_by(...)..."
+            )
+        if self._chain.sink is not None:
+            raise ValueError(f"{what}: this stream already ends in a sink; a job has one sink for now")
 
     def _then(self, step: _Step) -> DataStream:
-        self._steps.append(step)
-        return self
+        self._check_tip(_call_of(step))
+        self._chain.steps.append(step)
+        return DataStream(self._env, self._chain.steps, self._chain)
 
     def _op(self, name: str, factory: Callable[[str, str, bool], Operator], keeps_schema: bool = False) -> DataStream:
+        out = self._then(_Step("op", f"{len(self._steps)}-{name}", factory))
         if not keeps_schema:
-            self._schema = None
-        return self._then(_Step("op", f"{len(self._steps)}-{name}", factory))
+            out._schema = None
+        return out
 
     def uid(self, uid: str) -> DataStream:
         """Names the last operator's state, so checkpoints match it across job versions."""
         if not isinstance(uid, str) or not uid:
             raise ValueError(f"uid must be a non-empty string, got {uid!r}")
+        if self._at != len(self._steps):
+            raise ValueError(f"uid({uid!r}) names the last operator of a stream; this one was already continued")
         ops = [s for s in self._steps if s.kind == "op"]
         ops[-1].uid = uid
         return self
 
     def name(self, name: str) -> DataStream:
+        if self._at != len(self._steps):
+            raise ValueError(f"name({name!r}) names the last operator of a stream; this one was already continued")
         ops = [s for s in self._steps if s.kind == "op"]
         ops[-1].name = name
         return self
@@ -578,14 +647,14 @@ class DataStream:
         checked = _check_strategy(strategy, "assign_timestamps_and_watermarks")
         assert checked is not None
         _check_timestamp_column(self._schema, checked.timestamps, "assign_timestamps_and_watermarks")
-        self._op(
+        out = self._op(
             "timestamps",
             lambda uid, n, _c: TimestampsAndWatermarksOperator(uid, n, checked),
             keeps_schema=True,
         )
-        self._steps[-1].event_time = True
-        self._timestamps = checked.timestamps
-        return self
+        out._steps[-1].event_time = True
+        out._timestamps = checked.timestamps
+        return out
 
     def rebalance(self) -> DataStream:
         return self._then(_Step("exchange", "rebalance", exchange="rebalance"))
@@ -599,15 +668,14 @@ class DataStream:
 
             check_columns(self._schema, [key], f"key_by({key!r})")
         select = key_selector(key)
-        self._then(_Step("exchange", "hash", exchange="hash", key=select))
-        return KeyedStream(self, select)
+        return KeyedStream(self._then(_Step("exchange", "hash", exchange="hash", key=select)), select)
 
     def sink_to(self, sink: Sink) -> DataStream:
         if not isinstance(sink, Sink):
             raise TypeError(f"sink_to takes a pyengine sink, got {sink!r}")
-        self._op("sink", lambda uid, n, c: SinkOperator(uid, n, sink, c))
-        self._sink = sink
-        return self
+        out = self._op("sink", lambda uid, n, c: SinkOperator(uid, n, sink, c))
+        out._sink = sink
+        return out
 
 
 class KeyedStream:

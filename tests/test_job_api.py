@@ -245,3 +245,24 @@ def test_checkpoints_commands_fail_clearly_on_a_wrong_path(tmp_path, capsys) -> 
     assert "not a completed checkpoint" in capsys.readouterr().err
     assert main(["checkpoints", "list", str(tmp_path / "nothing")]) == 1
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_a_stream_used_twice_is_refused_not_silently_chained() -> None:
+    """``s.filter(...).sink_to(a)`` then ``s.key_by(...)...sink_to(b)`` would branch the
+    stream; a job is one line for now, and continuing the first line instead sent the
+    second branch's operators the first's output (both sinks received nothing)."""
+    env = pe.StreamEnvironment(monitoring=None)
+    s = env.from_collection([{"u": i % 3, "v": i} for i in range(10)])
+    s.filter(lambda r: r["v"] % 2 == 0).sink_to(pe.sinks.CollectSink())
+    with pytest.raises(ValueError, match=r"key_by\(\): this stream was already continued with filter\(\)"):
+        s.key_by("u")
+    keyed = env.from_collection([{"u": 1}]).key_by("u")
+    keyed.aggregate(pe.agg.count())
+    with pytest.raises(ValueError, match="already continued with aggregate"):
+        keyed.aggregate(pe.agg.count())
+    done = env.from_collection([{"u": 1}]).map(lambda r: r)
+    done.sink_to(pe.sinks.CollectSink())
+    with pytest.raises(ValueError, match="already continued with sink_to"):
+        done.map(lambda r: r)
+    with pytest.raises(ValueError, match=r"uid.*already continued"):
+        done.uid("late")
