@@ -37,9 +37,17 @@ def spark(connect_url):
 
     for module in (sys.modules[__name__], cluster_tests):  # not installed on the executors
         cloudpickle.register_pickle_by_value(module)
+    before = {k: os.environ.get(k) for k in ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE", "SPARK_LOCAL_REMOTE")}
     session = SparkSession.builder.remote(connect_url).getOrCreate()
     yield session
     session.stop()
+    # A Connect session marks the whole process as Connect (SPARK_CONNECT_MODE_ENABLED):
+    # the test modules after this one build classic local sessions.
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.mark.parametrize("how", ["raise", "kill"])
