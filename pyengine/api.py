@@ -428,6 +428,10 @@ class JobClient:
         self._runner = runner
         self._result: Any = None
         self._error: Optional[BaseException] = None
+        # Set when the job's thread is done. Not Thread.is_alive(): a Ctrl-C that lands
+        # inside Thread.join can leave a running thread marked stopped (CPython 3.11),
+        # and the job would be left running while wait() reported it over.
+        self._done = threading.Event()
         runner.start_monitoring()  # before the job's thread, so monitoring_url is there at once
         self._thread = threading.Thread(target=self._run, name=f"job-{runner.name}", daemon=True)
         self._thread.start()
@@ -437,11 +441,13 @@ class JobClient:
             self._result = self._runner.run()
         except BaseException as exc:
             self._error = exc
+        finally:
+            self._done.set()
 
     def _wait_running(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while not self._runner.all_running():
-            if not self._thread.is_alive() or time.monotonic() > deadline:
+            if self._done.is_set() or time.monotonic() > deadline:
                 raise RuntimeError(f"job {self._runner.name!r} is not running")
             time.sleep(0.005)
 
@@ -497,7 +503,7 @@ class JobClient:
         )
 
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self._done.is_set()
 
     def cancel(self) -> None:
         """Ends the job without a savepoint (an unbounded one runs until this or
@@ -512,12 +518,12 @@ class JobClient:
     def wait(self, timeout_s: Optional[float] = None, *, raise_failure: bool = True) -> JobResult:
         """The job's result once it ends; raises ``JobFailedError`` if it failed."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self._thread.is_alive():  # short joins: Ctrl-C reaches the waiting thread
+        while not self._done.is_set():  # short waits: Ctrl-C reaches the waiting thread
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 break
-            self._thread.join(0.1 if left is None else min(0.1, left))
-        if self._thread.is_alive():
+            self._done.wait(0.1 if left is None else min(0.1, left))
+        if not self._done.is_set():
             raise TimeoutError(f"job {self._runner.name!r} still running after {timeout_s} s")
         if self._error is not None:
             raise self._error

@@ -266,3 +266,30 @@ def test_a_stream_used_twice_is_refused_not_silently_chained() -> None:
         done.map(lambda r: r)
     with pytest.raises(ValueError, match=r"uid.*already continued"):
         done.uid("late")
+
+
+def test_ctrl_c_during_execute_records_the_run_canceled_before_the_interrupt_goes_on(tmp_path) -> None:
+    """Ctrl-C cancels the job and records its run CANCELED before ``execute`` re-raises:
+    a script that ends on the interrupt leaves no RUNNING run (and no stale lock) behind.
+    (An interrupt inside Thread.join could mark the running job thread stopped.)"""
+    import os
+    import signal
+
+    from pyengine.storage.jobs import list_jobs
+
+    env = pe.StreamEnvironment(
+        parallelism=2,
+        checkpointing=pe.CheckpointConfig(interval_ms=100),
+        checkpoint_storage=str(tmp_path / "ckpt"),
+        monitoring=None,
+    )
+    env.from_generator(lambda i: {"k": i % 7}, rate_per_s=5000).key_by("k").aggregate(pe.agg.count()).sink_to(
+        pe.sinks.FileSink(str(tmp_path / "out"), format="jsonl")
+    )
+    timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        env.execute("interrupted")
+    timer.join()
+    [job] = list_jobs(str(tmp_path / "ckpt"))
+    assert [r.status for r in job.runs] == ["CANCELED"]
