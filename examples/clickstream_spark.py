@@ -3,7 +3,7 @@
 Every subtask is a task of one barrier-mode Spark stage. A task fails once halfway
 (a passing fault); the runner cancels the stage and starts a new one that restores
 the latest completed checkpoint, and the committed output is exact. Spark then reads
-the output. Needs ``pip install "pyengine[spark]"``.
+the output. Needs ``pip install ".[spark]"`` in the repository.
 
     python examples/clickstream_spark.py [--events N] [--users N] [--master local[4]]
 """

@@ -6,7 +6,7 @@ last checkpoint. The state is then read three ways:
 1. with nothing but ``json`` and ``pyarrow``, as another tool would, following
    docs/format.md: ``_metadata`` lists each subtask's state file, an Arrow IPC file;
 2. with ``pyengine.state.read_keyed_state``;
-3. with Spark, from that Arrow table (``pip install "pyengine[spark]"``; skipped
+3. with Spark, from that Arrow table (``pip install ".[spark]"``; skipped
    without pyspark).
 
     python examples/read_state.py [--users N]

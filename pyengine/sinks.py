@@ -993,14 +993,14 @@ def _jsonl(records: Any) -> bytes:
     return ("\n".join(lines) + "\n").encode() if lines else b""
 
 
-def _table_of(records: Any, schema: Optional[pa.Schema] = None) -> pa.Table:
+def _table_of(records: Any, schema: Optional[pa.Schema] = None, who: str = "FileSink") -> pa.Table:
     """The records as one table: with ``schema``, conformed to it (refusing what does
     not fit); without, with the union of the records' fields in first-seen order, each
     column's type inferred from all its values."""
     if isinstance(records, pa.RecordBatch):
         records = pa.Table.from_batches([records])
     if isinstance(records, pa.Table):
-        return records if schema is None else _conform_table(records, schema)
+        return records if schema is None else _conform_table(records, schema, who)
     rows = list(records)
     is_dict = [isinstance(r, dict) for r in rows]
     if not any(is_dict):
@@ -1008,11 +1008,11 @@ def _table_of(records: Any, schema: Optional[pa.Schema] = None) -> pa.Table:
     elif not all(is_dict):
         bad = rows[is_dict.index(False)]
         raise RecordRejectedError(
-            f"FileSink cannot write record {_short(bad)} (a {type(bad).__name__}) among dict records: "
+            f"{who} cannot write record {_short(bad)} (a {type(bad).__name__}) among dict records: "
             "a file's rows are all dicts (fields are columns) or all plain values (one 'value' column)"
         )
     if schema is not None:
-        return _conform_rows(rows, schema)
+        return _conform_rows(rows, schema, who)
     names: Dict[Any, None] = {}
     for r in rows:
         for k in r:
@@ -1020,35 +1020,35 @@ def _table_of(records: Any, schema: Optional[pa.Schema] = None) -> pa.Table:
     arrays = []
     for name in names:
         if not isinstance(name, str):
-            raise RecordRejectedError(f"FileSink cannot write field {name!r}: a field name must be a str")
+            raise RecordRejectedError(f"{who} cannot write field {name!r}: a field name must be a str")
         values = [r.get(name) for r in rows]
         try:
             arrays.append(pa.array(values))
         except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
             raise RecordRejectedError(
-                f"FileSink cannot write field {name!r}: its values do not make one column ({exc}); "
+                f"{who} cannot write field {name!r}: its values do not make one column ({exc}); "
                 "give them one type, or declare FileSink(..., schema=pyarrow.schema([...]))"
             ) from None
     return pa.Table.from_arrays(arrays, names=list(names))
 
 
-def _conform_rows(rows: List[Dict[str, Any]], schema: pa.Schema) -> pa.Table:
+def _conform_rows(rows: List[Dict[str, Any]], schema: pa.Schema, who: str = "FileSink") -> pa.Table:
     known = set(schema.names)
     for r in rows:
         for k in r:
             if k not in known:
                 raise RecordRejectedError(
-                    f"FileSink cannot write record {_short(r)}: field {k!r} is not in the declared schema "
+                    f"{who} cannot write record {_short(r)}: field {k!r} is not in the declared schema "
                     f"(fields: {', '.join(schema.names)})"
                 )
     arrays = []
     for field in schema:
         values = [r.get(field.name) for r in rows]
-        arrays.append(_column(field, values, rows))
+        arrays.append(_column(field, values, rows, who))
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def _column(field: pa.Field, values: List[Any], rows: List[Any]) -> pa.Array:
+def _column(field: pa.Field, values: List[Any], rows: List[Any], who: str = "FileSink") -> pa.Array:
     """``values`` as ``field``'s column, or ``RecordRejectedError`` naming the field and
     the first value that does not fit (a missing or None value in a non-nullable field,
     a value of another type; a float in an integer field, which Arrow would truncate)."""
@@ -1056,7 +1056,7 @@ def _column(field: pa.Field, values: List[Any], rows: List[Any]) -> pa.Array:
         problem = _misfit(v, field.type) if v is not None else (None if field.nullable else "is missing or None")
         if problem is not None:
             raise RecordRejectedError(
-                f"FileSink cannot write record {_short(rows[i])}: field {field.name!r} ({field.type}) {problem}"
+                f"{who} cannot write record {_short(rows[i])}: field {field.name!r} ({field.type}) {problem}"
             )
     try:
         return pa.array(values, type=field.type)
@@ -1067,10 +1067,10 @@ def _column(field: pa.Field, values: List[Any], rows: List[Any]) -> pa.Array:
             pa.array([v], type=field.type)
         except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
             raise RecordRejectedError(
-                f"FileSink cannot write record {_short(rows[i])}: field {field.name!r} ({field.type}) "
+                f"{who} cannot write record {_short(rows[i])}: field {field.name!r} ({field.type}) "
                 f"does not take {_short(v)} ({exc})"
             ) from None
-    raise RecordRejectedError(f"FileSink cannot write field {field.name!r} ({field.type})")
+    raise RecordRejectedError(f"{who} cannot write field {field.name!r} ({field.type})")
 
 
 def _misfit(value: Any, type_: pa.DataType) -> Optional[str]:
@@ -1108,20 +1108,20 @@ def _misfit(value: Any, type_: pa.DataType) -> Optional[str]:
     return None
 
 
-def _conform_table(table: pa.Table, schema: pa.Schema) -> pa.Table:
+def _conform_table(table: pa.Table, schema: pa.Schema, who: str = "FileSink") -> pa.Table:
     """An Arrow table cast to the declared schema (safe casts only)."""
     known = set(schema.names)
     for name in table.column_names:
         if name not in known:
             raise RecordRejectedError(
-                f"FileSink cannot write column {name!r}: it is not in the declared schema "
+                f"{who} cannot write column {name!r}: it is not in the declared schema "
                 f"(fields: {', '.join(schema.names)})"
             )
     columns = []
     for field in schema:
         if field.name not in table.column_names:
             if not field.nullable:
-                raise RecordRejectedError(f"FileSink cannot write: field {field.name!r} ({field.type}) is missing")
+                raise RecordRejectedError(f"{who} cannot write: field {field.name!r} ({field.type}) is missing")
             columns.append(pa.nulls(table.num_rows, type=field.type))
             continue
         column = table.column(field.name)

@@ -2,7 +2,7 @@
 two-phase-commit base of ``pyengine.sinks``.
 
 - ``pyengine.connectors.delta``: ``DeltaSink``, an exactly-once Delta Lake table
-  (also ``pe.sinks.DeltaSink``). Needs ``deltalake``: ``pip install "pyengine[delta]"``.
+  (also ``pe.sinks.DeltaSink``). Needs ``deltalake`` (``pip install deltalake``, the ``delta`` extra).
 
 Nothing here is imported by ``import pyengine``: a connector's library is loaded
 when its connector is first used."""

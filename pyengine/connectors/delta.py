@@ -72,7 +72,8 @@ def _require_deltalake() -> Any:
         import deltalake
     except ImportError:
         raise ImportError(
-            'DeltaSink needs the deltalake package (delta-rs), which is not installed: pip install "pyengine[delta]"'
+            "DeltaSink needs the deltalake package (delta-rs), which is not installed: pip install deltalake "
+            "(the delta extra of pyengine)"
         ) from None
     return deltalake
 
@@ -290,7 +291,7 @@ class DeltaSink(Sink):
     def _conform(self, records: Any) -> pa.Table:
         """The records as the table's schema; the first piece of a new table without a
         declared schema fixes it for this subtask."""
-        table = _table_of(records, self._target)
+        table = _table_of(records, self._target, "DeltaSink")
         if self._target is None:
             bad = [f.name for f in table.schema if pa.types.is_null(f.type)]
             if bad:

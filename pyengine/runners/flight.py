@@ -276,7 +276,7 @@ class JobTls:
         except ImportError:
             raise RuntimeError(
                 "the Spark runner off loopback secures its connections with a per-job TLS certificate, "
-                'which needs the cryptography package: pip install "pyengine[spark]"'
+                "which needs the cryptography package: pip install cryptography (in the spark extra of pyengine)"
             ) from None
         key = ec.generate_private_key(ec.SECP256R1())
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"pyengine job {job}"[:64].strip())])

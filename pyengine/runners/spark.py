@@ -915,7 +915,8 @@ def _require_pyspark() -> None:
         import pyspark  # noqa: F401
     except ImportError:
         raise ImportError(
-            'the Spark runner needs pyspark, which is not installed: pip install "pyengine[spark]"'
+            'the Spark runner needs pyspark, which is not installed: pip install "pyspark>=3.5" cryptography '
+            "(the spark extra of pyengine)"
         ) from None
 
 
