@@ -120,3 +120,8 @@ def __getattr__(name: str) -> Any:
     value = module if attr is None else getattr(module, attr)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    """The lazy names too, so completion in a REPL or a notebook offers the API."""
+    return sorted({*globals(), *_LAZY})

@@ -30,6 +30,7 @@ from ..state.heap import AggregatingState, ListState, MapState, ReducingState, V
 from ..storage.filesystem import CheckpointStorageLocation
 from ..storage.metadata import OperatorState, SubtaskState
 from ..time.domain import TimeDomain
+from ..time.service import TimerService
 
 __all__ = [
     "NaNKeyError",
@@ -407,7 +408,7 @@ class KeyedContext:
     def get_current_key(self) -> Any:
         return self.current_key
 
-    def timer_service(self) -> Any:
+    def timer_service(self) -> TimerService:
         """Register and delete the current key's timers; read the clocks."""
         service = self._service
         return service if service is not None else self._op.timer_service()
