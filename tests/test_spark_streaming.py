@@ -222,3 +222,21 @@ def test_foreach_batch_refuses_a_gap_and_bad_arguments(spark: Any, tmp_path: Any
         pe.spark.ForeachBatchHandler(
             lambda s: s, name="x", checkpoint_storage="x", sink=pe.sinks.DiscardSink(), output=print
         )
+
+
+def test_a_batchs_output_staged_under_a_declined_checkpoint_is_taken_with_the_next(tmp_path) -> None:
+    """The sink stages a batch's output at checkpoint 1's barrier; checkpoint 1 is then
+    declined and checkpoint 2 commits the batch: its output is checkpoint 1's pieces,
+    returned now and on a replay."""
+    from pyengine.sinks import RunInfo
+    from pyengine.spark.foreach_batch import _BatchOutputSink
+
+    sink = _BatchOutputSink(str(tmp_path / "out"), None)
+    sink.begin_run(RunInfo("j", "r" * 32, "r" * 32, ()))
+    sink.current_batch = 7
+    sink.stage(0, 1, [{"user": 1, "count": 3}])
+    out, staged = sink.take(2)
+    assert staged == [1] and out is not None and out.to_pylist() == [{"user": 1, "count": 3}]
+    sink.mark(7, "r" * 32, 2, staged)
+    again = sink.read(7)
+    assert again is not None and again.to_pylist() == [{"user": 1, "count": 3}]

@@ -379,3 +379,20 @@ def test_typed_value_state_of_other_than_numbers_restores(tmp_path, arrow_type, 
     for key, value in enumerate(values):
         restored.set_current_key(key)
         assert again.value() == value
+
+
+def test_reading_a_mutable_value_during_a_snapshot_keeps_its_time_to_live(tmp_path) -> None:
+    """The private copy a read takes while a snapshot is unfinished is not a write: the
+    entry keeps its stamp and expires on time (it was re-stamped and read for longer)."""
+    clock = Clock()
+    backend = create_keyed_backend("heap", max_parallelism=8, ttl_clock_ms=clock)
+    v = backend.get_state(ValueStateDescriptor("v", ttl=TTL))
+    backend.set_current_key(1)
+    v.update({"a": 1})
+    backend.snapshot(1, checkpoint_storage(str(tmp_path), "job").location(1))  # not yet written
+    clock.ms += TTL - 10
+    backend.set_current_key(1)
+    assert v.value() == {"a": 1}
+    clock.ms += 20  # past the time to live of the write
+    backend.set_current_key(1)
+    assert v.value() is None

@@ -796,7 +796,9 @@ class StreamTask:
                 if self._row_bytes:
                     n = max(n, min(self.read_bytes // self._row_bytes, MAX_READ_ROWS))  # type: ignore[operator]
                 records = source.read(n)
-                if self.read_bytes and type(records) is pa.RecordBatch and records.num_rows:
+                if self.read_bytes and not self._row_bytes and type(records) is pa.RecordBatch and records.num_rows:
+                    # sized once, from the first slice: a file source re-positions its reader
+                    # whenever the slice size changes, which rows of varying width would cause
                     self._row_bytes = max(1, records.nbytes // records.num_rows)
                 self.records_in += len(records)
                 self._emit(records, start=1)

@@ -184,18 +184,23 @@ class _BatchOutputSink(Sink):
         with self._lock:  # what an aborted attempt staged is staged again by the next
             self._staged.clear()
 
-    def take(self, checkpoint_id: int) -> Optional[pa.Table]:
+    def take(self, checkpoint_id: int) -> Tuple[Optional[pa.Table], List[int]]:
+        """The output ``checkpoint_id`` commits, and the checkpoint ids it was staged
+        under: every id up to it since the last take (a checkpoint that was declined
+        after the sink staged at its barrier left its output to the next one)."""
         with self._lock:
-            tables = self._staged.pop(checkpoint_id, [])
-            for c in [c for c in self._staged if c < checkpoint_id]:
-                del self._staged[c]
-        return _concat(tables, self.schema)
+            ids = sorted(c for c in self._staged if c <= checkpoint_id)
+            tables = [t for c in ids for t in self._staged.pop(c)]
+        return _concat(tables, self.schema), ids
 
-    def mark(self, batch_id: int, run_id: str, checkpoint_id: int) -> None:
+    def mark(self, batch_id: int, run_id: str, checkpoint_id: int, staged: Optional[List[int]] = None) -> None:
         directory = f"{self.root}/batch-{batch_id}"
         self.fs.create_dir(directory, recursive=True)
-        with self.fs.open_output_stream(f"{directory}/_COMMITTED") as out:
-            out.write(json.dumps({"run_id": run_id, "checkpoint_id": checkpoint_id}).encode())
+        body = {"run_id": run_id, "checkpoint_id": checkpoint_id, "staged": staged or [checkpoint_id]}
+        temp = f"{directory}/._COMMITTED.tmp"  # written whole, then moved: a reader never sees half
+        with self.fs.open_output_stream(temp) as out:
+            out.write(json.dumps(body).encode())
+        self.fs.move(temp, f"{directory}/_COMMITTED")
         old = f"{self.root}/batch-{batch_id - _KEEP_OUTPUTS}"
         if self.fs.get_file_info(old).type == pafs.FileType.Directory:
             self.fs.delete_dir(old)
@@ -209,15 +214,16 @@ class _BatchOutputSink(Sink):
         try:
             with self.fs.open_input_stream(f"{directory}/_COMMITTED") as f:
                 marker = json.loads(f.read())
-        except (FileNotFoundError, OSError):
+            ids = [int(c) for c in marker.get("staged", [marker["checkpoint_id"]])]
+        except (FileNotFoundError, OSError, ValueError, KeyError, TypeError):
             raise NonRetryableError(
                 f"foreachBatch: Spark replays batch {batch_id}, which pyengine's checkpoint covers, but its "
                 f"output is no longer kept in {directory} (the last {_KEEP_OUTPUTS} batches are)"
             ) from None
-        prefix = f"{run_tag(marker['run_id'])}-{marker['checkpoint_id']}-"
+        prefixes = tuple(f"{run_tag(marker['run_id'])}-{c}-" for c in ids)
         tables = []
         for info in sorted(self.fs.get_file_info(pafs.FileSelector(directory)), key=lambda i: i.path):
-            if info.base_name.startswith(prefix) and info.base_name.endswith(".arrow"):
+            if info.base_name.startswith(prefixes) and info.base_name.endswith(".arrow"):
                 with self.fs.open_input_file(info.path) as f:
                     tables.append(pa.ipc.open_file(f).read_all())
         return _concat(tables, self.schema)
@@ -325,6 +331,7 @@ class ForeachBatchHandler:
         self._source: Optional[_MicroBatchSource] = None
         self._capture: Optional[_BatchOutputSink] = None
         self._last: Optional[int] = None  # the last batch a completed checkpoint covers
+        self._unmarked: Optional[Tuple[int, str, int, List[int], Optional[pa.Table]]] = None
         self.batch_times_s: List[float] = []  # per fed batch: feed to checkpoint completed
 
     # -- the job -----------------------------------------------------------------------------
@@ -424,7 +431,14 @@ class ForeachBatchHandler:
         last = self._last
         if last is not None and batch_id <= last:
             log.info("foreachBatch %r: Spark replays batch %d, which pyengine covers already", self.name, batch_id)
-            return self._capture.read(batch_id) if self._capture is not None else None
+            if self._capture is None:
+                return None
+            if self._unmarked is not None and self._unmarked[0] == batch_id:
+                _, run_id, checkpoint_id, staged, out = self._unmarked
+                self._capture.mark(batch_id, run_id, checkpoint_id, staged)
+                self._unmarked = None
+                return out
+            return self._capture.read(batch_id)
         if last is not None and batch_id != last + 1:
             raise NonRetryableError(
                 f"foreachBatch {self.name!r}: Spark sends batch {batch_id}, but pyengine's state in "
@@ -446,8 +460,12 @@ class ForeachBatchHandler:
         self._last = batch_id
         out = None
         if self._capture is not None:
-            out = self._capture.take(checkpoint_id)
-            self._capture.mark(batch_id, self._client._runner.job_id, checkpoint_id)
+            out, staged = self._capture.take(checkpoint_id)
+            # kept until marked: if the mark fails (storage), Spark retries the batch, and
+            # the retry marks it and gets this output instead of a refusal
+            self._unmarked = (batch_id, self._client._runner.job_id, checkpoint_id, staged, out)
+            self._capture.mark(batch_id, self._client._runner.job_id, checkpoint_id, staged)
+            self._unmarked = None
         self.batch_times_s.append(time.perf_counter() - started)
         return out
 

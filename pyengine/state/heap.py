@@ -467,14 +467,17 @@ class _KeyedState:
         if value is _ABSENT or not self._table.needs_private(index, key) or _is_immutable(value):
             return value
         value = copy.deepcopy(value)
-        self._store(index, key, value)
+        # a private copy is not a write: it keeps the entry's stamp (a read must not
+        # extend a value's time to live unless the TTL says reads do)
+        stamp = self._table.groups[index][key][1] if self._ttl is not None else None
+        self._store(index, key, value, stamp)
         return value
 
-    def _store(self, index: int, key: Any, value: Any) -> None:
+    def _store(self, index: int, key: Any, value: Any, stamp: Optional[int] = None) -> None:
         ttl = self._ttl
         table = self._table
         if ttl is not None:
-            value = (value, (self._backend._ttl_now or ttl.clock()))
+            value = (value, stamp if stamp is not None else (self._backend._ttl_now or ttl.clock()))
         if table.shared[index]:
             table.writable(index)
         table.groups[index][key] = value
