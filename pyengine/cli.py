@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
@@ -14,6 +15,23 @@ from . import __version__
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """The ``pyengine`` command. Its output piped into a reader that stops early
+    (``pyengine checkpoints list ... | head``) ends the command quietly, as Unix tools
+    do, instead of a BrokenPipeError traceback."""
+    try:
+        try:
+            code = _main(argv)
+        finally:  # --help and --version end in SystemExit: their output is flushed here too
+            sys.stdout.flush()  # a closed pipe shows here, still inside the handler
+        return code
+    except BrokenPipeError:
+        # Python's own advice: stdout goes to devnull, so the flush at exit does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # what a shell reports for a command ended by SIGPIPE (128 + 13)
+
+
+def _main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="pyengine", description=__doc__)
     parser.add_argument("--version", action="version", version=f"pyengine {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -119,6 +137,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(json.dumps(data, indent=2, sort_keys=True) if args.json else render_statistics(data))
                 return 0
             return _inspect(args.path, args.json)
+        except BrokenPipeError:
+            raise  # the reader left: main() ends quietly
         except (OSError, ValueError) as exc:
             print(f"pyengine checkpoints {args.action}: {exc}", file=sys.stderr)
             return 1

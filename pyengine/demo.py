@@ -231,6 +231,8 @@ def _checkpoint_table(out: TextIO, stats: Any) -> None:
             f"{c.alignment_duration_ms:>7.1f} ms  {c.num_acknowledged}/{c.num_subtasks}",
             file=out,
         )
+        if c.status == "FAILED" and c.failure_message:  # e.g. the planned crash aborted it mid-way
+            print(f"        why: {c.failure_message}", file=out)
     summary = stats.summary()["end_to_end_duration_ms"]
     print(f"  end-to-end duration: p50 {summary['p50']:.0f} ms, p99 {summary['p99']:.0f} ms", file=out)
 

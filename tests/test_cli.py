@@ -34,3 +34,29 @@ def test_console_entry_point_runs() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "all checks passed" in done.stdout
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path) -> None:
+    """`pyengine checkpoints list ... | head` whose reader has gone: no BrokenPipeError
+    traceback, and the exit status a shell gives a command ended by SIGPIPE."""
+    import os
+
+    import pyengine as pe
+
+    env = pe.StreamEnvironment(checkpointing=pe.CheckpointConfig(interval_ms=60_000), checkpoint_storage=str(tmp_path))
+    env.from_collection(list(range(10))).map(lambda x: x + 1).sink_to(pe.sinks.CollectSink())
+    assert env.execute("piped").status == "FINISHED"
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader left before the command wrote anything
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pyengine", "checkpoints", "list", str(tmp_path)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+    assert done.returncode == 141, (done.returncode, done.stderr)
