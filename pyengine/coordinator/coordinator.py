@@ -28,6 +28,7 @@ from ..storage.handles import KeyGroupsStateHandle, StateHandle, StreamStateHand
 from ..storage.metadata import CheckpointMetadata, OperatorState, SubtaskState
 from ..storage.store import CompletedCheckpointStore, discard_unreferenced, owns_path, shared_files, stream_paths_of
 from .config import CheckpointConfig
+from .interval import Estimate, RecoveryGoalPolicy
 from .stats import CheckpointStatsTracker, SubtaskMetrics
 from .timers import Cancellable, TimerService
 
@@ -65,6 +66,7 @@ _NOT_COUNTED = {
     CheckpointFailureReason.CHECKPOINT_DECLINED_INPUT_END_OF_STREAM,
 }
 MAX_QUEUED_REQUESTS = 1000
+BACKLOG_POLL_MS = 200  # how often a backlog without checkpoints is asked whether it is over
 RECENT_EXPIRED = 16  # as Flink's NUM_GHOST_CHECKPOINT_IDS
 
 
@@ -123,6 +125,11 @@ class JobGateway(Protocol):
     def notify_aborted(self, task: ExecutionAttempt, checkpoint_id: int) -> None: ...
 
     def fail_job(self, cause: BaseException) -> None: ...
+
+    # Optional, looked up with getattr (a gateway without them works, with less to go on):
+    # ``records_read() -> int``: records the sources read in this attempt, for the replay
+    # rate of ``interval_ms="auto"``; ``is_processing_backlog() -> bool``: a source is
+    # catching up (``interval_during_backlog_ms``), asked at every scheduler tick.
 
 
 class AckResult(enum.Enum):
@@ -237,20 +244,127 @@ class CheckpointCoordinator:
         # Set by the runner: what completed checkpoints record of the run (see CheckpointMetadata).
         self.job_name = ""
         self.lineage: List[Tuple[str, int]] = []
+        # the interval: fixed, or chosen from the recovery goal (interval_ms="auto")
+        self._policy: Optional[RecoveryGoalPolicy] = None
+        self.estimate: Optional[Estimate] = None
+        if getattr(config, "interval_ms", None) == "auto":
+            self._policy = RecoveryGoalPolicy(config.recovery_goal_s)
+            self.estimate = self._policy.decide()
+        self._backlog_sources: Set[str] = set()
+        self._backlog = False
+        self._last_tick_ms: Optional[int] = None
+        self._restore_mark: Optional[Tuple[int, int]] = None  # (when a restore began, its state size)
+        self._catching_up = False  # restored, and no checkpoint completed since
+        self._first_checkpoint = True  # none completed since the scheduler (re)started
+        self._rate_mark: Optional[Tuple[int, int]] = None  # (when, records read) at the last sample
+        self._publish_interval()
 
     # -- scheduler ---------------------------------------------------------------------------
 
+    @property
+    def interval_ms(self) -> Optional[int]:
+        """The interval in use now: the fixed one, the one the recovery goal chose, or
+        the backlog interval while a source reports a backlog (None: no periodic
+        checkpoints during it)."""
+        with self._lock:
+            return self._current_interval()
+
+    def _current_interval(self) -> Optional[int]:
+        backlog_ms = getattr(self.config, "interval_during_backlog_ms", None)
+        if self._backlog and backlog_ms is not None:
+            return backlog_ms or None
+        if self.estimate is not None:
+            return self.estimate.interval_ms
+        return int(self.config.interval_ms)
+
+    def _publish_interval(self) -> None:
+        """What the statistics show of the interval (``CheckpointStatsTracker.interval``)."""
+        backlog_ms = getattr(self.config, "interval_during_backlog_ms", None)
+        self.stats.report_interval(
+            {
+                "mode": "auto" if self._policy is not None else "fixed",
+                "interval_ms": self._current_interval(),
+                "base_interval_ms": self.estimate.interval_ms if self.estimate else int(self.config.interval_ms),
+                "backlog": self._backlog,
+                "interval_during_backlog_ms": backlog_ms,
+                "max_recovery_s": self._policy.max_recovery_s if self._policy else None,
+                "estimate": self.estimate.to_json() if self.estimate else None,
+            },
+            self.timers.now_ms(),
+        )
+
+    def set_processing_backlog(self, source: str, backlog: bool) -> None:
+        """A source says it is (or no longer is) catching up on a backlog, as Flink's
+        ``SplitEnumeratorContext.setIsProcessingBacklog``: the job is processing a backlog
+        while any source says so, and checkpoints every ``interval_during_backlog_ms``
+        meanwhile. The next checkpoint is rescheduled at once."""
+        with self._lock:
+            if backlog:
+                self._backlog_sources.add(source)
+            else:
+                self._backlog_sources.discard(source)
+            self._update_backlog()
+
+    def _update_backlog(self) -> None:
+        asked = getattr(self.gateway, "is_processing_backlog", None)
+        backlog = bool(self._backlog_sources)
+        if not backlog and asked is not None:
+            try:
+                backlog = bool(asked())
+            except Exception:  # a gateway's failure must not stop the scheduler
+                log.exception("is_processing_backlog failed")
+        if backlog != self._backlog:
+            self._backlog = backlog
+            self._sample_rate()  # the rate so far belongs to the period that ends
+            self._publish_interval()
+            self._reschedule()
+
     def start_checkpoint_scheduler(self) -> None:
         """Starts periodic checkpoints after a random initial delay in
-        [min_pause, interval], so jobs started together do not checkpoint together."""
+        [min_pause, interval], so jobs started together do not checkpoint together.
+
+        After a restore (``restore_latest``, ``note_restored_from``) it is what ends
+        the restore: the runner starts it once every task runs with its state, so the
+        time since is the restore's duration, which ``interval_ms="auto"`` uses."""
         with self._lock:
             if self._shutdown:
                 raise RuntimeError("the checkpoint coordinator is shut down")
             self.stop_checkpoint_scheduler(abort_pending=False)
             self._periodic = True
-            low = min(self.config.min_pause_ms, self.config.interval_ms)
-            delay = self._rng.uniform(low, self.config.interval_ms + 1)
+            now = self.timers.now_ms()
+            if self._restore_mark is not None:
+                began, size = self._restore_mark
+                self._restore_mark = None
+                if self._policy is not None:
+                    self._policy.observe_restore((now - began) / 1000, size)
+                    self.estimate = self._policy.decide()
+                self._catching_up = True
+            self._rate_mark = None
+            self._first_checkpoint = True
+            self._sample_rate()
+            self._update_backlog()
+            self._publish_interval()
+            interval = self._current_interval()
+            self._last_tick_ms = now
+            if interval is None:
+                self._scheduler = self.timers.schedule(BACKLOG_POLL_MS, self._on_scheduler_tick)
+                return
+            low = min(self.config.min_pause_ms, interval)
+            delay = self._rng.uniform(low, interval + 1)
             self._scheduler = self.timers.schedule(delay, self._on_scheduler_tick)
+
+    def _reschedule(self) -> None:
+        """The interval changed: the next periodic checkpoint is due one new interval
+        after the last one (at once if that is past)."""
+        if not self._periodic or self._scheduler is None or self._last_tick_ms is None:
+            return
+        interval = self._current_interval()
+        self._scheduler.cancel()
+        if interval is None:
+            self._scheduler = self.timers.schedule(BACKLOG_POLL_MS, self._on_scheduler_tick)
+            return
+        due = self._last_tick_ms + interval - self.timers.now_ms()
+        self._scheduler = self.timers.schedule(max(0, due), self._on_scheduler_tick)
 
     def stop_checkpoint_scheduler(self, abort_pending: bool = True) -> None:
         """Stops periodic checkpoints. Queued periodic requests fail with
@@ -289,7 +403,14 @@ class CheckpointCoordinator:
         with self._lock:
             if not self._periodic:
                 return
-            self._scheduler = self.timers.schedule(self.config.interval_ms, self._on_scheduler_tick)
+            self._scheduler = None  # the tick is spent: _update_backlog must not reschedule it
+            self._update_backlog()
+            interval = self._current_interval()
+            if interval is None:  # a backlog without checkpoints: ask again soon
+                self._scheduler = self.timers.schedule(BACKLOG_POLL_MS, self._on_scheduler_tick)
+                return
+            self._last_tick_ms = self.timers.now_ms()
+            self._scheduler = self.timers.schedule(interval, self._on_scheduler_tick)
             try:
                 self._request(CheckpointType.CHECKPOINT, periodic=True, target=None)
             except Exception:  # the timer thread must survive anything: the next tick tries again
@@ -421,7 +542,11 @@ class CheckpointCoordinator:
         pending.future = request.future
         self._pending[checkpoint_id] = pending
         self.stats.report_pending(
-            checkpoint_id, now, "savepoint" if pending.is_savepoint else "checkpoint", len(pending.not_yet_acknowledged)
+            checkpoint_id,
+            now,
+            "savepoint" if pending.is_savepoint else "checkpoint",
+            len(pending.not_yet_acknowledged),
+            interval_ms=self._current_interval() if request.periodic else None,
         )
         pending.timeout = self.timers.schedule(self.config.timeout_ms, lambda: self._expire(checkpoint_id))
         # savepoints are always aligned, and so is a checkpoint requested aligned
@@ -567,6 +692,7 @@ class CheckpointCoordinator:
             if not pending.is_savepoint:
                 self._last_completion_ms = now
                 self._consecutive_failures = 0
+                self._on_completed()
                 older_ones = [p for p in self._pending.values() if p.checkpoint_id < checkpoint_id]
                 for older in [p for p in older_ones if not p.is_savepoint]:
                     self._abort(older, CheckpointException(CheckpointFailureReason.CHECKPOINT_SUBSUMED))
@@ -574,6 +700,48 @@ class CheckpointCoordinator:
                 self.gateway.notify_complete(task, checkpoint_id)
             pending.future.set_result(metadata)
             self._execute_queued()
+
+    def _on_completed(self) -> None:
+        """A checkpoint completed: what it measured goes to the interval's policy, and
+        the next checkpoint is rescheduled when the interval changed."""
+        self._sample_rate()
+        self._catching_up = False
+        self._update_backlog()
+        stats = self.stats.latest_completed
+        if self._policy is None or stats is None:
+            return
+        slowest = max((s.async_duration_ms + s.sync_duration_ms for s in stats.subtasks.values()), default=0.0)
+        first, self._first_checkpoint = self._first_checkpoint, False
+        self._policy.observe_checkpoint(stats.end_to_end_duration_ms, stats.full_size, slowest, first=first)
+        before = self._current_interval()
+        self.estimate = self._policy.decide()
+        self._publish_interval()
+        if self._current_interval() != before:
+            self._reschedule()
+
+    def _sample_rate(self) -> None:
+        """The sources' read rate since the last sample, if the gateway counts records:
+        a catch-up rate while the job catches up (after a restore, during a backlog),
+        else the input rate."""
+        counted = getattr(self.gateway, "records_read", None)
+        if counted is None or self._policy is None:
+            return
+        try:
+            records = int(counted())
+        except Exception:
+            log.exception("records_read failed")
+            return
+        now = self.timers.now_ms()
+        mark, self._rate_mark = self._rate_mark, (now, records)
+        if mark is None or records < mark[1] or now - mark[0] < 50:
+            if mark is not None and records >= mark[1]:
+                self._rate_mark = mark  # too short to measure: keep the older mark
+            return
+        rate = (records - mark[1]) / ((now - mark[0]) / 1000)
+        if self._catching_up or self._backlog:
+            self._policy.observe_catchup_rate(rate)
+        else:
+            self._policy.observe_input_rate(rate)
 
     def _self_contained(self, metadata: CheckpointMetadata, location: CheckpointStorageLocation) -> CheckpointMetadata:
         """The savepoint's metadata with every state file it uses copied into its own
@@ -732,6 +900,7 @@ class CheckpointCoordinator:
             latest = self.store.latest()
             if latest is not None:
                 self._next_id = max(self._next_id, latest.checkpoint_id + 1)
+                self._restore_mark = (self.timers.now_ms(), self._state_size(latest))
                 self.stats.report_restored(
                     latest.checkpoint_id,
                     self.timers.now_ms(),
@@ -744,7 +913,22 @@ class CheckpointCoordinator:
         """The job started from an external checkpoint or savepoint."""
         with self._lock:
             self._next_id = max(self._next_id, metadata.checkpoint_id + 1)
+            self._restore_mark = (self.timers.now_ms(), self._state_size(metadata))
             self.stats.report_restored(metadata.checkpoint_id, self.timers.now_ms(), path, metadata.type == "savepoint")
+
+    def _state_size(self, metadata: CheckpointMetadata) -> int:
+        """The full size of a checkpoint's state: as its statistics recorded it, else
+        the sizes of the files its metadata lists."""
+        stats = self.stats.latest_completed
+        if stats is not None and stats.id == metadata.checkpoint_id and stats.full_size:
+            return int(stats.full_size)
+        total = 0
+        for handle in metadata.handles():
+            try:
+                total += int(handle.state_size)
+            except Exception:
+                pass
+        return total
 
     @property
     def pending_checkpoints(self) -> Dict[int, PendingCheckpoint]:

@@ -49,6 +49,7 @@ class CheckpointStats:
     alignment_duration_ms: float = 0.0
     external_path: Optional[str] = None
     failure_message: Optional[str] = None
+    interval_ms: Optional[int] = None  # the periodic interval in use when it was triggered
     subtasks: Dict[str, SubtaskCheckpointStats] = field(default_factory=dict)
 
     @property
@@ -104,9 +105,23 @@ class CheckpointStatsTracker:
         self.latest_savepoint: Optional[CheckpointStats] = None
         self.latest_failed: Optional[CheckpointStats] = None
         self.latest_restored: Optional[Dict[str, Any]] = None
+        # The periodic interval in use and, with interval_ms="auto", why (the coordinator
+        # keeps it current): mode, interval_ms (None: none during a backlog),
+        # base_interval_ms, backlog, interval_during_backlog_ms, max_recovery_s, estimate.
+        self.interval: Dict[str, Any] = {}
+        # (when, interval_ms) at every change of the interval in use
+        self.interval_changes: List[Tuple[int, Optional[int]]] = []
 
-    def report_pending(self, checkpoint_id: int, timestamp: int, type_: str, num_subtasks: int) -> CheckpointStats:
-        stats = CheckpointStats(checkpoint_id, "IN_PROGRESS", type_, timestamp, num_subtasks)
+    def report_interval(self, info: Dict[str, Any], now: int = 0) -> None:
+        if not self.interval_changes or self.interval_changes[-1][1] != info.get("interval_ms"):
+            self.interval_changes.append((now, info.get("interval_ms")))
+            del self.interval_changes[:-1000]
+        self.interval = info
+
+    def report_pending(
+        self, checkpoint_id: int, timestamp: int, type_: str, num_subtasks: int, interval_ms: Optional[int] = None
+    ) -> CheckpointStats:
+        stats = CheckpointStats(checkpoint_id, "IN_PROGRESS", type_, timestamp, num_subtasks, interval_ms=interval_ms)
         self._live[checkpoint_id] = stats
         self._history.appendleft(stats)
         self.counts["triggered"] += 1
@@ -192,6 +207,7 @@ class CheckpointStatsTracker:
     def to_json(self) -> Dict[str, Any]:
         return {
             "counts": dict(self.counts),
+            "interval": dict(self.interval),
             "summary": self.summary(),
             "latest": {
                 "completed": self.latest_completed.to_json() if self.latest_completed else None,
