@@ -11,11 +11,19 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what IDEs and type checkers see; at run time these load on first use
     from . import agg, errors, runners, sinks, windows
-    from .api import StreamEnvironment
+    from .api import ConnectedStreams, DataStream, KeyedStream, StreamEnvironment
     from .coordinator.config import CheckpointConfig
     from .errors import JobFailedError
     from .monitoring.config import Monitoring
-    from .runtime.operators import KeyedContext, KeyedProcessFunction
+    from .runtime.operators import (
+        CoProcessFunction,
+        KeyedContext,
+        KeyedCoProcessFunction,
+        KeyedProcessFunction,
+        OutputTag,
+        ProcessContext,
+        ProcessFunction,
+    )
     from .state import (
         AggregatingState,
         AggregatingStateDescriptor,
@@ -41,8 +49,16 @@ __all__ = [
     "AggregatingState",
     "AggregatingStateDescriptor",
     "CheckpointConfig",
+    "CoProcessFunction",
+    "ConnectedStreams",
+    "DataStream",
+    "KeyedCoProcessFunction",
     "KeyedContext",
     "KeyedProcessFunction",
+    "KeyedStream",
+    "OutputTag",
+    "ProcessContext",
+    "ProcessFunction",
     "ListState",
     "ListStateDescriptor",
     "ListView",
@@ -74,6 +90,17 @@ _LAZY = {
     "CheckpointConfig": ("pyengine.coordinator.config", "CheckpointConfig"),
     "KeyedProcessFunction": ("pyengine.runtime.operators", "KeyedProcessFunction"),
     "KeyedContext": ("pyengine.runtime.operators", "KeyedContext"),
+    **{
+        name: ("pyengine.runtime.operators", name)
+        for name in (
+            "CoProcessFunction",
+            "KeyedCoProcessFunction",
+            "OutputTag",
+            "ProcessContext",
+            "ProcessFunction",
+        )
+    },
+    **{name: ("pyengine.api", name) for name in ("ConnectedStreams", "DataStream", "KeyedStream")},
     **{
         name: ("pyengine.state", name)
         for name in (

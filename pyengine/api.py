@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from .agg import Aggregation
 from .coordinator import CheckpointConfig
@@ -19,15 +19,22 @@ from .monitoring.config import Monitoring
 from .runners.result import JobResult
 from .runtime.aggregate import AggregateOperator
 from .runtime.operators import (
+    CoProcessFunction,
     FilterOperator,
     FlatMapOperator,
+    KeyedCoProcessFunction,
+    KeyedCoProcessOperator,
     KeyedProcessFunction,
     KeyedProcessOperator,
     MapBatchesOperator,
     MapOperator,
     Operator,
+    OutputTag,
+    ProcessFunction,
+    ProcessOperator,
     TimestampsAndWatermarksOperator,
     key_selector,
+    overrides_co_on_timer,
     overrides_on_timer,
 )
 from .runtime.sources import (
@@ -46,7 +53,15 @@ from .time.strategy import TimestampAssigner, WatermarkStrategy
 if TYPE_CHECKING:
     from .windows import WindowAssigner, WindowedStream
 
-__all__ = ["DataStream", "JobClient", "JobGraph", "KeyedStream", "StreamEnvironment"]
+__all__ = [
+    "ConnectedStreams",
+    "DataStream",
+    "Edge",
+    "JobClient",
+    "JobGraph",
+    "KeyedStream",
+    "StreamEnvironment",
+]
 
 BACKENDS = ("heap", "incremental")
 
@@ -62,27 +77,59 @@ def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
         raise ValueError(f"StreamEnvironment {name} must be >= {minimum}, got {value}")
 
 
-@dataclass
+@dataclass(eq=False)
 class _Step:
-    kind: str  # "op" or "exchange"
+    """A node of the job being built: an operator ("op"), an exchange ("exchange":
+    key_by, rebalance, broadcast), a union of streams ("union"), or the side output
+    of an operator ("side"). ``inputs`` are the nodes it reads (two for a connect)."""
+
+    kind: str  # "op", "exchange", "union" or "side"
     name: str
     factory: Optional[Callable[[str, str, bool], Operator]] = None
     exchange: str = "forward"
     key: Optional[Callable[[Any], Any]] = None
     uid: Optional[str] = None
     event_time: bool = False  # this step needs watermarks (a strategy, a window, timers)
+    inputs: List[_Step] = field(default_factory=list)
+    tag: Optional[OutputTag] = None  # a "side" node's tag
+    sink: Optional[Sink] = None  # a sink_to's sink
+    source: Optional[Source] = None  # a source's
+    named: bool = False  # name(...) set its name: not renamed to be unique
+    seq: int = 0  # creation order (inputs come first), so builds are deterministic
+    schema: Any = None  # the records' pyarrow.Schema while a step keeps it known
+    # Where a record's event time is (a TimestampAssigner), once a strategy or a
+    # window gave the stream timestamps. Records carry no timestamp of their own:
+    # time-aware operators downstream read it with this, so it must still find its
+    # column or field after a map (or assign timestamps again after the map).
+    timestamps: Optional[TimestampAssigner] = None
+    effective_uid: str = ""  # the uid its state goes by, set when a graph is built
+
+
+@dataclass(eq=False)
+class Edge:
+    """An edge of the job graph into a vertex: records of vertex ``source``'s last
+    operator (its side output ``tag``, or its main output when None), partitioned by
+    ``exchange`` (``key_selector`` for "hash"), into input ``input`` of the vertex's
+    head operator (1 only for a connect's second stream)."""
+
+    source: int  # index of the producing vertex in JobGraph.vertices
+    exchange: str
+    key_selector: Optional[Callable[[Any], Any]]
+    input: int = 0
+    tag: Optional[str] = None
 
 
 @dataclass
 class Vertex:
     name: str
-    exchange: str  # how records reach this vertex from the previous one
+    exchange: str  # how records reach this vertex (its first input edge's)
     key_selector: Optional[Callable[[Any], Any]]
     steps: List[_Step] = field(default_factory=list)
     event_time_interval_ms: Optional[int] = None  # set when the job uses event time
+    inputs: List[Edge] = field(default_factory=list)  # none for a source's vertex
 
     def uids(self) -> List[str]:
-        return [s.uid or s.name for s in self.steps]
+        return [s.effective_uid or s.uid or s.name for s in self.steps]
 
     def create_chain(self, checkpointing: bool) -> List[Operator]:
         out = []
@@ -94,27 +141,84 @@ class Vertex:
         return out
 
 
+def _resolve(
+    node: _Step, exchange: Optional[str] = None, key: Optional[Callable[[Any], Any]] = None
+) -> List[Tuple[_Step, Optional[str], str, Optional[Callable[[Any], Any]]]]:
+    """Where a node's records come from: (operator, side output tag or None, exchange,
+    key), through exchanges (the one nearest the consumer wins, as when a line had
+    two in a row) and unions."""
+    if node.kind == "exchange":
+        if exchange is None:
+            exchange, key = node.exchange, node.key
+        return _resolve(node.inputs[0], exchange, key)
+    if node.kind == "union":
+        return [edge for i in node.inputs for edge in _resolve(i, exchange, key)]
+    if node.kind == "side":
+        assert node.tag is not None
+        return [(node.inputs[0], node.tag.name, exchange or "forward", key)]
+    return [(node, None, exchange or "forward", key)]
+
+
 class JobGraph:
+    """The job as vertices (chains of operators run by one task per subtask) joined by
+    edges: a DAG from any number of sources to any number of sinks. An operator is
+    chained to the one before it when it is that one's only consumer, reads it without
+    an exchange and has one input; anything else (an exchange, a union, a connect, a
+    fan-out, a side output) starts a vertex with an edge per input."""
+
     def __init__(
         self,
-        steps: List[_Step],
-        sink: Sink,
+        sinks: List[_Step],
         sources: Optional[List[Source]] = None,
         auto_watermark_interval_ms: int = 200,
     ) -> None:
-        self.sink = sink
-        self.sources = list(sources or [])  # prepared by the runner when a run starts
-        self.event_time = any(step.event_time for step in steps)
+        reachable: Dict[int, _Step] = {}
+        todo = list(sinks)
+        while todo:
+            node = todo.pop()
+            if id(node) not in reachable:
+                reachable[id(node)] = node
+                todo.extend(node.inputs)
+        nodes = sorted(reachable.values(), key=lambda n: n.seq)
+        ops = [n for n in nodes if n.kind == "op"]
+        self.sinks: List[Sink] = [n.sink for n in sorted(sinks, key=lambda n: n.seq) if n.sink is not None]
+        used = [n.source for n in ops if n.source is not None]
+        if sources is None:
+            self.sources: List[Source] = used
+        else:  # prepared by the runner when a run starts: the ones this graph reads
+            self.sources = [s for s in sources if any(s is u for u in used)]
+        self.event_time = any(n.event_time for n in ops)
+        resolved = {id(n): [_resolve(i) for i in n.inputs] for n in ops}
+        consumers: Dict[int, int] = {}
+        for n in ops:
+            for sources_of_input in resolved[id(n)]:
+                for producer, _tag, _exchange, _key in sources_of_input:
+                    consumers[id(producer)] = consumers.get(id(producer), 0) + 1
+        self._assign_uids(ops)
         self.vertices: List[Vertex] = []
-        current = Vertex("v0", "forward", None)
-        for step in steps:
-            if step.kind == "exchange":
-                if current.steps:
-                    self.vertices.append(current)
-                current = Vertex(f"v{len(self.vertices)}", step.exchange, step.key)
-            else:
-                current.steps.append(step)
-        self.vertices.append(current)
+        vertex_of: Dict[int, int] = {}
+        for n in ops:
+            inputs = n.inputs
+            if len(inputs) == 1 and inputs[0].kind == "op" and consumers.get(id(inputs[0])) == 1:
+                v_index = vertex_of[id(inputs[0])]
+                self.vertices[v_index].steps.append(n)
+                vertex_of[id(n)] = v_index
+                continue
+            edges = [
+                Edge(vertex_of[id(producer)], exchange, key, which, tag)
+                for which, resolved_input in enumerate(resolved[id(n)])
+                for producer, tag, exchange, key in resolved_input
+            ]
+            first = edges[0] if edges else None
+            vertex = Vertex(
+                f"v{len(self.vertices)}",
+                first.exchange if first else "forward",
+                first.key_selector if first else None,
+                [n],
+                inputs=edges,
+            )
+            vertex_of[id(n)] = len(self.vertices)
+            self.vertices.append(vertex)
         if self.event_time:  # every task takes part: watermarks must reach each time-aware operator
             for vertex in self.vertices:
                 vertex.event_time_interval_ms = auto_watermark_interval_ms
@@ -122,6 +226,58 @@ class JobGraph:
         duplicates = sorted({u for u in uids if uids.count(u) > 1})
         if duplicates:
             raise ValueError(f"operator uids must be unique in a job; repeated: {duplicates}")
+
+    @staticmethod
+    def _assign_uids(ops: List[_Step]) -> None:
+        """Each operator's state uid: its ``uid(...)``, else its name; a default name
+        that an earlier operator already has (two branches' ``map`` at the same depth,
+        two ``from_collection``) gets ``-2``, ``-3``... by creation order, so the same
+        program always gives the same uids. Names given with ``uid``/``name`` are
+        kept as they are (a repeat is refused below)."""
+        taken = {n.uid or n.name for n in ops if n.uid is not None or n.named}
+        for n in ops:
+            if n.uid is not None or n.named:
+                n.effective_uid = n.uid or n.name
+                continue
+            uid, k = n.name, 1
+            while uid in taken:
+                k += 1
+                uid = f"{n.name}-{k}"
+            taken.add(uid)
+            n.effective_uid = uid
+
+    @property
+    def sink(self) -> Sink:
+        """The first sink (a job with one sink: its sink)."""
+        return self.sinks[0]
+
+    def consumers(self, v_index: int) -> List[Tuple[int, int, Edge]]:
+        """The edges out of vertex ``v_index``: (consumer vertex, the edge's position
+        among the consumer's inputs, the edge), in a stable order."""
+        return [
+            (c, k, edge)
+            for c, vertex in enumerate(self.vertices)
+            for k, edge in enumerate(vertex.inputs)
+            if edge.source == v_index
+        ]
+
+    def nonlinear_features(self) -> List[str]:
+        """What makes this graph more than one line (empty for a line): for runners
+        that run lines only."""
+        features = []
+        if len(self.sinks) > 1:
+            features.append("several sinks")
+        if sum(1 for v in self.vertices if not v.inputs) > 1:
+            features.append("several sources")
+        if any(e.tag is not None for v in self.vertices for e in v.inputs):
+            features.append("side outputs (get_side_output)")
+        if any(e.input == 1 for v in self.vertices for e in v.inputs):
+            features.append("connect")
+        elif any(len(v.inputs) > 1 for v in self.vertices):
+            features.append("union")
+        if any(len(self.consumers(i)) > 1 for i in range(len(self.vertices))):
+            features.append("a stream continued more than once (fan-out)")
+        return features
 
     def state_uids(self) -> List[str]:
         return [u for v in self.vertices for u in v.uids()] + [f"__channel_state__{v.name}" for v in self.vertices]
@@ -187,9 +343,14 @@ class StreamEnvironment:
         self.channel_capacity = channel_capacity
         self.auto_watermark_interval_ms = auto_watermark_interval_ms  # how often watermarks are generated
         self.monitoring = monitoring
-        self._streams: List[DataStream] = []
+        self._streams: List[DataStream] = []  # each source's stream and each sink_to's
         self._sources: List[Source] = []
+        self._seq = 0  # nodes of the job in creation order
         self._local_root: Optional[str] = None
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
 
     def _local_dir(self, vertex: str, subtask: int) -> Optional[str]:
         if not self.local_recovery:
@@ -211,10 +372,20 @@ class StreamEnvironment:
         if not isinstance(source, Source):
             raise TypeError(f"from_source takes a pyengine Source, got {source!r}")
         strategy = _check_strategy(watermark_strategy, f"{name}: watermark_strategy")
+        if any(s is source for s in self._sources):
+            raise ValueError(
+                f"from_source: this {type(source).__name__} already is a source of the job; continue its stream "
+                "more than once instead (each branch gets every record), or make a second source"
+            )
         step = _Step(
-            "op", name, lambda uid, n, _c: SourceOperator(uid, n, source, strategy), event_time=strategy is not None
+            "op",
+            name,
+            lambda uid, n, _c: SourceOperator(uid, n, source, strategy),
+            event_time=strategy is not None,
+            source=source,
+            seq=self._next_seq(),
         )
-        stream = DataStream(self, [step])
+        stream = DataStream(self, step)
         stream._schema = getattr(source, "schema", None)  # known for Arrow sources: columns checked at build
         if strategy is not None:
             stream._timestamps = strategy.timestamps
@@ -288,14 +459,10 @@ class StreamEnvironment:
     # -- running -----------------------------------------------------------------------------
 
     def _graph(self) -> JobGraph:
-        sinks = [s for s in self._streams if s._sink is not None]
+        sinks = [s._node for s in self._streams if s._sink is not None]
         if not sinks:
             raise ValueError("the job has no sink: end the pipeline with .sink_to(...)")
-        if len(sinks) > 1:
-            raise ValueError("the embedded runner runs one pipeline per environment (one sink_to)")
-        stream = sinks[0]
-        assert stream._sink is not None
-        return JobGraph(stream._steps, stream._sink, list(self._sources), self.auto_watermark_interval_ms)
+        return JobGraph(sinks, list(self._sources), self.auto_watermark_interval_ms)
 
     def _check_embedded(self, graph: JobGraph) -> None:
         """The embedded runner runs every subtask as a thread of this process: past a
@@ -332,6 +499,13 @@ class StreamEnvironment:
             runner = SparkRunner()
         if not hasattr(runner, "job") or isinstance(runner, str):
             raise ValueError(f"runner must be 'embedded', 'spark' or a SparkRunner, got {runner!r}")
+        features = graph.nonlinear_features()
+        if features and not getattr(runner, "supports_graphs", False):
+            raise ValueError(
+                f"this job is a graph, not one line ({', '.join(features)}), which {type(runner).__name__} does not "
+                "run yet: run it embedded (execute(..., runner='embedded')); on Spark, a job is one line from one "
+                "source to one sink for now"
+            )
         if graph.event_time and not getattr(runner, "supports_event_time", False):
             # A runner opts in with supports_event_time once its channels carry watermarks
             # (the Spark runner's Flight channels do: pyengine.runners.flight.encode_event).
@@ -537,78 +711,63 @@ def _call_of(step: _Step) -> str:
     return calls.get(name, name) + "()"
 
 
-class _Chain:
-    """The one line of steps a source's stream builds, shared by every handle on it."""
-
-    __slots__ = ("schema", "sink", "steps", "timestamps")
-
-    def __init__(self, steps: List[_Step]) -> None:
-        self.steps = steps
-        self.sink: Optional[Sink] = None
-        self.schema: Any = None  # the records' pyarrow.Schema while a step keeps it known
-        # Where a record's event time is (a TimestampAssigner), once a strategy or a
-        # window gave the stream timestamps. Records carry no timestamp of their own:
-        # time-aware operators downstream read it with this, so it must still find its
-        # column or field after a map (or assign timestamps again after the map).
-        self.timestamps: Optional[TimestampAssigner] = None
-
-
 class DataStream:
-    """A stream at one point of its job's line: each transformation returns a new
-    handle at the next point. A handle that was already continued cannot be continued
-    again: that would branch the stream (two sinks, or a side path), which a job
-    cannot express yet, and continuing the line instead would silently change what
-    the first branch receives."""
+    """A stream at one point of its job's graph: each transformation returns a new
+    handle after it. A handle may be continued more than once (fan-out: each branch
+    gets every record; records are shared, not copied, so a function must not change
+    a record in place), joined with others (``union``, ``connect``), and end in any
+    number of sinks (``sink_to``), all committed by the same checkpoints."""
 
-    def __init__(self, env: StreamEnvironment, steps: List[_Step], chain: Optional[_Chain] = None) -> None:
+    def __init__(self, env: StreamEnvironment, node: _Step) -> None:
         self._env = env
-        self._chain = chain if chain is not None else _Chain(steps)
-        self._at = len(self._chain.steps)  # the point of the line this handle stands at
+        self._node = node
 
     @property
     def _steps(self) -> List[_Step]:
-        return self._chain.steps
+        """The line of nodes from a source to this one (first inputs), this one last."""
+        path = []
+        node: Optional[_Step] = self._node
+        while node is not None:
+            path.append(node)
+            node = node.inputs[0] if node.inputs else None
+        return path[::-1]
 
     @property
     def _schema(self) -> Any:
-        return self._chain.schema
+        return self._node.schema
 
     @_schema.setter
     def _schema(self, schema: Any) -> None:
-        self._chain.schema = schema
+        self._node.schema = schema
 
     @property
     def _timestamps(self) -> Optional[TimestampAssigner]:
-        return self._chain.timestamps
+        return self._node.timestamps
 
     @_timestamps.setter
     def _timestamps(self, timestamps: Optional[TimestampAssigner]) -> None:
-        self._chain.timestamps = timestamps
+        self._node.timestamps = timestamps
 
     @property
     def _sink(self) -> Optional[Sink]:
-        return self._chain.sink
+        return self._node.sink
 
-    @_sink.setter
-    def _sink(self, sink: Optional[Sink]) -> None:
-        self._chain.sink = sink
-
-    def _check_tip(self, what: str) -> None:
-        if self._at != len(self._chain.steps):
-            done = _call_of(self._chain.steps[self._at])
+    def _check_open(self, what: str) -> None:
+        if self._node.sink is not None:
             raise ValueError(
-                f"{what}: this stream was already continued with {done}; a job is one line from its "
-                "source to one sink for now, so a stream cannot branch into two paths or two sinks "
-                "(union, connect, side outputs and several sinks come with job graphs). Chain the "
-                "calls on what each one returns: env.from_...(...).map(...).key_by(...)..."
+                f"{what}: this stream is the end of a sink_to(); continue the stream that went into the sink "
+                "instead (a stream may be continued more than once: s.sink_to(a); s.map(...).sink_to(b))"
             )
-        if self._chain.sink is not None:
-            raise ValueError(f"{what}: this stream already ends in a sink; a job has one sink for now")
+
+    def _new(self, step: _Step, inputs: List[_Step]) -> _Step:
+        step.inputs = inputs
+        step.seq = self._env._next_seq()
+        return step
 
     def _then(self, step: _Step) -> DataStream:
-        self._check_tip(_call_of(step))
-        self._chain.steps.append(step)
-        return DataStream(self._env, self._chain.steps, self._chain)
+        self._check_open(_call_of(step))
+        step.schema, step.timestamps = self._node.schema, self._node.timestamps
+        return DataStream(self._env, self._new(step, [self._node]))
 
     def _op(self, name: str, factory: Callable[[str, str, bool], Operator], keeps_schema: bool = False) -> DataStream:
         out = self._then(_Step("op", f"{len(self._steps)}-{name}", factory))
@@ -616,21 +775,27 @@ class DataStream:
             out._schema = None
         return out
 
+    def _last_op(self, what: str) -> _Step:
+        node: Optional[_Step] = self._node
+        while node is not None and node.kind != "op":
+            node = node.inputs[0] if len(node.inputs) == 1 else None
+        if node is None:
+            raise ValueError(f"{what} names an operator: call it right after one (map, process, window, ...)")
+        return node
+
     def uid(self, uid: str) -> DataStream:
         """Names the last operator's state, so checkpoints match it across job versions."""
         if not isinstance(uid, str) or not uid:
             raise ValueError(f"uid must be a non-empty string, got {uid!r}")
-        if self._at != len(self._steps):
-            raise ValueError(f"uid({uid!r}) names the last operator of a stream; this one was already continued")
-        ops = [s for s in self._steps if s.kind == "op"]
-        ops[-1].uid = uid
+        self._last_op(f"uid({uid!r})").uid = uid
         return self
 
     def name(self, name: str) -> DataStream:
-        if self._at != len(self._steps):
-            raise ValueError(f"name({name!r}) names the last operator of a stream; this one was already continued")
-        ops = [s for s in self._steps if s.kind == "op"]
-        ops[-1].name = name
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty string, got {name!r}")
+        op = self._last_op(f"name({name!r})")
+        op.name = name
+        op.named = True
         return self
 
     def map(self, fn: Callable[[Any], Any]) -> DataStream:
@@ -644,6 +809,73 @@ class DataStream:
 
     def map_batches(self, fn: Callable[[Any], Any]) -> DataStream:
         return self._op("map_batches", lambda uid, n, _c: MapBatchesOperator(uid, n, fn))
+
+    def process(self, fn: ProcessFunction) -> DataStream:
+        """Runs a ``pe.ProcessFunction`` on every record of this (not keyed) stream:
+        ``process_element(value, ctx)`` yields outputs, ``ctx.output(tag, value)``
+        sends to a side output (``get_side_output``). Keyed state and timers need
+        ``key_by(...).process(pe.KeyedProcessFunction)``."""
+        if isinstance(fn, KeyedProcessFunction):
+            raise TypeError(
+                "process(KeyedProcessFunction) needs a keyed stream: key_by(...).process(fn); "
+                "on a stream that is not keyed, use a pe.ProcessFunction"
+            )
+        if not isinstance(fn, ProcessFunction):
+            raise TypeError(f"process takes a pe.ProcessFunction, got {fn!r}")
+        import copy
+
+        timestamps = self._timestamps
+        return self._op("process", lambda uid, n, _c: ProcessOperator(uid, n, copy.deepcopy(fn), (timestamps, None)))
+
+    def get_side_output(self, tag: OutputTag) -> DataStream:
+        """The records this stream's operator sent to the side output ``tag`` (with
+        ``ctx.output(tag, value)``, or a window's ``side_output_late_data(tag)``), as a
+        stream of their own (PyFlink's name). Side output nobody asks for is dropped."""
+        if not isinstance(tag, OutputTag):
+            raise TypeError(f"get_side_output takes a pe.OutputTag, got {tag!r}: make one with pe.OutputTag('name')")
+        if self._node.kind != "op" or self._node.source is not None:
+            raise ValueError(
+                f"get_side_output({tag.name!r}) reads an operator's side output: call it on what process(...) or "
+                "window(...)... returned, not on a source, key_by, union or another side output"
+            )
+        self._check_open(f"get_side_output({tag.name!r})")
+        node = self._new(_Step("side", f"side-{tag.name}", tag=tag), [self._node])
+        return DataStream(self._env, node)
+
+    def union(self, *others: DataStream) -> DataStream:
+        """One stream of this one's records and ``others``' (fan-in; PyFlink's name):
+        records of each input keep their order, the inputs interleave as they come. The
+        watermark is the least of the inputs'."""
+        if not others:
+            raise ValueError("union needs at least one other stream: a.union(b) or a.union(b, c)")
+        streams = [self, *others]
+        for o in others:
+            if not isinstance(o, DataStream):
+                hint = " (a KeyedStream: union the streams before key_by)" if isinstance(o, KeyedStream) else ""
+                raise TypeError(f"union takes DataStreams, got {o!r}{hint}")
+            if o._env is not self._env:
+                raise ValueError("union: the streams belong to different StreamEnvironments; build a job in one")
+        for st in streams:
+            st._check_open("union()")
+        node = self._new(_Step("union", "union"), [st._node for st in streams])
+        schemas = [st._schema for st in streams]
+        node.schema = schemas[0] if all(sc is not None and sc.equals(schemas[0]) for sc in schemas) else None
+        stamps = [st._timestamps for st in streams]
+        node.timestamps = stamps[0] if all(t == stamps[0] for t in stamps) else None
+        return DataStream(self._env, node)
+
+    def connect(self, other: DataStream) -> ConnectedStreams:
+        """Two streams into one operator with an input for each (PyFlink's name):
+        ``.process(pe.CoProcessFunction)``, or ``.key_by(k1, k2).process(
+        pe.KeyedCoProcessFunction)`` for keyed state and timers shared by both."""
+        if isinstance(other, KeyedStream):
+            raise TypeError(
+                "connect: this stream is not keyed and the other is; key both "
+                "(a.key_by(k1).connect(b.key_by(k2))) or neither (the broadcast state pattern is not supported yet)"
+            )
+        if not isinstance(other, DataStream):
+            raise TypeError(f"connect takes a DataStream, got {other!r}")
+        return ConnectedStreams(self, other)
 
     def assign_timestamps_and_watermarks(self, strategy: WatermarkStrategy) -> DataStream:
         """Event time for this stream: each record's timestamp by the strategy's
@@ -677,11 +909,85 @@ class DataStream:
         return KeyedStream(self._then(_Step("exchange", "hash", exchange="hash", key=select)), select)
 
     def sink_to(self, sink: Sink) -> DataStream:
+        """Ends this stream in ``sink``. A job may have several sinks (call it on
+        several streams, or on one stream several times): every checkpoint commits
+        all of them."""
         if not isinstance(sink, Sink):
             raise TypeError(f"sink_to takes a pyengine sink, got {sink!r}")
+        if any(st._sink is sink for st in self._env._streams):
+            raise ValueError(
+                f"sink_to: this {type(sink).__name__} already ends another stream of the job; give each sink_to "
+                "a sink of its own (a sink takes one stream: union the streams first to write them to one sink)"
+            )
         out = self._op("sink", lambda uid, n, c: SinkOperator(uid, n, sink, c))
-        out._sink = sink
+        out._node.sink = sink
+        self._env._streams.append(out)
         return out
+
+
+class ConnectedStreams:
+    """``a.connect(b)``: two streams for one two-input operator. ``process`` takes a
+    ``pe.CoProcessFunction`` (neither keyed) or a ``pe.KeyedCoProcessFunction``
+    (both keyed: ``a.key_by(k1).connect(b.key_by(k2))``, or ``.key_by(k1, k2)``
+    here). Both inputs go into one task's one input gate, so a checkpoint's
+    barriers align across both (or overtake both, unaligned)."""
+
+    def __init__(self, first: Any, second: Any) -> None:
+        self._first = first
+        self._second = second
+
+    def key_by(self, key1: Any, key2: Any) -> ConnectedStreams:
+        """Keys both streams (PyFlink's name): ``key1`` the first's, ``key2`` the second's."""
+        if isinstance(self._first, KeyedStream) or isinstance(self._second, KeyedStream):
+            raise ValueError("key_by: these connected streams are keyed already")
+        return ConnectedStreams(self._first.key_by(key1), self._second.key_by(key2))
+
+    def process(self, fn: Any) -> DataStream:
+        import copy
+
+        first, second = self._first, self._second
+        keyed = isinstance(first, KeyedStream)
+        a: DataStream = first._stream if keyed else first
+        b: DataStream = second._stream if keyed else second
+        if a._env is not b._env:
+            raise ValueError("connect: the streams belong to different StreamEnvironments; build a job in one")
+        a._check_open("connect()")
+        b._check_open("connect()")
+        stamps = (a._timestamps, b._timestamps)
+        if keyed:
+            if not isinstance(fn, KeyedCoProcessFunction):
+                raise TypeError(
+                    f"process on keyed connected streams takes a pe.KeyedCoProcessFunction, got {fn!r}"
+                    + (
+                        " (a CoProcessFunction has no keyed state: connect streams that are not keyed)"
+                        if isinstance(fn, CoProcessFunction)
+                        else ""
+                    )
+                )
+            selectors = (first._select, second._select)
+
+            def factory(uid: str, n: str, _c: bool) -> Operator:
+                return KeyedCoProcessOperator(uid, n, selectors, copy.deepcopy(fn), stamps)
+
+            event_time = overrides_co_on_timer(fn)
+        else:
+            if not isinstance(fn, CoProcessFunction):
+                raise TypeError(
+                    f"process on connected streams takes a pe.CoProcessFunction, got {fn!r}"
+                    + (
+                        " (for keyed state, key both: a.key_by(k1).connect(b.key_by(k2)))"
+                        if isinstance(fn, KeyedCoProcessFunction)
+                        else ""
+                    )
+                )
+
+            def factory(uid: str, n: str, _c: bool) -> Operator:
+                return ProcessOperator(uid, n, copy.deepcopy(fn), stamps)
+
+            event_time = False
+        step = _Step("op", f"{len(a._steps)}-co_process", factory, event_time=event_time)
+        node = a._new(step, [first._stream._node if keyed else a._node, second._stream._node if keyed else b._node])
+        return DataStream(a._env, node)
 
 
 class KeyedStream:
@@ -724,6 +1030,17 @@ class KeyedStream:
 
         check_aggregate(self._stream._schema, column, aggs, emit)
         return self._stream._op("aggregate", lambda uid, n, _c: AggregateOperator(uid, n, column, aggs, emit))
+
+    def connect(self, other: KeyedStream) -> ConnectedStreams:
+        """This keyed stream and ``other`` (keyed too, into the same key space) for
+        one ``pe.KeyedCoProcessFunction``: records of either side with equal keys
+        meet the same keyed state and timers (PyFlink's ``connect``)."""
+        if not isinstance(other, KeyedStream):
+            raise TypeError(
+                f"connect on a keyed stream takes a keyed stream (other.key_by(...)), got {other!r}; "
+                "the broadcast state pattern (connecting a broadcast stream) is not supported yet"
+            )
+        return ConnectedStreams(self, other)
 
     def process(self, fn: KeyedProcessFunction) -> DataStream:
         if not isinstance(fn, KeyedProcessFunction):

@@ -46,6 +46,7 @@ from .runtime.operators import (
     EventTimeOperatorMixin,
     KeyedOperator,
     NaNKeyError,
+    OutputTag,
     UserFunctionError,
     batch_of,
     rows_of,
@@ -340,8 +341,10 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
         timestamps: Optional[TimestampAssigner],
         aggregations: Optional[Sequence[Aggregation]] = None,
         function: Any = None,
+        late_tag: Optional[str] = None,
     ) -> None:
         super().__init__(uid, name)
+        self.late_tag = late_tag  # side_output_late_data: late records go there, not dropped
         self.key_selector = key_selector
         self.key_name = key_name
         self.assigner = assigner
@@ -438,7 +441,10 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
             contents[bounds] = current
             changed.append(window)
         if not accepted:
-            self.late_records_dropped += 1
+            if self.late_tag is None:
+                self.late_records_dropped += 1
+            elif self.side_output is not None:  # as Flink: to the side output, not counted as dropped
+                self.side_output(self.late_tag, [record])
             return
         self._contents.update(contents)
         for window in changed:
@@ -598,8 +604,10 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         lateness: int,
         timestamps: Optional[TimestampAssigner],
         aggregations: Sequence[Aggregation],
+        late_tag: Optional[str] = None,
     ) -> None:
         super().__init__(uid, name)
+        self.late_tag = late_tag  # side_output_late_data: late rows go there, not dropped
         self.key_column = key_column
         self.assigner = assigner
         self.lateness = lateness
@@ -752,7 +760,12 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
             on_time = starts + (self.assigner.size - 1) > self.current_watermark - self.lateness
             if not on_time.all():
                 kept_rows = rows[on_time]
-                self.late_records_dropped += batch.num_rows - len(np.unique(kept_rows))
+                if self.late_tag is None:
+                    self.late_records_dropped += batch.num_rows - len(np.unique(kept_rows))
+                elif self.side_output is not None:  # rows in no window still open: the late ones
+                    late = np.setdiff1d(np.arange(batch.num_rows), kept_rows)
+                    if len(late):
+                        self.side_output(self.late_tag, batch.take(pa.array(late)))
                 rows, starts = kept_rows, starts[on_time]
                 if not len(rows):
                     return []
@@ -1017,6 +1030,7 @@ class WindowedStream:
         self._keyed = keyed
         self._assigner = assigner
         self._lateness = 0
+        self._late_tag: Optional[OutputTag] = None
         stream = keyed._stream
         if assigner.is_event_time and stream._timestamps is None:
             raise ValueError(
@@ -1033,6 +1047,18 @@ class WindowedStream:
         if lateness_ms and not self._assigner.is_event_time:
             raise ValueError("allowed_lateness applies to event-time windows only")
         self._lateness = lateness_ms
+        return self
+
+    def side_output_late_data(self, tag: OutputTag) -> WindowedStream:
+        """Records too late for every window they belong to (past ``allowed_lateness``)
+        go to the side output ``tag`` instead of being dropped (PyFlink's name): read
+        them with ``get_side_output(tag)`` on the windowed result. They are not counted
+        in ``numLateRecordsDropped`` then, as in Flink. Event time only."""
+        if not isinstance(tag, OutputTag):
+            raise TypeError(f"side_output_late_data takes a pe.OutputTag, got {tag!r}")
+        if not self._assigner.is_event_time:
+            raise ValueError("side_output_late_data applies to event-time windows only (no record is late otherwise)")
+        self._late_tag = tag
         return self
 
     def _key_name(self) -> Tuple[Optional[str], str]:
@@ -1062,15 +1088,16 @@ class WindowedStream:
 
             check_columns(stream._schema, [a.column for a in aggregations if a.column is not None], "aggregate")
         aggs, assigner, lateness, timestamps = list(aggregations), self._assigner, self._lateness, stream._timestamps
+        late = self._late_tag.name if self._late_tag is not None else None
         if assigner.aligned and column is not None:
             key_column = column
             factory: Callable[..., Any] = lambda uid, n, _c: AlignedWindowAggregateOperator(  # noqa: E731
-                uid, n, key_column, assigner, lateness, timestamps, aggs
+                uid, n, key_column, assigner, lateness, timestamps, aggs, late_tag=late
             )
         else:
             select = self._keyed._select
             factory = lambda uid, n, _c: WindowOperator(  # noqa: E731
-                uid, n, select, key_name, assigner, lateness, timestamps, aggregations=aggs
+                uid, n, select, key_name, assigner, lateness, timestamps, aggregations=aggs, late_tag=late
             )
         out = stream._op("window", factory)
         out._steps[-1].event_time = True
@@ -1089,10 +1116,11 @@ class WindowedStream:
         _, key_name = self._key_name()
         stream = self._keyed._stream
         select, assigner, lateness, timestamps = self._keyed._select, self._assigner, self._lateness, stream._timestamps
+        late = self._late_tag.name if self._late_tag is not None else None
         out = stream._op(
             "window",
             lambda uid, n, _c: WindowOperator(
-                uid, n, select, key_name, assigner, lateness, timestamps, function=copy.deepcopy(fn)
+                uid, n, select, key_name, assigner, lateness, timestamps, function=copy.deepcopy(fn), late_tag=late
             ),
         )
         out._steps[-1].event_time = True

@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..coordinator import (
     CheckpointCoordinator,
@@ -25,7 +25,7 @@ from ..coordinator import (
 from ..errors import OutputInUseError, is_non_retryable
 from ..io import CheckpointedInputGate, CheckpointFailureReason, CheckpointOptions
 from ..runtime.operators import OperatorContext
-from ..runtime.task import Output, StreamTask, event_time_statistics
+from ..runtime.task import Output, Outputs, StreamTask, event_time_statistics
 from ..sinks import CollectSink, RunInfo
 from ..storage import checkpoint_storage
 from ..storage.filesystem import CheckpointStorage
@@ -94,6 +94,11 @@ def covered_by(metadata: Optional[CheckpointMetadata]) -> Tuple[Tuple[str, int],
 RESUME_MODES = ("auto", "never")
 
 
+def sinks_identity(sinks: Sequence[Any]) -> str:
+    """Where a job's sinks write (``sink_identity`` of each, joined): one sink's is its own."""
+    return " + ".join(i for i in (sink_identity(s) for s in sinks) if i)
+
+
 def sink_identity(sink: Any) -> str:
     """Where a sink's output goes, as a job directory records it: a resumed run must
     write there too (else it is another pipeline that happens to share the name)."""
@@ -119,7 +124,7 @@ def build_task(
     attempt: ExecutionAttempt,
     job_name: str,
     local_recovery_dir: Optional[str],
-    output: Optional[Output],
+    output: Optional[Union[Output, Outputs]],
     storage: Any,
     executor: Any,
     coordinator: Any,
@@ -128,16 +133,23 @@ def build_task(
     on_drained: Callable[[ExecutionAttempt], None],
 ) -> StreamTask:
     """One subtask of ``vertex``: its chain, context and input gate (every vertex but
-    the first has one, fed by the previous vertex's subtasks); both runners build
-    tasks here, the embedded one with local outputs, the Spark one with remote."""
+    a source's has one: ONE gate over the channels of all its input edges, ``p``
+    channels per edge in the order of ``vertex.inputs``, so one barrier handler
+    aligns a checkpoint across a union's or a connect's inputs, as Flink 1.12's);
+    both runners build tasks here, the embedded one with local outputs, the Spark one
+    with remote."""
     p = env.parallelism
     checkpointing = env.checkpointing
     gate_factory: Optional[Callable[[Any], Any]] = None
-    if v_index > 0:
+    edges: List[Any] = list(getattr(vertex, "inputs", None) or [])
+    if not hasattr(vertex, "inputs") and v_index > 0:  # a vertex without edges: of a line, fed by the one before
+        edges = [None]
+    if edges:
+        channels = p * len(edges)
 
         def gate_factory(listener: Any) -> Any:
             return CheckpointedInputGate(
-                p,
+                channels,
                 listener,
                 mode=checkpointing.mode if checkpointing else "exactly_once",
                 unaligned=bool(checkpointing and checkpointing.unaligned),
@@ -171,6 +183,8 @@ def build_task(
         on_drained=on_drained,
         channel_state_uid=f"__channel_state__{vertex.name}",
         input_key_selector=vertex.key_selector if vertex.exchange == "hash" else None,
+        input_edges=[(e.input, e.key_selector if e.exchange == "hash" else None) for e in edges if e is not None],
+        channels_per_edge=p,
     )
 
 
@@ -262,24 +276,35 @@ class LocalRunner:
     def _build(self, attempt_number: int, restored: Dict[str, OperatorState], executor: Any, storage: Any) -> None:
         env, graph = self.env, self.graph
         p = env.parallelism
-        tasks_by_vertex: List[List[StreamTask]] = []
-        for v_index in reversed(range(len(graph.vertices))):  # downstream first: its gates are our outputs
+        tasks_by_vertex: Dict[int, List[StreamTask]] = {}
+        # Vertices come in topological order (a vertex's inputs before it): built in
+        # reverse, each vertex's consumers' gates exist when its outputs are made.
+        for v_index in reversed(range(len(graph.vertices))):
             vertex = graph.vertices[v_index]
-            downstream = tasks_by_vertex[0] if tasks_by_vertex else None
+            out_edges = _out_edges(graph, v_index)
             row: List[StreamTask] = []
             for s in range(p):
-                output = None
-                if downstream is not None:
-                    nxt = graph.vertices[v_index + 1]
-                    output = Output(
-                        [t.gate for t in downstream],  # type: ignore[misc]
-                        s,
-                        nxt.exchange,
-                        nxt.key_selector,
-                        env.max_parallelism,
-                        env.buffer_size,
-                        threading.Event(),  # replaced by the task's own below
+                outs = [
+                    (
+                        edge.tag,
+                        Output(
+                            [t.gate for t in tasks_by_vertex[c]],  # type: ignore[misc]
+                            s,
+                            edge.exchange,
+                            edge.key_selector,
+                            env.max_parallelism,
+                            env.buffer_size,
+                            threading.Event(),  # replaced by the task's own below
+                            gate_channel=k * p + s,  # after the channels of the consumer's earlier edges
+                        ),
                     )
+                    for c, k, edge in out_edges
+                ]
+                output: Optional[Union[Output, Outputs]] = None
+                if len(outs) == 1 and outs[0][0] is None:
+                    output = outs[0][1]
+                elif outs:
+                    output = Outputs(outs)
                 task = build_task(
                     env=env,
                     vertex=vertex,
@@ -299,8 +324,8 @@ class LocalRunner:
                 if output is not None:
                     output.cancelled = task.cancelled
                 row.append(task)
-            tasks_by_vertex.insert(0, row)
-        self._tasks = [t for row in tasks_by_vertex for t in row]
+            tasks_by_vertex[v_index] = row
+        self._tasks = [t for v_index in range(len(graph.vertices)) for t in tasks_by_vertex[v_index]]
 
     def _check_restore(self, metadata: CheckpointMetadata, path: str) -> None:
         known = set(self.graph.state_uids())
@@ -367,7 +392,7 @@ class LocalRunner:
             and self.restore_from is None
             and bool(env.checkpoint_storage)
             and env.checkpointing is not None
-            and not isinstance(self.graph.sink, CollectSink)
+            and not any(isinstance(sink, CollectSink) for sink in _sinks(self.graph))
         )
 
     def _find_resumable(self, uri: str) -> Any:
@@ -386,7 +411,7 @@ class LocalRunner:
             )
         if job.finished:
             return None
-        output = sink_identity(self.graph.sink)
+        output = sinks_identity(_sinks(self.graph))
         if job.output and output and job.output != output:
             raise OutputInUseError(
                 f"job {self.name!r} has an unfinished run in {job.uri} that wrote to {job.output}, but this run "
@@ -418,7 +443,7 @@ class LocalRunner:
         storage = checkpoint_storage(uri, dir_id)
         storage.probe()
         self.lease = JobLease(
-            storage.uri_of(storage.root), self.name, lineage_id, self.job_id, sink_identity(self.graph.sink)
+            storage.uri_of(storage.root), self.name, lineage_id, self.job_id, sinks_identity(_sinks(self.graph))
         )
         self.lease.acquire(restored_from=path)
         self.run_info = RunInfo(self.name, self.job_id, lineage_id, covered_by(restored))
@@ -450,7 +475,7 @@ class LocalRunner:
                 if cleanup is not None:
                     cleanup()
         try:
-            self.graph.sink.end_run(status)
+            _each_sink(self.graph, lambda sink: sink.end_run(status))
         finally:
             if self.lease is not None:
                 if self._attempted or not self._own_directory:
@@ -484,7 +509,8 @@ class LocalRunner:
         if restored is not None:
             self.coordinator.note_restored_from(restored, path or "")
         assert self.run_info is not None
-        self.graph.sink.begin_run(self.run_info)
+        run_info = self.run_info
+        _each_sink(self.graph, lambda sink: sink.begin_run(run_info))
         for source in getattr(self.graph, "sources", []):
             prepare = getattr(source, "prepare", None)
             if prepare is not None:  # sources that need the driver first (a DataFrame's copy)
@@ -509,7 +535,8 @@ class LocalRunner:
                 self._drained = set()
                 self._wake.clear()
                 restored = dict(restored_meta.operators) if restored_meta is not None else {}
-                self.graph.sink.recover(covered_by(restored_meta))
+                covered = covered_by(restored_meta)
+                _recover_sinks(self.graph, covered)
                 self._attempted = True
                 self._build(restarts, restored, executor, storage)
                 for t in self._tasks:
@@ -527,7 +554,8 @@ class LocalRunner:
                 if outcome == "stopped":
                     # The tasks may have been cancelled before the savepoint's commit reached
                     # them: the sink commits what the savepoint covers here, and nothing after.
-                    self.graph.sink.recover(covered_by(self._stop_savepoint))
+                    stopped = covered_by(self._stop_savepoint)
+                    _recover_sinks(self.graph, stopped)
                     status = "FINISHED"
                     break
                 if outcome == "cancelled":
@@ -676,6 +704,45 @@ class LocalRunner:
         self._stop_with_savepoint.set()
         self._wake.set()
         return path
+
+
+def _sinks(graph: Any) -> List[Any]:
+    """A job graph's sinks (a graph made before several sinks: its one sink)."""
+    sinks = getattr(graph, "sinks", None)
+    return list(sinks) if sinks is not None else [graph.sink]
+
+
+def _each_sink(graph: Any, call: Callable[[Any], None]) -> None:
+    """``call(sink)`` for every sink of the job, each even when one before it
+    raised; then the first error goes on."""
+    error: Optional[BaseException] = None
+    for sink in _sinks(graph):
+        try:
+            call(sink)
+        except BaseException as exc:
+            if error is None:
+                error = exc
+    if error is not None:
+        raise error
+
+
+def _recover_sinks(graph: Any, covered: Tuple[Tuple[str, int], ...]) -> None:
+    """``Sink.recover(covered)`` for every sink of the job."""
+    _each_sink(graph, lambda sink: sink.recover(covered))
+
+
+def _out_edges(graph: Any, v_index: int) -> List[Tuple[int, int, Any]]:
+    """(consumer vertex, the edge's position among its inputs, edge) for every edge
+    leaving vertex ``v_index``; a graph without edges is a line."""
+    consumers = getattr(graph, "consumers", None)
+    if consumers is not None:
+        return list(consumers(v_index))
+    if v_index + 1 >= len(graph.vertices):
+        return []
+    nxt = graph.vertices[v_index + 1]
+    from types import SimpleNamespace
+
+    return [(v_index + 1, 0, SimpleNamespace(tag=None, exchange=nxt.exchange, key_selector=nxt.key_selector))]
 
 
 class _NoCheckpoints:

@@ -7,7 +7,7 @@ of a task call each other through plain lists: no queue, no copy."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, List, Optional, TypeAlias, overload
+from typing import Any, Callable, Iterable, List, Optional, Tuple, TypeAlias, overload
 
 import pyarrow as pa
 
@@ -34,8 +34,12 @@ from ..time.service import TimerService
 
 __all__ = [
     "NaNKeyError",
+    "CoProcessFunction",
+    "CoProcessOperator",
     "FilterOperator",
     "FlatMapOperator",
+    "KeyedCoProcessFunction",
+    "KeyedCoProcessOperator",
     "KeyedContext",
     "KeyedProcessFunction",
     "KeyedOperator",
@@ -45,6 +49,10 @@ __all__ = [
     "MapOperator",
     "Operator",
     "OperatorContext",
+    "OutputTag",
+    "ProcessContext",
+    "ProcessFunction",
+    "ProcessOperator",
     "TimestampsAndWatermarksOperator",
     "UserFunctionError",
     "batch_of",
@@ -56,6 +64,36 @@ __all__ = [
 
 class UserFunctionError(RuntimeError):
     """A user function raised: says which operator and subtask."""
+
+
+class OutputTag:
+    """Names a side output (PyFlink's ``OutputTag``): a function sends a record to it
+    with ``ctx.output(tag, value)``, and ``stream.get_side_output(tag)`` is the stream
+    of those records. ``type_hint`` is documentation only for now (records are not
+    converted). Two tags with the same name are the same side output."""
+
+    __slots__ = ("name", "type_hint")
+
+    def __init__(self, name: str, type_hint: Any = None) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"OutputTag needs a non-empty name, got {name!r}")
+        self.name = name
+        self.type_hint = type_hint
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OutputTag) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(("OutputTag", self.name))
+
+    def __repr__(self) -> str:
+        return f"OutputTag({self.name!r})"
+
+
+def _check_tag(tag: Any, where: str) -> OutputTag:
+    if not isinstance(tag, OutputTag):
+        raise TypeError(f"{where} takes a pe.OutputTag, got {tag!r}: make one with pe.OutputTag('name')")
+    return tag
 
 
 class OperatorContext:
@@ -93,6 +131,10 @@ class Operator:
     for its own with ``poll_watermark``."""
 
     generates_watermarks = False
+    # Set by the task on the last operator of its chain when a side output of it is
+    # consumed: ``side_output(tag_name, records)`` sends them on (else they are dropped,
+    # as Flink drops a side output nobody asked for).
+    side_output: Optional[Callable[[str, Any], None]] = None
 
     def __init__(self, uid: str, name: str) -> None:
         self.uid = uid
@@ -105,6 +147,16 @@ class Operator:
     def where(self) -> str:
         sub = f" (subtask {self.ctx.subtask})" if self.ctx is not None else ""
         return f"operator {self.name!r}{sub}"
+
+    def emit_side(self, tag: OutputTag, value: Any) -> None:
+        """One record to the side output ``tag`` (``ctx.output``)."""
+        send = self.side_output
+        if send is not None:
+            send(_check_tag(tag, "ctx.output").name, [value])
+
+    def process2(self, records: Any) -> List[Any]:
+        """A buffer of the second input (two-input operators: ``connect``)."""
+        raise NotImplementedError(f"{self.where()} has one input")
 
     def setup(self, ctx: OperatorContext, restored: Optional[OperatorState]) -> None:
         self.ctx = ctx
@@ -427,6 +479,10 @@ class KeyedContext:
         """In ``on_timer``: ``TimeDomain.EVENT_TIME`` or ``TimeDomain.PROCESSING_TIME``."""
         return self._domain
 
+    def output(self, tag: OutputTag, value: Any) -> None:
+        """Sends ``value`` to the side output ``tag`` (``stream.get_side_output(tag)``)."""
+        self._op.emit_side(tag, value)
+
     @property
     def subtask(self) -> int:
         assert self._op.ctx is not None
@@ -552,9 +608,14 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
         self._call(self.fn.open, self._kctx)
 
     def process(self, records: List[Any]) -> List[Any]:
+        return self._process_keyed(records, self.key_selector, self.fn.process_element)
+
+    def _process_keyed(
+        self, records: Any, select: Callable[[Any], Any], element: Callable[[Any, Any], Any]
+    ) -> List[Any]:
         out: List[Any] = []
         records = rows_of(records)
-        backend, kctx, fn, select = self.backend, self._kctx, self.fn, self.key_selector
+        backend, kctx = self.backend, self._kctx
         try:
             for r in records:
                 key = select(r)
@@ -563,7 +624,7 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
                 backend.set_current_key(key)
                 kctx.current_key = key
                 kctx._record = r
-                produced = fn.process_element(r, kctx)
+                produced = element(r, kctx)
                 if produced is not None:
                     out.extend(produced)
         except NonRetryableError:
@@ -612,6 +673,174 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
 
     def close(self) -> None:
         self._call(self.fn.close)
+
+
+class KeyedCoProcessFunction:
+    """Per-key logic over two connected keyed streams (PyFlink's
+    ``KeyedCoProcessFunction``): ``a.key_by(k1).connect(b.key_by(k2)).process(fn)``.
+    ``process_element1(value, ctx)`` gets the first stream's records,
+    ``process_element2(value, ctx)`` the second's; both see the same keyed state
+    (``ctx.get_state``) and timers (``ctx.timer_service()``) for the record's key, and
+    ``on_timer(timestamp, ctx)`` runs when a timer fires. ``ctx`` is a
+    ``KeyedContext``: ``ctx.output(tag, value)`` sends to a side output."""
+
+    Context: TypeAlias = KeyedContext
+
+    def open(self, ctx: KeyedContext) -> None:
+        pass
+
+    def process_element1(self, value: Any, ctx: KeyedContext) -> Optional[Iterable[Any]]:
+        raise NotImplementedError
+
+    def process_element2(self, value: Any, ctx: KeyedContext) -> Optional[Iterable[Any]]:
+        raise NotImplementedError
+
+    def on_timer(self, timestamp: int, ctx: KeyedContext) -> Optional[Iterable[Any]]:
+        """A timer of ``ctx.current_key`` fired (override it to use timers)."""
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class KeyedCoProcessOperator(KeyedProcessOperator):
+    """Runs a ``KeyedCoProcessFunction``: two inputs, each keyed by its own selector
+    into one key space, one keyed backend and one timer service."""
+
+    def __init__(
+        self,
+        uid: str,
+        name: str,
+        key_selectors: Tuple[Callable[[Any], Any], Callable[[Any], Any]],
+        fn: KeyedCoProcessFunction,
+        timestamps: Tuple[Any, Any] = (None, None),
+    ) -> None:
+        super().__init__(uid, name, key_selectors[0], fn, timestamps[0])  # type: ignore[arg-type]
+        self.key_selector2 = key_selectors[1]
+        self.timestamps1, self.timestamps2 = timestamps
+        self.cofn = fn
+
+    def process(self, records: List[Any]) -> List[Any]:
+        self.timestamps = self.timestamps1  # for ctx.timestamp()
+        return self._process_keyed(records, self.key_selector, self.cofn.process_element1)
+
+    def process2(self, records: Any) -> List[Any]:
+        self.timestamps = self.timestamps2
+        return self._process_keyed(records, self.key_selector2, self.cofn.process_element2)
+
+
+def overrides_co_on_timer(fn: Any) -> bool:
+    """Whether a ``KeyedCoProcessFunction`` has timers to fire."""
+    return type(fn).on_timer is not KeyedCoProcessFunction.on_timer
+
+
+class ProcessContext:
+    """The ``ctx`` of a ``ProcessFunction``'s or ``CoProcessFunction``'s
+    ``process_element``: the record's event time and side outputs."""
+
+    def __init__(self, operator: Operator) -> None:
+        self._op = operator
+        self._record: Any = None
+        self._timestamps: Any = None
+
+    def timestamp(self) -> Optional[int]:
+        """The event time of the record being processed (None when the stream has none)."""
+        if self._timestamps is None or self._record is None:
+            return None
+        return int(self._timestamps.of_record(self._record))
+
+    def output(self, tag: OutputTag, value: Any) -> None:
+        """Sends ``value`` to the side output ``tag`` (``stream.get_side_output(tag)``)."""
+        self._op.emit_side(tag, value)
+
+    @property
+    def subtask(self) -> int:
+        assert self._op.ctx is not None
+        return self._op.ctx.subtask
+
+
+class ProcessFunction:
+    """Per-record logic on a stream that is not keyed (PyFlink's ``ProcessFunction``):
+    ``process_element(value, ctx)`` yields outputs; ``ctx.output(tag, value)`` sends
+    to a side output; ``ctx.timestamp()`` is the record's event time. Keyed state and
+    timers need a keyed stream (``key_by(...).process(KeyedProcessFunction)``)."""
+
+    Context: TypeAlias = ProcessContext
+
+    def open(self, ctx: ProcessContext) -> None:
+        pass
+
+    def process_element(self, value: Any, ctx: ProcessContext) -> Optional[Iterable[Any]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class CoProcessFunction:
+    """Logic over two connected streams that are not keyed (PyFlink's
+    ``CoProcessFunction``): ``a.connect(b).process(fn)`` calls
+    ``process_element1(value, ctx)`` for the first stream's records and
+    ``process_element2(value, ctx)`` for the second's, in the order they arrive.
+    ``ctx`` is a ``ProcessContext`` (``ctx.output`` for side outputs)."""
+
+    Context: TypeAlias = ProcessContext
+
+    def open(self, ctx: ProcessContext) -> None:
+        pass
+
+    def process_element1(self, value: Any, ctx: ProcessContext) -> Optional[Iterable[Any]]:
+        raise NotImplementedError
+
+    def process_element2(self, value: Any, ctx: ProcessContext) -> Optional[Iterable[Any]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class ProcessOperator(Operator):
+    """Runs a ``ProcessFunction`` (one input) or a ``CoProcessFunction`` (two)."""
+
+    def __init__(self, uid: str, name: str, fn: Any, timestamps: Tuple[Any, Any] = (None, None)) -> None:
+        super().__init__(uid, name)
+        self.fn = fn
+        self.timestamps1, self.timestamps2 = timestamps
+        self._pctx = ProcessContext(self)
+
+    def open(self) -> None:
+        self._call(self.fn.open, self._pctx)
+
+    def _run(self, records: Any, element: Callable[[Any, Any], Any], timestamps: Any) -> List[Any]:
+        out: List[Any] = []
+        pctx = self._pctx
+        pctx._timestamps = timestamps
+        try:
+            for r in rows_of(records):
+                pctx._record = r
+                produced = element(r, pctx)
+                if produced is not None:
+                    out.extend(produced)
+        except NonRetryableError:
+            raise
+        except Exception as exc:
+            raise UserFunctionError(f"{self.where()}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            pctx._record = None
+        return out
+
+    def process(self, records: Any) -> List[Any]:
+        element = self.fn.process_element1 if isinstance(self.fn, CoProcessFunction) else self.fn.process_element
+        return self._run(records, element, self.timestamps1)
+
+    def process2(self, records: Any) -> List[Any]:
+        return self._run(records, self.fn.process_element2, self.timestamps2)
+
+    def close(self) -> None:
+        self._call(self.fn.close)
+
+
+CoProcessOperator = ProcessOperator  # the same operator; its function says how many inputs
 
 
 class NaNKeyError(NonRetryableError, ValueError):

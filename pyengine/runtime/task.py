@@ -14,7 +14,7 @@ import time
 from collections import deque
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
@@ -32,7 +32,15 @@ from ..storage.metadata import OperatorState, SubtaskState
 from .operators import Operator, OperatorContext, rows_of
 from .sources import SourceOperator
 
-__all__ = ["EventTimeStatistics", "Output", "SinkOperator", "StreamTask", "TaskCancelled", "event_time_statistics"]
+__all__ = [
+    "EventTimeStatistics",
+    "Output",
+    "Outputs",
+    "SinkOperator",
+    "StreamTask",
+    "TaskCancelled",
+    "event_time_statistics",
+]
 
 _CHANNEL_STATE = ListStateDescriptor("in-flight")
 _INPUT, _OUTPUT = 0, 1  # the two kinds of in-flight records of an unaligned checkpoint
@@ -159,9 +167,14 @@ class Output:
         max_parallelism: int,
         buffer_size: int,
         cancelled: threading.Event,
+        gate_channel: Optional[int] = None,
     ) -> None:
         self.gates = list(gates)
-        self.channel = channel  # this subtask's channel index at every downstream gate
+        # This subtask's channel index at every downstream gate: its subtask index, offset
+        # past the channels of the gate's other inputs when the gate has several (a union,
+        # a connect: one gate over all of a task's inputs, as Flink 1.12's).
+        self.channel = channel if gate_channel is None else gate_channel
+        self.subtask = channel
         self.exchange = exchange
         self.key_selector = key_selector
         self.max_parallelism = max_parallelism
@@ -178,7 +191,7 @@ class Output:
             return
         n = len(self.gates)
         if self.exchange == "forward" or n == 1:
-            self.buffers[self.channel % n].extend(records)
+            self.buffers[self.subtask % n].extend(records)
         elif self.exchange == "hash":
             select, max_p = self.key_selector, self.max_parallelism
             assert select is not None
@@ -207,7 +220,7 @@ class Output:
         after whatever rows were buffered for its channel before it."""
         n = len(self.gates)
         if self.exchange == "forward" or n == 1:
-            pieces = [(self.channel % n, batch)]
+            pieces = [(self.subtask % n, batch)]
         elif self.exchange == "hash":
             column = getattr(self.key_selector, "column", None)
             if column is None:  # a key function needs the rows
@@ -293,6 +306,79 @@ class Output:
         return overtaken
 
 
+class Outputs:
+    """A task's outputs when it has several: each edge of the job graph that leaves
+    it (fan-out to several consumers, side outputs) is an ``Output`` of its own. The
+    main output goes to every edge without a tag; ``emit_side`` to those with its tag.
+    Events (barriers, watermarks, the end of data) go to every edge."""
+
+    def __init__(self, edges: Sequence[Tuple[Optional[str], Output]]) -> None:
+        self.edges = list(edges)
+        self.outputs = [o for _, o in self.edges]
+        self.main = [o for tag, o in self.edges if tag is None]
+        self.sides: Dict[str, List[Output]] = {}
+        for tag, o in self.edges:
+            if tag is not None:
+                self.sides.setdefault(tag, []).append(o)
+        self.last_flush = time.monotonic()
+
+    @property
+    def cancelled(self) -> threading.Event:
+        return self.outputs[0].cancelled
+
+    @cancelled.setter
+    def cancelled(self, event: threading.Event) -> None:
+        for o in self.outputs:
+            o.cancelled = event
+
+    def emit(self, records: Any) -> None:
+        for o in self.main:
+            o.emit(records)
+
+    def emit_side(self, tag: str, records: Any) -> None:
+        for o in self.sides.get(tag, ()):
+            o.emit(records)
+
+    def emit_to(self, edge: int, records: Any) -> None:
+        self.outputs[edge].emit(records)
+
+    @property
+    def available(self) -> bool:
+        return all(o.available for o in self.outputs)
+
+    def drain(self) -> bool:
+        done = True
+        for o in self.outputs:
+            done = o.drain() and done
+        return done
+
+    def wait_for_room(self, timeout_s: float) -> None:
+        for o in self.outputs:
+            if not o.available:
+                o.wait_for_room(timeout_s)
+                return
+
+    def flush(self) -> None:
+        for o in self.outputs:
+            o.flush()
+        self.last_flush = time.monotonic()
+
+    def send_end_of_data(self) -> None:
+        for o in self.outputs:
+            o.send_end_of_data()
+
+    def broadcast_event(self, event: Any) -> None:
+        for o in self.outputs:
+            o.broadcast_event(event)
+
+    def broadcast_overtaking(self, barrier: Any) -> List[Any]:
+        return [b for _, b in self.overtaking_by_edge(barrier)]
+
+    def overtaking_by_edge(self, barrier: Any) -> List[Tuple[int, Any]]:
+        """``broadcast_overtaking`` on every edge: the overtaken buffers with their edge."""
+        return [(j, b) for j, o in enumerate(self.outputs) for b in o.broadcast_overtaking(barrier)]
+
+
 def _split_by_key(batch: pa.RecordBatch, column: str, n: int, max_parallelism: int) -> List[pa.RecordBatch]:
     """The rows of ``batch`` for each of ``n`` subtasks, by the key group of ``column``
     (the same assignment as for single records, vectorised for integer keys)."""
@@ -314,6 +400,7 @@ class _ChannelState:
 
     def __init__(self) -> None:
         self.buffers: List[Any] = []
+        self.channels: List[int] = []  # the input channel of each buffer
         self.done = threading.Event()
         self.aborted = False
 
@@ -333,7 +420,7 @@ class StreamTask:
         chain: List[Operator],
         ctx: OperatorContext,
         gate_factory: Optional[Callable[[Any], CheckpointedInputGate]],
-        output: Optional[Output],
+        output: Optional[Union[Output, Outputs]],
         storage: CheckpointStorage,
         executor: Executor,
         coordinator: Any,
@@ -345,8 +432,16 @@ class StreamTask:
         channel_state_uid: str,
         input_key_selector: Optional[Callable[[Any], Any]] = None,
         read_bytes: Optional[int] = None,
+        input_edges: Optional[Sequence[Tuple[int, Optional[Callable[[Any], Any]]]]] = None,
+        channels_per_edge: int = 0,
     ) -> None:
         self.input_key_selector = input_key_selector
+        # The job graph's edges into this task, in the order of their channels at the one
+        # gate over all of them (``channels_per_edge`` each): per edge, which input of the
+        # head operator it feeds (0, or 1 for a connect's second stream) and its key
+        # selector when it is keyed (in-flight records of a restore go by key).
+        self.input_edges = list(input_edges) if input_edges else [(0, input_key_selector)]
+        self._channels_per_edge = channels_per_edge
         # A source of Arrow batches is read in slices of about ``read_bytes`` (never fewer
         # rows than ``buffer_size``): a buffer's fixed cost in Python (tens of microseconds
         # per operator) needs batches far larger than Flink's 32 KiB to vanish, and columnar
@@ -370,11 +465,20 @@ class StreamTask:
         self.end_requested = threading.Event()
         self.finished = threading.Event()
         self.gate = gate_factory(self) if gate_factory is not None else None
+        self._channel_edge: Optional[List[int]] = None  # channel -> edge, with several edges
+        self._channel_input: Optional[List[int]] = None  # channel -> input, with two inputs
+        if self.gate is not None and len(self.input_edges) > 1:
+            per = self._channels_per_edge or self.gate.num_channels // len(self.input_edges)
+            self._channel_edge = [min(c // per, len(self.input_edges) - 1) for c in range(self.gate.num_channels)]
+            inputs = [self.input_edges[e][0] for e in self._channel_edge]
+            self._channel_input = inputs if any(inputs) else None
+        if isinstance(output, Outputs) and output.sides:
+            chain[-1].side_output = output.emit_side  # only the last operator's side outputs have consumers
         self._channel_states: Dict[int, _ChannelState] = {}
         self._channel_state_uid = channel_state_uid
         self._restored = restored
-        self._replay: List[Any] = []
-        self._replay_output: List[Any] = []
+        self._replay: List[Tuple[int, List[Any]]] = []  # (input, records) of an unaligned restore
+        self._replay_output: List[Tuple[int, List[Any]]] = []  # (output edge, records)
         self._input_ended = False
         self._drained_reported = False
         # event time (see _setup_time): on when the job uses it
@@ -420,7 +524,9 @@ class StreamTask:
 
     def add_input_data(self, checkpoint_id: int, channel: int, buffer: Any) -> None:
         # The gate may hand over overtaken buffers before it calls the trigger.
-        self._channel_states.setdefault(checkpoint_id, _ChannelState()).buffers.append(buffer)
+        state = self._channel_states.setdefault(checkpoint_id, _ChannelState())
+        state.buffers.append(buffer)
+        state.channels.append(channel)
 
     def finish_input(self, checkpoint_id: int) -> None:
         self._channel_states.setdefault(checkpoint_id, _ChannelState()).done.set()
@@ -443,11 +549,14 @@ class StreamTask:
             produced = op.prepare_snapshot_pre_barrier(checkpoint_id)
             if produced:
                 self._emit(produced, start=i + 1)
-        output_in_flight: List[Any] = []
+        output_in_flight: List[Tuple[int, Any]] = []  # (output edge, buffer)
         if self.output is not None:
             barrier = CheckpointBarrier(checkpoint_id, timestamp, options)
             if options.unaligned:
-                output_in_flight = self.output.broadcast_overtaking(barrier)
+                if isinstance(self.output, Outputs):
+                    output_in_flight = self.output.overtaking_by_edge(barrier)
+                else:
+                    output_in_flight = [(0, b) for b in self.output.broadcast_overtaking(barrier)]
             else:
                 self.output.broadcast_event(barrier)
         writers = [(op.uid, op.snapshot(checkpoint_id, location)) for op in self.chain]
@@ -467,7 +576,7 @@ class StreamTask:
                 for uid, write in writers:
                     snapshot.operators[uid] = write()
                 persisted = 0
-                input_in_flight: List[Any] = []
+                input_in_flight: List[Tuple[int, Any]] = []  # (input edge, buffer)
                 if channel_state is not None:
                     # A task that ends or is cancelled first never completes this channel state
                     # (and the gate may have created it after cancel() swept them): give up then.
@@ -477,13 +586,17 @@ class StreamTask:
                     if not channel_state.done.is_set() or channel_state.aborted:
                         raise RuntimeError(f"checkpoint {checkpoint_id} ended before its in-flight data was in")
                     self._channel_states.pop(checkpoint_id, None)
-                    input_in_flight = channel_state.buffers
+                    edge_of = self._channel_edge
+                    input_in_flight = [
+                        (0 if edge_of is None else edge_of[c], b)
+                        for c, b in zip(channel_state.channels, channel_state.buffers, strict=True)
+                    ]
                 if channel_state is not None or output_in_flight:
                     snapshot.operators[self._channel_state_uid] = self._write_channel_state(
                         checkpoint_id, input_in_flight, output_in_flight
                     )
                     persisted = sum(
-                        len(b) for b in input_in_flight + output_in_flight if isinstance(b, (list, pa.RecordBatch))
+                        len(b) for _, b in input_in_flight + output_in_flight if isinstance(b, (list, pa.RecordBatch))
                     )
                 handles = snapshot.handles()
                 size = sum(getattr(h, "state_size", 0) for h in handles)
@@ -510,18 +623,22 @@ class StreamTask:
 
         self.executor.submit(run_async)
 
-    def _write_channel_state(self, checkpoint_id: int, inputs: List[Any], outputs: List[Any]) -> SubtaskState:
+    def _write_channel_state(
+        self, checkpoint_id: int, inputs: List[Tuple[int, Any]], outputs: List[Tuple[int, Any]]
+    ) -> SubtaskState:
         """In-flight records as union list state: ``[subtask, _INPUT, record]`` for input
         this task had not processed, ``[subtask, _OUTPUT, record]`` for output that
-        had not reached the next task."""
+        had not reached the next task. With several edges in or out, the kind says
+        which: ``2 * edge`` for input of the task's edge ``edge``, ``2 * edge + 1`` for
+        output on it (edge 0's are ``_INPUT`` and ``_OUTPUT``, as for one edge)."""
         from ..state import OperatorStateBackend
 
         backend = OperatorStateBackend(subtask_index=self.ctx.subtask, parallelism=self.ctx.parallelism)
         me = self.ctx.subtask
         entries = [
-            [me, kind, r]
+            [me, 2 * edge + kind, r]
             for kind, buffers in ((_INPUT, inputs), (_OUTPUT, outputs))
-            for b in buffers
+            for edge, b in buffers
             if isinstance(b, (list, pa.RecordBatch))
             for r in rows_of(b)
         ]
@@ -572,6 +689,15 @@ class StreamTask:
             self.records_out += len(records)  # rows of a list or of an Arrow batch
             self.output.emit(records)
 
+    def _emit_input(self, which: int, records: Any) -> None:
+        """A buffer of the head operator's input ``which`` (1: a connect's second stream)."""
+        if which == 0:
+            self._emit(records)
+            return
+        produced = self.chain[0].process2(records)
+        if produced:
+            self._emit(produced, start=1)
+
     def _restore(self) -> None:
         for op in self.chain:
             op.setup(self.ctx, self._restored.get(op.uid))
@@ -582,13 +708,18 @@ class StreamTask:
             backend = OperatorStateBackend(subtask_index=self.ctx.subtask, parallelism=self.ctx.parallelism)
             backend.restore(channel.operator_handles())
             entries = backend.get_union_list_state(_CHANNEL_STATE).get()
-            inputs = [[sub, r] for sub, kind, r in entries if kind == _INPUT]
-            outputs = [[sub, r] for sub, kind, r in entries if kind == _OUTPUT]
-            self._replay = self._my_share(inputs, channel.parallelism)
+            inputs: Dict[int, List[Any]] = {}
+            outputs: Dict[int, List[Any]] = {}
+            for sub, kind, r in entries:
+                (outputs if kind % 2 else inputs).setdefault(int(kind) // 2, []).append([sub, r])
+            for edge, pairs in sorted(inputs.items()):
+                which, select = self.input_edges[min(edge, len(self.input_edges) - 1)]
+                self._replay.append((which, self._my_share(pairs, channel.parallelism, select)))
             # output goes through the partitioner again, so any one subtask may re-send it
             same = channel.parallelism == self.ctx.parallelism
-            mine = [r for sub, r in outputs if sub == self.ctx.subtask] if same else [r for _, r in outputs]
-            self._replay_output = mine if same else mine[self.ctx.subtask :: self.ctx.parallelism]
+            for edge, pairs in sorted(outputs.items()):
+                mine = [r for sub, r in pairs if sub == self.ctx.subtask] if same else [r for _, r in pairs]
+                self._replay_output.append((edge, mine if same else mine[self.ctx.subtask :: self.ctx.parallelism]))
         for op in self.chain:
             op.open()
         self._setup_time()
@@ -689,13 +820,13 @@ class StreamTask:
             "numLateRecordsDropped": sum(op.late_records_dropped for op in self.chain),
         }
 
-    def _my_share(self, entries: List[Any], old_parallelism: int) -> List[Any]:
+    def _my_share(self, entries: List[Any], old_parallelism: int, select: Optional[Callable[[Any], Any]]) -> List[Any]:
         """This subtask's part of the restored in-flight records of every old subtask:
         by key for a keyed input (a record must meet its key's state), else its own
         records at the same parallelism, else a round-robin share."""
         me, p = self.ctx.subtask, self.ctx.parallelism
-        if self.input_key_selector is not None:
-            select, max_p = self.input_key_selector, self.ctx.max_parallelism
+        if select is not None:
+            max_p = self.ctx.max_parallelism
             return [
                 r for _, r in entries if subtask_for_key_group(max_p, p, assign_to_key_group(select(r), max_p)) == me
             ]
@@ -711,11 +842,19 @@ class StreamTask:
             # in-flight data of an unaligned checkpoint comes before new input: first what
             # this task had emitted, then what it had not yet processed
             if self._replay_output and self.output is not None:
-                replay, self._replay_output = self._replay_output, []
-                self.output.emit(replay)
+                replay_out, self._replay_output = self._replay_output, []
+                for edge, records in replay_out:
+                    if not records:
+                        continue
+                    if isinstance(self.output, Outputs):
+                        self.output.emit_to(edge, records)
+                    else:
+                        self.output.emit(records)
             if self._replay:
                 replay, self._replay = self._replay, []
-                self._emit(replay)
+                for which, records in replay:
+                    if records:
+                        self._emit_input(which, records)
             if isinstance(self.chain[0], SourceOperator):
                 self._run_source(self.chain[0])
             else:
@@ -829,6 +968,7 @@ class StreamTask:
         assert gate is not None
         limit = 64  # buffers per poll, adapted to how long they take
         ended: set = set()  # channels that delivered END_OF_DATA
+        channel_input = self._channel_input  # None: every channel feeds the first input
         while True:
             self._check_cancelled()
             self._drain_mailbox()
@@ -853,7 +993,10 @@ class StreamTask:
             for channel, item in batch:
                 if type(item) is list or type(item) is pa.RecordBatch:
                     rows += len(item)
-                    self._emit(item)
+                    if channel_input is None or not channel_input[channel]:
+                        self._emit(item)
+                    else:
+                        self._emit_input(channel_input[channel], item)
                     buffers += 1
                 elif type(item) is Watermark or type(item) is WatermarkStatus:
                     self._on_time_event(channel, item)
