@@ -1,0 +1,301 @@
+"""Exactly-once over a job graph (issue #20, phase 1, embedded runner): two sources
+unioned into the first input of a keyed connect, a third source into its second,
+a side output and two transactional sinks; a failure injected mid-job (in the
+user's function, in a sink's commit, or between a checkpoint's completion and its
+notification), restart from the latest checkpoint, and both sinks' committed output
+compared with brute-force answers from the whole inputs. Aligned and unaligned,
+heap and incremental state. Then two-input alignment: barriers first on one input,
+one input ending while aligning, and the in-flight data of both inputs of an
+unaligned checkpoint persisted and restored to the input it came from."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from typing import Any, List, Tuple
+
+import pytest
+from conftest import barrier, drain, eop, feed
+
+import pyengine as pe
+from pyengine.io import CheckpointFailureReason
+from pyengine.runtime.task import StreamTask
+
+N1, N2, N3 = 900, 600, 700
+FIRST = [{"user": i % 13, "v": i} for i in range(N1)]
+SECOND = [{"user": i % 11, "v": 100_000 + i} for i in range(N2)]
+THIRD = [{"user": i % 13, "v": 200_000 + i} for i in range(N3)]
+SEVENS = pe.OutputTag("sevens")
+
+
+class Chaos:
+    """Fails once, at the n-th call of a chosen point."""
+
+    def __init__(self, point: str, at: int) -> None:
+        self.point, self.at = point, at
+        self.calls = 0
+        self.fired = False
+        self.lock = threading.Lock()
+
+    def hit(self, point: str) -> None:
+        if point != self.point:
+            return
+        with self.lock:
+            self.calls += 1
+            if self.fired or self.calls < self.at:
+                return
+            self.fired = True
+        raise RuntimeError(f"injected failure at {point}")
+
+
+class CoCount(pe.KeyedCoProcessFunction):
+    """Counts each user's records over both inputs in one keyed state; records of the
+    second input whose value is a multiple of 7 also go to the side output."""
+
+    def __init__(self, chaos: Chaos, delay_s: float = 0.0) -> None:
+        self.chaos, self.delay_s = chaos, delay_s
+
+    def __deepcopy__(self, memo: Any) -> CoCount:
+        return CoCount(self.chaos, self.delay_s)  # one chaos for every subtask and attempt
+
+    def open(self, ctx: pe.KeyedContext) -> None:
+        self.count = ctx.get_state(pe.ValueStateDescriptor("count", 0))
+
+    def _count(self, ctx: pe.KeyedContext, side: int) -> Any:
+        self.chaos.hit("user")
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        n = self.count.value() + 1
+        self.count.update(n)
+        return [{"user": ctx.current_key, "n": n, "side": side}]
+
+    def process_element1(self, value: Any, ctx: pe.KeyedContext) -> Any:
+        return self._count(ctx, 1)
+
+    def process_element2(self, value: Any, ctx: pe.KeyedContext) -> Any:
+        if value["v"] % 7 == 0:
+            ctx.output(SEVENS, {"v": value["v"]})
+        return self._count(ctx, 2)
+
+
+class ChaosSink(pe.sinks.FileSink):
+    def __init__(self, path: str, chaos: Chaos) -> None:
+        super().__init__(path)
+        self.chaos = chaos
+
+    def commit(self, subtask: int, checkpoint_id: int) -> None:
+        self.chaos.hit("commit")
+        super().commit(subtask, checkpoint_id)
+
+
+def build(env: pe.StreamEnvironment, chaos: Chaos, out: Any, *, delay_s: float = 0.0) -> Tuple[Any, Any]:
+    first = env.from_collection(FIRST, name="first")
+    second = env.from_generator(lambda i: SECOND[i], count=N2, name="second")
+    third = env.from_collection(THIRD, name="third")
+    counted = (
+        first.union(second.map(lambda r: r))
+        .key_by("user")
+        .connect(third.key_by("user"))
+        .process(CoCount(chaos, delay_s))
+        .uid("counter")
+    )
+    counts, sevens = ChaosSink(str(out / "counts"), chaos), ChaosSink(str(out / "sevens"), chaos)
+    counted.map(lambda r: r).sink_to(counts)
+    counted.get_side_output(SEVENS).rebalance().map(lambda r: r).sink_to(sevens)
+    return counts, sevens
+
+
+def expected_counts() -> Counter:
+    per_user = Counter(r["user"] for r in FIRST + SECOND + THIRD)
+    return Counter({(u, n): 1 for u, c in per_user.items() for n in range(1, c + 1)})
+
+
+EXPECTED_SEVENS = Counter(r["v"] for r in THIRD if r["v"] % 7 == 0)
+
+
+def _notify_chaos(monkeypatch: Any, chaos: Chaos) -> None:
+    """A crash after a checkpoint completed and before any subtask heard of it."""
+    from pyengine.runners.local import LocalRunner
+
+    original = LocalRunner.notify_complete
+
+    def notify_complete(self: Any, task: Any, checkpoint_id: int) -> None:
+        try:
+            chaos.hit("notify")
+        except RuntimeError as exc:
+            self.fail_job(exc)
+            return
+        original(self, task, checkpoint_id)
+
+    monkeypatch.setattr(LocalRunner, "notify_complete", notify_complete)
+
+
+CASES = [
+    ("user", "heap", False, 1200),
+    ("user", "incremental", True, 1700),
+    ("commit", "heap", True, 3),
+    ("notify", "incremental", False, 2),
+    ("user", "incremental", False, 300),
+    ("commit", "incremental", True, 5),
+]
+
+
+@pytest.mark.parametrize(
+    ("point", "backend", "unaligned", "at"),
+    CASES,
+    ids=[f"{p}-{b}-{'unaligned' if u else 'aligned'}-{a}" for p, b, u, a in CASES],
+)
+def test_a_graph_with_two_sinks_is_exactly_once_across_a_failure(
+    tmp_path: Any, monkeypatch: Any, point: str, backend: str, unaligned: bool, at: int
+) -> None:
+    chaos = Chaos(point, at)
+    if point == "notify":
+        _notify_chaos(monkeypatch, chaos)
+    env = pe.StreamEnvironment(
+        parallelism=2,
+        checkpointing=pe.CheckpointConfig(interval_ms=5, unaligned=unaligned),
+        state_backend=backend,
+        checkpoint_storage=str(tmp_path / "ckpt"),
+        buffer_size=32,
+        buffer_timeout_ms=1,
+        restart_attempts=3,
+        channel_capacity=4,
+        monitoring=None,
+    )
+    counts, sevens = build(env, chaos, tmp_path)
+    result = env.execute("graph-exactly-once")
+    assert result.status == "FINISHED"
+    assert chaos.fired and result.restarts == 1, "the injected failure happened and the job restarted once"
+    got = Counter((r["user"], r["n"]) for r in counts.read_committed())
+    assert got == expected_counts(), "the counts sink lost or repeated records"
+    assert Counter(r["v"] for r in sevens.read_committed()) == EXPECTED_SEVENS, "the side output's sink is not exact"
+
+
+def test_unaligned_in_flight_data_of_both_inputs_is_persisted_and_restored_to_its_input(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    """Under backpressure (a slow two-input function, small channels) every channel of
+    the connect's one gate holds data when an unaligned barrier overtakes it: the
+    checkpoint persists in-flight data of all three edges (two into input 1, one into
+    input 2), and after the failure the restored task replays the second input's
+    records into ``process_element2`` (the side output, written only there, is exact)."""
+    persisted: List[set] = []
+    replayed: List[Tuple[str, int]] = []
+    write, restore = StreamTask._write_channel_state, StreamTask._restore
+
+    def write_channel_state(self: Any, checkpoint_id: int, inputs: Any, outputs: Any) -> Any:
+        if len(self.input_edges) == 3:
+            persisted.append({edge for edge, b in inputs if isinstance(b, list) and b})
+        return write(self, checkpoint_id, inputs, outputs)
+
+    def restore_and_record(self: Any) -> None:
+        restore(self)
+        replayed.extend((self.attempt.vertex, which) for which, records in self._replay if records)
+
+    monkeypatch.setattr(StreamTask, "_write_channel_state", write_channel_state)
+    monkeypatch.setattr(StreamTask, "_restore", restore_and_record)
+    chaos = Chaos("user", int((N1 + N2 + N3) * 0.8))
+    env = pe.StreamEnvironment(
+        parallelism=2,
+        checkpointing=pe.CheckpointConfig(interval_ms=20, unaligned=True),
+        checkpoint_storage=str(tmp_path / "ckpt"),
+        buffer_size=8,
+        buffer_timeout_ms=1,
+        restart_attempts=2,
+        channel_capacity=2,
+        monitoring=None,
+    )
+    counts, sevens = build(env, chaos, tmp_path, delay_s=0.0005)
+    result = env.execute("graph-unaligned-restore")
+    assert result.restarts == 1
+    assert any(edges == {0, 1, 2} for edges in persisted), (
+        f"in-flight data of some edge was never persisted: {persisted}"
+    )
+    assert 1 in {which for _, which in replayed}, f"no second-input record was replayed: {replayed}"
+    assert Counter((r["user"], r["n"]) for r in counts.read_committed()) == expected_counts()
+    assert Counter(r["v"] for r in sevens.read_committed()) == EXPECTED_SEVENS
+
+
+# -- two-input alignment, at the gate: channels 0-1 are input 1's, 2-3 input 2's --------------------
+# (the gate a two-input task builds: p channels per input edge; ``make_gate`` runs
+# each case on the native and the reference implementation)
+
+R = CheckpointFailureReason
+
+
+def test_barrier_first_on_one_input_blocks_it_while_the_other_flows(make_gate: Any, listener: Any) -> None:
+    gate = make_gate(4)
+    out = feed(gate, [(0, barrier(1)), (1, barrier(1)), (0, "a-after"), (2, "b-before"), (3, "b-before")])
+    assert [item for _, item in out if isinstance(item, str)] == ["b-before", "b-before"], "input 1 is blocked"
+    assert listener.triggered_ids == []
+    out = feed(gate, [(2, barrier(1)), (3, barrier(1))])
+    assert listener.triggered_ids == [1], "the checkpoint waits for both inputs' barriers, then triggers once"
+    assert (0, "a-after") in out, "input 1 is released once both inputs are aligned"
+
+
+def test_one_input_ending_while_aligning_aborts_the_checkpoint_and_releases_the_other(
+    make_gate: Any, listener: Any
+) -> None:
+    """As Flink 1.12: an end of partition during an alignment declines the checkpoint
+    (CHECKPOINT_DECLINED_INPUT_END_OF_STREAM) and unblocks the aligned channels; the
+    next checkpoint aligns over the input still open."""
+    gate = make_gate(4)
+    out = feed(gate, [(0, barrier(1)), (1, barrier(1)), (0, "a-after"), (2, eop())])
+    assert listener.aborted == [(1, R.CHECKPOINT_DECLINED_INPUT_END_OF_STREAM)]
+    assert (0, "a-after") in out
+    feed(gate, [(3, eop()), (0, barrier(2)), (1, barrier(2))])
+    assert listener.triggered_ids == [2]
+
+
+def test_unaligned_records_in_flight_data_of_both_inputs_with_their_channels(make_gate: Any, listener: Any) -> None:
+    gate = make_gate(4, unaligned=True)
+    gate.push_many(1, ["a1"])
+    gate.push_many(2, ["b0"])
+    gate.push_many(3, ["b1"])
+    gate.push(0, barrier(1))
+    assert gate.poll_next() == (0, barrier(1))
+    assert listener.triggered_ids == [1]
+    drain(gate)
+    feed(gate, [(1, barrier(1)), (2, barrier(1)), (3, barrier(1))])
+    assert listener.finished == [1]
+    assert sorted(listener.in_flight[1]) == [(1, "a1"), (2, "b0"), (3, "b1")]
+
+
+# -- two inputs at different speeds, end to end ----------------------------------------------------
+
+
+class SlowFirst(pe.KeyedCoProcessFunction):
+    def open(self, ctx: pe.KeyedContext) -> None:
+        self.count = ctx.get_state(pe.ValueStateDescriptor("count", 0))
+
+    def process_element1(self, value: Any, ctx: pe.KeyedContext) -> Any:
+        time.sleep(0.0005)  # the first input is the slow one: its barriers come last
+        self.count.update(self.count.value() + 1)
+        return [(ctx.current_key, 1)]
+
+    def process_element2(self, value: Any, ctx: pe.KeyedContext) -> Any:
+        self.count.update(self.count.value() + 1)
+        return [(ctx.current_key, 2)]
+
+
+@pytest.mark.parametrize("unaligned", [False, True], ids=["aligned", "unaligned"])
+def test_a_short_input_and_a_slow_one_checkpoint_and_end_exactly(tmp_path: Any, unaligned: bool) -> None:
+    """The second input is short and done long before the first: checkpoints keep
+    completing across the gate's channels of both (the second's idle, open ones
+    included), and every record arrives once."""
+    env = pe.StreamEnvironment(
+        parallelism=2,
+        checkpointing=pe.CheckpointConfig(interval_ms=10, unaligned=unaligned),
+        buffer_size=8,
+        buffer_timeout_ms=1,
+        channel_capacity=2,
+        monitoring=None,
+    )
+    sink = pe.sinks.CollectSink()
+    slow = env.from_collection([{"k": i % 5} for i in range(800)])
+    short = env.from_collection([{"k": i % 5} for i in range(20)])
+    slow.key_by("k").connect(short.key_by("k")).process(SlowFirst()).sink_to(sink)
+    result = env.execute("slow-and-short")
+    assert Counter(sink.records) == Counter({(k, 1): 160 for k in range(5)}) + Counter({(k, 2): 4 for k in range(5)})
+    assert result.checkpoints.counts["completed"] >= 3, "checkpoints completed while the slow input ran"
