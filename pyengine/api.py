@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from .agg import Aggregation
 from .coordinator import CheckpointConfig
@@ -499,13 +499,10 @@ class StreamEnvironment:
             runner = SparkRunner()
         if not hasattr(runner, "job") or isinstance(runner, str):
             raise ValueError(f"runner must be 'embedded', 'spark' or a SparkRunner, got {runner!r}")
-        features = graph.nonlinear_features()
-        if features and not getattr(runner, "supports_graphs", False):
-            raise ValueError(
-                f"this job is a graph, not one line ({', '.join(features)}), which {type(runner).__name__} does not "
-                "run yet: run it embedded (execute(..., runner='embedded')); on Spark, a job is one line from one "
-                "source to one sink for now"
-            )
+        if not getattr(runner, "supports_graphs", False):
+            from .runners.local import refuse_graph
+
+            refuse_graph(graph, type(runner).__name__)
         if graph.event_time and not getattr(runner, "supports_event_time", False):
             # A runner opts in with supports_event_time once its channels carry watermarks
             # (the Spark runner's Flight channels do: pyengine.runners.flight.encode_event).
@@ -932,9 +929,9 @@ class ConnectedStreams:
     here). Both inputs go into one task's one input gate, so a checkpoint's
     barriers align across both (or overtake both, unaligned)."""
 
-    def __init__(self, first: Any, second: Any) -> None:
-        self._first = first
-        self._second = second
+    def __init__(self, first: Union[DataStream, KeyedStream], second: Union[DataStream, KeyedStream]) -> None:
+        self._first: Any = first
+        self._second: Any = second
 
     def key_by(self, key1: Any, key2: Any) -> ConnectedStreams:
         """Keys both streams (PyFlink's name): ``key1`` the first's, ``key2`` the second's."""
@@ -942,7 +939,9 @@ class ConnectedStreams:
             raise ValueError("key_by: these connected streams are keyed already")
         return ConnectedStreams(self._first.key_by(key1), self._second.key_by(key2))
 
-    def process(self, fn: Any) -> DataStream:
+    def process(self, fn: Union[CoProcessFunction, KeyedCoProcessFunction]) -> DataStream:
+        """Runs ``fn`` with an input for each stream: ``process_element1`` gets the
+        first's records, ``process_element2`` the second's."""
         import copy
 
         first, second = self._first, self._second

@@ -363,3 +363,73 @@ def test_the_spark_runner_refuses_a_graph_naming_what_is_embedded_only() -> None
 
     with pytest.raises(ValueError, match=r"several sinks.*fan-out.*run it embedded"):
         e.execute("graph-on-spark", runner=FakeSparkRunner())
+
+
+def test_the_spark_runner_itself_refuses_a_graph() -> None:
+    from pyengine.runners.spark import SparkRunner
+
+    e = env()
+    a, b = e.from_collection([1]), e.from_collection([2])
+    a.union(b).sink_to(pe.sinks.CollectSink())
+    runner = SparkRunner.__new__(SparkRunner)  # no session needed: it refuses before using one
+    with pytest.raises(ValueError, match=r"several sources, union.*Spark runner does not run yet.*embedded"):
+        runner.job(e._graph(), e, "graph")
+
+
+# -- event time across inputs ----------------------------------------------------------------------
+
+
+def test_event_time_windows_over_a_union_count_every_record_of_both_inputs() -> None:
+    """Each source's watermarks are its own; the union's is the least of them, so no
+    record of the slower input is late and every window holds all its records."""
+    strategy = pe.WatermarkStrategy.for_monotonous_timestamps().with_timestamp_assigner("ts")
+    fast = [{"k": i % 3, "ts": i * 5} for i in range(600)]
+    slow = [{"k": i % 3, "ts": i * 15} for i in range(200)]
+    e = env(auto_watermark_interval_ms=1)
+    sink = pe.sinks.CollectSink()
+    a = e.from_collection(fast, watermark_strategy=strategy)
+    b = e.from_collection(slow, watermark_strategy=strategy)
+    a.union(b).key_by("k").window(pe.windows.tumbling(100)).aggregate(pe.agg.count()).sink_to(sink)
+    result = e.execute("event-time-union")
+    expected = Counter()
+    for r in fast + slow:
+        expected[(r["k"], r["ts"] // 100 * 100)] += 1
+    assert {(r["k"], r["window_start"]): r["count"] for r in sink.records} == dict(expected)
+    assert result.event_time is not None and result.event_time.late_records_dropped == 0
+
+
+class Stamps(pe.KeyedCoProcessFunction):
+    """Each input's ``ctx.timestamp()`` comes from that input's own timestamps."""
+
+    def process_element1(self, value: Any, ctx: pe.KeyedContext) -> Any:
+        yield ("a", ctx.timestamp(), value["ts"])
+
+    def process_element2(self, value: Any, ctx: pe.KeyedContext) -> Any:
+        yield ("b", ctx.timestamp(), value["when"])
+
+
+def test_connect_reads_each_input_s_timestamps_with_its_own_assigner() -> None:
+    e = env()
+    a = e.from_collection(
+        [{"k": i, "ts": 1000 + i} for i in range(20)],
+        watermark_strategy=pe.WatermarkStrategy.for_monotonous_timestamps().with_timestamp_assigner("ts"),
+    )
+    b = e.from_collection(
+        [{"k": i, "when": 5000 + i} for i in range(20)],
+        watermark_strategy=pe.WatermarkStrategy.for_monotonous_timestamps().with_timestamp_assigner("when"),
+    )
+    sink = pe.sinks.CollectSink()
+    a.key_by("k").connect(b.key_by("k")).process(Stamps()).sink_to(sink)
+    e.execute("stamps")
+    assert len(sink.records) == 40
+    assert all(stamp == expected for _, stamp, expected in sink.records)
+
+
+def test_at_least_once_checkpoints_across_a_connect_complete_and_lose_nothing() -> None:
+    e = env(checkpointing=pe.CheckpointConfig(interval_ms=5, mode="at_least_once"), channel_capacity=2)
+    sink = pe.sinks.CollectSink()
+    e.from_collection(LEFT).key_by("k").connect(e.from_collection(RIGHT).key_by("k")).process(Enrich()).sink_to(sink)
+    result = e.execute("at-least-once")
+    lefts, rights = Counter(r["k"] for r in LEFT), Counter(r["k"] for r in RIGHT)
+    assert sorted(sink.records) == sorted((k, lefts[k], rights[k]) for k in set(lefts) | set(rights))
+    assert result.checkpoints.counts["completed"] >= 1

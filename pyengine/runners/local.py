@@ -33,7 +33,7 @@ from ..storage.jobs import JobLease, describe_jobs, list_jobs
 from ..storage.metadata import CheckpointMetadata, OperatorState, load_metadata
 from .result import JobResult
 
-__all__ = ["LocalRunner", "resolve_restore_path"]
+__all__ = ["LocalRunner", "refuse_graph", "resolve_restore_path"]
 
 log = logging.getLogger(__name__)
 
@@ -704,6 +704,18 @@ class LocalRunner:
         self._stop_with_savepoint.set()
         self._wake.set()
         return path
+
+
+def refuse_graph(graph: Any, runner: str) -> None:
+    """Raises for a runner that runs one-line jobs only when ``graph`` is more than one
+    line, naming what makes it a graph and the way out (run it embedded)."""
+    features = graph.nonlinear_features() if hasattr(graph, "nonlinear_features") else []
+    if features:
+        raise ValueError(
+            f"this job is a graph, not one line ({', '.join(features)}), which {runner} does not run yet: run it "
+            "embedded (execute(..., runner='embedded')); on Spark, a job is one line from one source to one sink "
+            "for now"
+        )
 
 
 def _sinks(graph: Any) -> List[Any]:

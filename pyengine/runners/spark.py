@@ -36,7 +36,7 @@ from ..storage import checkpoint_storage
 from ..storage.metadata import OperatorState
 from .control import ControlClient, ControlServer
 from .flight import JobTls
-from .local import GIL_SWITCH_INTERVAL_S, LocalRunner, build_task, covered_by
+from .local import GIL_SWITCH_INTERVAL_S, LocalRunner, build_task, covered_by, refuse_graph
 from .result import JobResult
 
 __all__ = ["SparkRunner"]
@@ -532,7 +532,10 @@ class SparkRunner:
     def job(
         self, graph: Any, env: Any, name: str, restore_from: Optional[str] = None, resume: str = "auto"
     ) -> _SparkJob:
-        """The job, ready to ``run()`` (``env.execute`` calls this)."""
+        """The job, ready to ``run()`` (``env.execute`` calls this). A job graph beyond
+        one line (several sinks or sources, union, connect, side outputs, fan-out) is
+        refused for now, naming what makes it one: those run embedded only."""
+        refuse_graph(graph, "the Spark runner")
         return _SparkJob(graph, env, name, restore_from, self.spark, resume)
 
     def run(
