@@ -299,3 +299,53 @@ def test_a_short_input_and_a_slow_one_checkpoint_and_end_exactly(tmp_path: Any, 
     result = env.execute("slow-and-short")
     assert Counter(sink.records) == Counter({(k, 1): 160 for k in range(5)}) + Counter({(k, 2): 4 for k in range(5)})
     assert result.checkpoints.counts["completed"] >= 3, "checkpoints completed while the slow input ran"
+
+
+# -- a savepoint of a graph, resumed at another parallelism ---------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["heap", "incremental"])
+def test_savepoint_of_a_graph_at_2_resumed_at_3_is_exact(tmp_path: Any, backend: str) -> None:
+    """The connect's keyed state (one backend for both inputs) is redistributed by key
+    group; every source resumes where the savepoint had it; both sinks exact."""
+    from test_windows_lateness import Held
+
+    counts = pe.sinks.CollectSink()  # one per output for both runs: the resumed run commits what the savepoint covers
+    sevens = pe.sinks.CollectSink()
+
+    def job(parallelism: int, release: threading.Event) -> pe.StreamEnvironment:
+        env = pe.StreamEnvironment(
+            parallelism=parallelism,
+            checkpointing=pe.CheckpointConfig(interval_ms=10),
+            state_backend=backend,
+            checkpoint_storage=str(tmp_path / f"ckpt{parallelism}"),
+            buffer_size=16,
+            buffer_timeout_ms=1,
+            monitoring=None,
+        )
+        first = env.from_source(Held(FIRST, 200, release), name="first")
+        second = env.from_source(Held(SECOND, 100, release), name="second")
+        third = env.from_source(Held(THIRD, 150, release), name="third")
+        counted = (
+            first.union(second)
+            .key_by("user")
+            .connect(third.key_by("user"))
+            .process(CoCount(Chaos("none", 1)))
+            .uid("counter")
+        )
+        counted.sink_to(counts)
+        counted.get_side_output(SEVENS).sink_to(sevens)
+        return env
+
+    client = job(2, threading.Event()).execute_async("graph-sp")
+    deadline = time.monotonic() + 30
+    while (client.checkpoints is None or client.checkpoints.counts["completed"] < 3) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    savepoint = client.stop_with_savepoint(str(tmp_path / "savepoint"))
+    client.wait(30)
+    assert 0 < len(counts.records) < N1 + N2 + N3, "the savepoint was taken mid-job"
+    released = threading.Event()
+    released.set()
+    job(3, released).execute("graph-sp", restore_from=savepoint)
+    assert Counter((r["user"], r["n"]) for r in counts.records) == expected_counts()
+    assert Counter(r["v"] for r in sevens.records) == EXPECTED_SEVENS
