@@ -148,3 +148,92 @@ def test_restored_chain_is_built_on_only_at_the_same_key_groups(tmp_path) -> Non
     half = create_keyed_backend("incremental", max_parallelism=8, key_group_range=key_group_range_for_subtask(8, 2, 0))
     half.restore(result.handles)
     assert len(half.snapshot(3, storage.location(3)).run().handles) == 1  # rescaled: a fresh base
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.ms = 1_000
+
+    def __call__(self) -> int:
+        return self.ms
+
+
+def _file_entries(handle, key_groups):
+    """What one state file holds: {(state, key): entry as written} (TTL entries with their stamps)."""
+    from pyengine.snapshot.format import read_keyed_state
+
+    _, entries = read_keyed_state(handle, key_groups)
+    return {(spec.name, k): v for _, spec, keys, values in entries for k, v in zip(keys, values, strict=True)}
+
+
+def test_snapshots_leave_expired_entries_out_of_bases_and_deltas(tmp_path) -> None:
+    """Flink's cleanup in full snapshots, for the incremental backend: a base leaves out
+    what expired by the time it is written, and a delta writes a changed key whose entry
+    expired since as a tombstone (a list or map: its live elements), so a restore does
+    not bring an older version back from the chain's earlier files."""
+    from pyengine.snapshot.format import TOMBSTONE
+
+    ttl = 100
+    clock = _Clock()
+    storage = checkpoint_storage(str(tmp_path), "job")
+    store = CompletedCheckpointStore(storage)
+    b = create_keyed_backend("incremental", max_parallelism=8, ttl_clock_ms=clock)
+    v = b.get_state(ValueStateDescriptor("v", ttl=ttl))
+    lst = b.get_state(ListStateDescriptor("l", ttl=ttl))
+    mp = b.get_state(MapStateDescriptor("m", ttl=ttl))
+    for k in range(10):
+        b.set_current_key(k)
+        v.update(k)
+        lst.add(k)
+        mp.put("old", k)
+    clock.ms += 60
+    for k in range(5):
+        b.set_current_key(k)
+        lst.add(100 + k)
+        mp.put("new", 100 + k)
+    clock.ms += 50  # the first writes expired (110 ms ago), the second ones live (50 ms)
+    first = b.snapshot(1, storage.location(1)).run()
+    assert len(first.handles) == 1  # a full base
+    base = _file_entries(first.handles[0], b.key_group_range)
+    assert not [k for k in base if k[0] == "v"]
+    assert {k: [e[0] for e in entry] for (name, k), entry in base.items() if name == "l"} == {
+        k: [100 + k] for k in range(5)
+    }
+    assert {k: {u: e[0] for u, e in entry.items()} for (name, k), entry in base.items() if name == "m"} == {
+        k: {"new": 100 + k} for k in range(5)
+    }
+    complete(store, b, 1, first, 8)
+
+    # Changes after the base: some expire before the next snapshot, some do not.
+    b.set_current_key(20)
+    v.update(20)  # expires
+    lst.add(20)  # expires
+    b.set_current_key(0)
+    lst.add(200)  # expires; the key's element from before the base (100) too
+    mp.put("newer", 200)  # expires; "new" (100) too
+    clock.ms += 60
+    b.set_current_key(1)
+    lst.add(301)  # lives; the key's 101 expires
+    b.set_current_key(21)
+    v.update(21)  # lives
+    clock.ms += 50
+    second = b.snapshot(2, storage.location(2)).run()
+    assert len(second.handles) == 2  # base + delta
+    delta = _file_entries(second.handles[-1], b.key_group_range)
+    assert delta[("v", 20)] is TOMBSTONE and delta[("l", 20)] is TOMBSTONE
+    assert delta[("l", 0)] is TOMBSTONE and delta[("m", 0)] is TOMBSTONE
+    assert [e[0] for e in delta[("l", 1)]] == [301]
+    assert delta[("v", 21)][0] == 21
+
+    restored = create_keyed_backend("incremental", max_parallelism=8, ttl_clock_ms=clock)
+    restored.restore(second.handles)
+    assert restored.num_entries("v") == 1  # key 21
+    v2 = restored.get_state(ValueStateDescriptor("v", ttl=ttl))
+    lst2 = restored.get_state(ListStateDescriptor("l", ttl=ttl))
+    mp2 = restored.get_state(MapStateDescriptor("m", ttl=ttl))
+    restored.set_current_key(21)
+    assert v2.value() == 21
+    restored.set_current_key(1)
+    assert lst2.get() == [301]
+    restored.set_current_key(0)
+    assert lst2.get() == [] and mp2.items() == []

@@ -226,11 +226,13 @@ class _Ttl:
     Nothing scans a key's entries on a write. Expiry is checked for what is read
     (an expired entry found by a read is removed then, unless the state may return
     expired entries), the snapshot's asynchronous part leaves expired entries out
-    of the file, and ``tick`` runs an incremental cleanup every ``CLEANUP_EVERY``
-    writes that checks at most ``CLEANUP_SIZE`` entries (Flink's incremental
-    cleanup, bounded per record): a cursor walks the key groups, the keys of each
-    and, for a map, its entries, so the cost per write never depends on how much
-    state a key holds. A step costs one comparison while nothing can have expired:
+    of the file, and an incremental cleanup (Flink's, bounded per record) checks
+    ``CLEANUP_SIZE`` entries every ``CLEANUP_EVERY`` records that use TTL state:
+    ``tick`` once per record (the backend's clock read for it) or ``advance`` once
+    per step of the task for all of the step's records. A cursor walks the key
+    groups, the keys of each and, for a map, its entries, so the cost never depends
+    on how much state a key holds, and no state call pays for the counting. A step
+    of the cleanup costs one comparison while nothing can have expired:
     ``floor`` is a lower bound of the stamps in the state (the state's creation
     for a new one; after a restore, the oldest stamp a full pass of the cursor saw).
     """
@@ -280,22 +282,38 @@ class _Ttl:
     def visible(self, stamp: int, now: int) -> bool:
         return now - stamp < self.ttl_ms or self.return_expired
 
-    def tick(self, table: StateTable) -> None:
-        """Counts a write; every CLEANUP_EVERY writes, one bounded cleanup step.
-        (The per-record writes inline the countdown and call ``step``.)"""
+    def tick(self, table: StateTable, now: Optional[int] = None) -> None:
+        """Counts a record; every CLEANUP_EVERY records, one bounded cleanup step."""
         self._countdown -= 1
         if self._countdown <= 0:
-            self.step(table)
+            self.step(table, now)
 
-    def step(self, table: StateTable) -> None:
+    def advance(self, table: StateTable, records: int, now: int) -> None:
+        """Counts ``records`` records at once (a step of the task): the cleanup steps
+        they are due, as one cleanup of their combined size."""
+        every = self.CLEANUP_EVERY
+        countdown = self._countdown - records
+        if countdown > 0:
+            self._countdown = countdown
+            return
+        steps = (every - countdown) // every
+        self._countdown = countdown + steps * every
+        if now - self.ttl_ms >= self.floor:  # else nothing can have expired yet
+            self.cleanup(table, self.CLEANUP_SIZE * steps, now)
+
+    def step(self, table: StateTable, now: Optional[int] = None) -> None:
         self._countdown = self.CLEANUP_EVERY
-        if self.clock() - self.ttl_ms >= self.floor:  # else nothing can have expired yet
-            self.cleanup(table, self.CLEANUP_SIZE)
+        if now is None:
+            now = self.clock()
+        if now - self.ttl_ms >= self.floor:  # else nothing can have expired yet
+            self.cleanup(table, self.CLEANUP_SIZE, now)
 
-    def cleanup(self, table: StateTable, budget: int) -> None:
-        """Checks about ``budget`` entries at the cursor and removes the expired ones."""
+    def cleanup(self, table: StateTable, budget: int, now: Optional[int] = None) -> None:
+        """Checks about ``budget`` entries at the cursor and removes the expired ones
+        (expired as of ``now``, by default the TTL clock's time)."""
         kind = table.descriptor.kind
-        now = self.clock()
+        if now is None:
+            now = self.clock()
         limit = now - self.ttl_ms  # stamps at or below this have expired
         groups = table.groups
         n = len(groups)
@@ -485,10 +503,6 @@ class _KeyedState:
             table.owned[index].add(key)
         if table.changes is not None:
             table.changes[index].add(key)
-        if ttl is not None:
-            ttl._countdown -= 1
-            if ttl._countdown <= 0:
-                ttl.step(table)
 
     def clear(self) -> None:
         """Removes the current key's entry of this state."""
@@ -545,7 +559,20 @@ class ValueState(_KeyedState, Generic[T]):
         index = b._key_index
         if index < 0:
             raise _no_key(self)
-        self._store(index, b._key, value)
+        key = b._key
+        table = self._table
+        ttl = self._ttl
+        if ttl is not None:
+            now = b._ttl_now
+            value = (value, now if now is not None else ttl.clock())  # type: ignore[assignment]
+        # _store, inlined: once per record in most jobs
+        if table.shared[index]:
+            table.writable(index)
+        table.groups[index][key] = value
+        if table.tainted[index]:
+            table.owned[index].add(key)
+        if table.changes is not None:
+            table.changes[index].add(key)
 
 
 class _FoldingState(_KeyedState):
@@ -824,10 +851,6 @@ class ListState(_KeyedState, Generic[T]):
             stored.append(element)
             if table.changes is not None:
                 table.changes[index].add(key)
-        if ttl is not None:
-            ttl._countdown -= 1
-            if ttl._countdown <= 0:
-                ttl.step(table)
 
     def _put(self, index: int, key: Any, elements: List[Any]) -> None:
         table = self._table
@@ -858,8 +881,6 @@ class ListState(_KeyedState, Generic[T]):
             self._put(index, key, elements)
         else:
             table.own(index, key, stored).extend(elements)
-        if self._ttl is not None:
-            self._ttl.tick(table)
 
     def update(self, values: Iterable[T]) -> None:
         """Replaces the current key's elements (an empty list clears them)."""
@@ -869,8 +890,6 @@ class ListState(_KeyedState, Generic[T]):
             return
         index, key = self._where()
         self._put(index, key, elements)
-        if self._ttl is not None:
-            self._ttl.tick(self._table)
 
 
 class MapState(_KeyedState, Generic[K, V]):
@@ -979,9 +998,6 @@ class MapState(_KeyedState, Generic[K, V]):
             self._writable(index, b._key)[user_key] = value
         else:
             self._writable(index, b._key)[user_key] = (value, (b._ttl_now or ttl.clock()))
-            ttl._countdown -= 1
-            if ttl._countdown <= 0:
-                ttl.step(self._table)
 
     def put_all(self, entries: Mapping[K, V]) -> None:
         """Sets several entries of the current key's map."""
@@ -997,7 +1013,6 @@ class MapState(_KeyedState, Generic[K, V]):
         if ttl is not None:
             now = ttl.clock()
             self._writable(index, key).update({k: (v, now) for k, v in entries.items()})
-            ttl.tick(self._table)
         else:
             self._writable(index, key).update(entries)
 
@@ -1075,6 +1090,175 @@ class MapState(_KeyedState, Generic[K, V]):
         return iter(self.keys())
 
 
+# -- TTL's common case -----------------------------------------------------------------
+#
+# A state with Flink's default TTL (updated on create and write, expired entries never
+# returned) gets these classes: its per-record calls check one stamp against the
+# state's own ``_ttl_ms`` with no test of the TTL's options. They behave exactly as
+# the general classes above do for that configuration (tests/test_state_calls.py runs
+# both against the same model).
+
+
+class _TtlValueState(ValueState[T]):
+    __slots__ = ("_ttl_ms",)
+
+    def __init__(self, backend: HeapKeyedStateBackend, table: StateTable, ttl: Optional[_Ttl]) -> None:
+        super().__init__(backend, table, ttl)
+        assert ttl is not None
+        self._ttl_ms = ttl.ttl_ms
+
+    def value(self) -> Optional[T]:
+        b = self._backend
+        index = b._key_index
+        if index < 0:
+            raise _no_key(self)
+        key = b._key
+        table = self._table
+        stored = table.groups[index].get(key)  # (value, stamp) or None
+        if stored is None:
+            return self._default  # type: ignore[no-any-return]
+        now = b._ttl_now
+        if now is None:
+            now = b._ttl_time()
+        if now - stored[1] >= self._ttl_ms:
+            table.delete(index, key)
+            return self._default  # type: ignore[no-any-return]
+        value = stored[0]
+        if value.__class__ in _ATOMIC or not table.tainted[index] or key in table.owned[index]:
+            return value  # type: ignore[no-any-return]
+        return self._readable(index, key, value)  # type: ignore[no-any-return]
+
+    def update(self, value: Optional[T]) -> None:
+        if value is None:
+            self.clear()
+            return
+        if self._check is not None:
+            self._check(value)
+        b = self._backend
+        index = b._key_index
+        if index < 0:
+            raise _no_key(self)
+        now = b._ttl_now
+        if now is None:
+            now = b._ttl_time()
+        key = b._key
+        table = self._table
+        if table.shared[index]:
+            table.writable(index)
+        table.groups[index][key] = (value, now)
+        if table.tainted[index]:
+            table.owned[index].add(key)
+        if table.changes is not None:
+            table.changes[index].add(key)
+
+
+class _TtlListState(ListState[T]):
+    __slots__ = ()
+
+    def add(self, value: T) -> None:
+        if value is None or self._check is not None:
+            self._element(value)
+        b = self._backend
+        index = b._key_index
+        if index < 0:
+            raise _no_key(self)
+        now = b._ttl_now
+        if now is None:
+            now = b._ttl_time()
+        key = b._key
+        table = self._table
+        stored = table.groups[index].get(key)
+        if stored is None:
+            self._put(index, key, [(value, now)])
+        elif stored.__class__ is not list or (table.tainted[index] and key not in table.owned[index]):
+            table.own(index, key, stored).append((value, now))  # copied once per key and snapshot
+        else:
+            stored.append((value, now))
+            if table.changes is not None:
+                table.changes[index].add(key)
+
+
+class _TtlMapState(MapState[K, V]):
+    __slots__ = ("_ttl_ms",)
+
+    def __init__(self, backend: HeapKeyedStateBackend, table: StateTable, ttl: Optional[_Ttl]) -> None:
+        super().__init__(backend, table, ttl)
+        assert ttl is not None
+        self._ttl_ms = ttl.ttl_ms
+
+    def get(self, user_key: K) -> Optional[V]:
+        b = self._backend
+        index = b._key_index
+        if index < 0:
+            raise _no_key(self)
+        key = b._key
+        table = self._table
+        stored = table.groups[index].get(key)
+        if stored is None:
+            return None
+        entry = stored.get(user_key)  # (value, stamp) or None
+        if entry is None:
+            return None
+        now = b._ttl_now
+        if now is None:
+            now = b._ttl_time()
+        if now - entry[1] >= self._ttl_ms:
+            self._drop(index, key, user_key)
+            return None
+        value = entry[0]
+        if value.__class__ in _ATOMIC or not table.tainted[index] or key in table.owned[index]:
+            return value  # type: ignore[no-any-return]
+        if _is_immutable(value):
+            return value  # type: ignore[no-any-return]
+        return self._writable(index, key)[user_key][0]  # type: ignore[no-any-return]  # private now
+
+    def contains(self, user_key: K) -> bool:
+        b = self._backend
+        index = b._key_index
+        if index < 0:
+            raise _no_key(self)
+        stored = self._table.groups[index].get(b._key)
+        if stored is None:
+            return False
+        entry = stored.get(user_key)
+        if entry is None:
+            return False
+        now = b._ttl_now
+        if now is None:
+            now = b._ttl_time()
+        if now - entry[1] >= self._ttl_ms:
+            self._drop(index, b._key, user_key)
+            return False
+        return True
+
+    def put(self, user_key: K, value: V) -> None:
+        if self._check_key is not None:
+            self._check_key(user_key)
+        if self._check is not None and value is not None:
+            self._check(value)
+        b = self._backend
+        index = b._key_index
+        if index < 0:
+            raise _no_key(self)
+        now = b._ttl_now
+        if now is None:
+            now = b._ttl_time()
+        key = b._key
+        table = self._table
+        stored = table.groups[index].get(key)  # _writable, inlined
+        if stored is None:
+            table.store(index, key, {user_key: (value, now)})
+        else:
+            if table.tainted[index] and key not in table.owned[index]:
+                stored = table.own(index, key, stored)
+            elif table.changes is not None:
+                table.changes[index].add(key)
+            stored[user_key] = (value, now)
+
+
+_TTL_STATE_CLASSES = {"value": _TtlValueState, "list": _TtlListState, "map": _TtlMapState}
+
+
 _STATE_CLASSES = {
     "value": ValueState,
     "list": ListState,
@@ -1114,11 +1298,18 @@ class HeapKeyedStateBackend:
         self.key_group_range = key_group_range
         self._kg_start, self._kg_count = key_group_range.start, len(key_group_range)  # per-record use
         self._ttl_clock = ttl_clock_ms or _wall_clock_ms
-        # The wall clock is read at most once per record (per set_current_key) for
-        # TTL stamps and checks: reading it costs a system call on some hosts, and
-        # every state call would pay it. A given clock is read on every call.
+        # TTL's processing time (Flink's TtlTimeProvider). The wall clock is read at
+        # most once per record (per set_current_key) for TTL stamps and checks:
+        # reading it costs a system call on some hosts, and every state call would
+        # pay it. A given clock is read on every call. Inside a step (``begin_ttl_step``:
+        # the operator processing one buffer) any clock is read once for the step.
         self._ttl_cached = ttl_clock_ms is None
         self._ttl_now: Optional[int] = None
+        self._ttl_step = False  # inside begin_ttl_step / end_ttl_step
+        # The TTL states (and their tables), for the incremental cleanup, which counts
+        # records at the clock's reads: once per record, or per step.
+        self._ttl_states: List[Tuple[_Ttl, StateTable]] = []
+        self._ttl_step_now: Optional[int] = None  # what set_current_key leaves in _ttl_now
         # Tables are StateTable (dicts) or columnar.ColumnarValueTable; states likewise.
         self._tables: Dict[str, Any] = {}
         self._states: Dict[str, Any] = {}
@@ -1151,17 +1342,52 @@ class HeapKeyedStateBackend:
         self._key = key
         self._key_group = key_group
         self._key_index = index
-        self._ttl_now = None
+        self._ttl_now = self._ttl_step_now  # None (read the clock afresh) but inside a step
 
     def _ttl_time(self) -> int:
-        """Processing time for TTL, in ms: the clock, read once per record."""
+        """Processing time for TTL, in ms: the clock, read once per record, or once
+        per step inside ``begin_ttl_step`` / ``end_ttl_step``."""
         now = self._ttl_now
         if now is None:
-            if self._ttl_cached:  # the wall clock, without a call of _wall_clock_ms
+            if self._ttl_step:
+                now = self._ttl_now = self._ttl_step_now = self._ttl_clock()
+            elif self._ttl_cached:  # the wall clock, without a call of _wall_clock_ms
                 now = self._ttl_now = _time_ns() // 1_000_000
             else:
                 now = self._ttl_clock()
+            for ttl, table in self._ttl_states:  # a record (or call) using TTL: the cleanup's count
+                ttl._countdown -= 1
+                if ttl._countdown <= 0:
+                    ttl.step(table, now)
         return now
+
+    def begin_ttl_step(self, now_ms: Optional[int] = None, records: int = 1) -> None:
+        """A step of the task's mailbox begins (an operator processing one buffer):
+        until ``end_ttl_step``, every TTL stamp and expiry check uses one processing
+        time, ``now_ms`` or else the TTL clock read now, once (Flink's
+        ``TtlTimeProvider``, read per mailbox step rather than per state call).
+
+        The granularity of expiry is then the step: an entry expires for a record
+        when its TTL has passed as of the moment the record's buffer began to be
+        processed (a buffer takes milliseconds), and entries written in the step
+        are stamped with that moment. Time never goes back: the steps of a task
+        follow each other. A backend without TTL state reads no clock.
+
+        ``records``: how many records the step processes, for the incremental
+        cleanup of expired entries, which runs here, once for the step (as much as
+        that many records would run one by one), so no state call counts."""
+        self._ttl_step = True
+        if self._ttl_states:
+            if now_ms is None:
+                now_ms = self._ttl_clock()
+            for ttl, table in self._ttl_states:
+                ttl.advance(table, records, now_ms)
+        self._ttl_now = self._ttl_step_now = now_ms
+
+    def end_ttl_step(self) -> None:
+        """The step is over: outside steps TTL reads the clock once per record again."""
+        self._ttl_step = False
+        self._ttl_now = self._ttl_step_now = None
 
     @property
     def current_key(self) -> Any:
@@ -1236,6 +1462,10 @@ class HeapKeyedStateBackend:
             self._adopt(table, descriptor)
         ttl_config = getattr(descriptor, "ttl", None)
         ttl = _Ttl(ttl_config, self._ttl_time, empty=len(table) == 0) if ttl_config is not None else None
+        if ttl is not None:
+            self._ttl_states.append((ttl, table))
+        if ttl is not None and not ttl.on_read and not ttl.return_expired:
+            cls = _TTL_STATE_CLASSES.get(descriptor.kind, cls)  # Flink's default TTL: the direct paths
         state = cls(self, table, ttl)
         self._states[descriptor.name] = state
         return state
@@ -1277,6 +1507,7 @@ class HeapKeyedStateBackend:
     def dispose(self) -> None:
         self._tables.clear()
         self._states.clear()
+        self._ttl_states.clear()
         self._key_index = -1
 
     # -- snapshots ----------------------------------------------------------------
@@ -1391,6 +1622,7 @@ class HeapKeyedStateBackend:
                         group[k] = v
         self._tables = restored
         self._states = {}
+        self._ttl_states = []
 
     def _columnar_table_to_dict(self, name: str) -> StateTable:
         """Moves a columnar state into dict storage (its first non-int key, or a
@@ -1467,25 +1699,58 @@ class _ExpiringGroups(Sequence[Dict[Any, Any]]):
         return done
 
     def _filter(self, group: Dict[Any, Any], limit: int) -> Dict[Any, Any]:
-        if self._kind == "list":
-            out: Dict[Any, Any] = {}
-            for k, elements in group.items():
-                if elements and elements[0][1] > limit and elements[-1][1] > limit:
-                    if all(e[1] > limit for e in elements):
-                        out[k] = elements
-                        continue
-                live = [e for e in elements if e[1] > limit]
-                if live:
-                    out[k] = live
-            return out
-        if self._kind == "map":
-            out = {}
-            for k, entries in group.items():
-                live_map = {u: e for u, e in entries.items() if e[1] > limit}
-                if live_map:
-                    out[k] = live_map if len(live_map) < len(entries) else entries
-            return out
-        return {k: e for k, e in group.items() if e[1] > limit}
+        return _live_entries(group, self._kind, limit)
+
+    def get_live(self, i: int, key: Any, default: Any) -> Any:
+        """Key group ``i``'s entry of ``key`` without what expired (an incremental
+        snapshot's delta reads its changed keys this way, never a whole key group);
+        ``default`` when it has none or all of it expired."""
+        entry = self._frozen[i].get(key, _ABSENT)
+        if entry is _ABSENT:
+            return default
+        if self._limit is None:
+            self._limit = self._clock() - self._ttl_ms
+        live = _live_entry(entry, self._kind, self._limit)
+        return default if live is _ABSENT else live
+
+
+def _live_entry(entry: Any, kind: str, limit: int) -> Any:
+    """One stored TTL entry without what expired at ``limit`` (stamps at or below it
+    have expired): the entry itself when nothing did, ``_ABSENT`` when all of it did."""
+    if kind == "list":
+        if entry and entry[0][1] > limit and all(e[1] > limit for e in entry):
+            return entry
+        live = [e for e in entry if e[1] > limit]
+        return live if live else _ABSENT
+    if kind == "map":
+        live_map = {u: e for u, e in entry.items() if e[1] > limit}
+        if not live_map:
+            return _ABSENT
+        return live_map if len(live_map) < len(entry) else entry
+    return entry if entry[1] > limit else _ABSENT
+
+
+def _live_entries(group: Dict[Any, Any], kind: str, limit: int) -> Dict[Any, Any]:
+    """A key group's dict of TTL entries without what expired at ``limit``."""
+    if kind == "list":
+        out: Dict[Any, Any] = {}
+        for k, elements in group.items():
+            if elements and elements[0][1] > limit and elements[-1][1] > limit:
+                if all(e[1] > limit for e in elements):
+                    out[k] = elements
+                    continue
+            live = [e for e in elements if e[1] > limit]
+            if live:
+                out[k] = live
+        return out
+    if kind == "map":
+        out = {}
+        for k, entries in group.items():
+            live_map = {u: e for u, e in entries.items() if e[1] > limit}
+            if live_map:
+                out[k] = live_map if len(live_map) < len(entries) else entries
+        return out
+    return {k: e for k, e in group.items() if e[1] > limit}
 
 
 class _RestoredDescriptor(StateDescriptor):

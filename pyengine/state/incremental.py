@@ -46,7 +46,7 @@ from ..storage.filesystem import INLINE_THRESHOLD, CheckpointStorageLocation
 from ..storage.handles import KeyGroupsStateHandle, StreamStateHandle
 from ..storage.store import owns_path
 from .columnar import ColumnarValueTable
-from .heap import HeapKeyedStateBackend
+from .heap import HeapKeyedStateBackend, _ExpiringGroups, _without_expired
 
 __all__ = ["IncrementalKeyedStateBackend", "IncrementalSnapshot"]
 
@@ -117,8 +117,11 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
             self._log.append((checkpoint_id, taken))
             if checkpoint_id not in self._aborted:
                 self._pending.add(checkpoint_id)
+            # TTL states: expired entries stay out of what the asynchronous part
+            # writes (Flink's cleanup in full snapshots, here for deltas too).
+            clock = self._ttl_clock
             if full:
-                frozen = [t.freeze() for t in tables]
+                frozen = [_without_expired(t, t.freeze(), clock) for t in tables]
             elif len(self._log) == 1:
                 # The usual case: the base is the previous snapshot's chain, so the delta
                 # is exactly this change log. Columnar tables took the entries already.
@@ -127,7 +130,7 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
                 for n, t in zip(names, tables, strict=True):
                     change_log = taken[n]
                     columnar = isinstance(t, ColumnarValueTable) and isinstance(change_log, ColumnarChanges)
-                    frozen.append(t.freeze_taken(change_log) if columnar else t.freeze())
+                    frozen.append(t.freeze_taken(change_log) if columnar else _without_expired(t, t.freeze(), clock))
             else:  # snapshots since the base's: the delta covers their changes too
                 touched = {name: [set() for _ in self.key_group_range] for name in names}
                 for _, changes in self._log:
@@ -136,7 +139,9 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
                             for i, keys in enumerate(_key_sets(per_group)):
                                 touched[name][i] |= keys
                 frozen = [
-                    t.freeze_changes(touched[n]) if isinstance(t, ColumnarValueTable) else t.freeze()
+                    t.freeze_changes(touched[n])
+                    if isinstance(t, ColumnarValueTable)
+                    else _without_expired(t, t.freeze(), clock)
                     for n, t in zip(names, tables, strict=True)
                 ]
 
@@ -291,10 +296,7 @@ class IncrementalSnapshot:
                 groups = [
                     frozen_table
                     if isinstance(frozen_table, ColumnarChanges)  # columnar: already the delta
-                    else [
-                        {k: frozen_group.get(k, TOMBSTONE) for k in keys}
-                        for frozen_group, keys in zip(frozen_table, self._touched[name], strict=True)
-                    ]
+                    else _delta(frozen_table, self._touched[name])
                     for name, frozen_table in zip(self._names, self._frozen, strict=True)
                 ]
             r = self._backend.key_group_range
@@ -335,3 +337,14 @@ class IncrementalSnapshot:
             self._released = True
             self._frozen = []
             self._release()
+
+
+def _delta(frozen: Any, touched: List[Set[Any]]) -> List[Dict[Any, Any]]:
+    """A dict state's delta: per key group, each changed key's entry, or a tombstone
+    where it was deleted. A TTL state's entries that expired by now are tombstones
+    too (a list or map keeps its live elements), so a delta neither writes them nor
+    lets the chain's older files bring them back on restore."""
+    if isinstance(frozen, _ExpiringGroups):
+        get = frozen.get_live
+        return [{k: get(i, k, TOMBSTONE) for k in keys} for i, keys in enumerate(touched)]
+    return [{k: group.get(k, TOMBSTONE) for k in keys} for group, keys in zip(frozen, touched, strict=True)]
