@@ -104,6 +104,8 @@ OPS = st.one_of(
     st.tuples(st.just("advance"), st.integers(1, 80)),
     st.tuples(st.just("cleanup")),
     st.tuples(st.just("snapshot_restore")),
+    st.tuples(st.just("step_begin"), st.integers(1, 100)),  # a buffer of n records: one TTL time
+    st.tuples(st.just("step_end")),
 )
 
 TTLS = st.sampled_from(
@@ -138,11 +140,20 @@ def test_state_calls_answer_as_a_plain_dict_model(tmp_path_factory, ttl, typed, 
     backend = make()
     v, lst, mp = states(backend)
     model = Model(ttl)
+    step_now = None  # inside a step: the time TTL uses, read when it began
     for op in ops:
         name = op[0]
-        now = clock.ms
+        now = clock.ms if step_now is None else step_now
         if name == "advance":
             clock.ms += op[1]
+            continue
+        if name == "step_begin":
+            backend.begin_ttl_step(records=op[1])  # and the incremental cleanup's steps for n records
+            step_now = clock.ms
+            continue
+        if name == "step_end":
+            backend.end_ttl_step()
+            step_now = None
             continue
         if name == "cleanup":  # the incremental cleanup, a few steps at once
             for state in (v, lst, mp):
@@ -156,6 +167,7 @@ def test_state_calls_answer_as_a_plain_dict_model(tmp_path_factory, ttl, typed, 
             backend = make()
             backend.restore(result.handles)
             v, lst, mp = states(backend)
+            step_now = None  # a new backend: no step
             continue
         key = op[1]
         backend.set_current_key(key)
@@ -311,6 +323,55 @@ def test_the_wall_clock_is_read_once_per_record_for_ttl(monkeypatch) -> None:
     backend.set_current_key("a")
     v.value()
     assert len(reads) == 2
+
+
+def test_a_step_reads_the_clock_once_for_all_its_records(monkeypatch) -> None:
+    """Inside begin_ttl_step / end_ttl_step (an operator's buffer) TTL uses the time
+    the step began for every record: one clock read, expiry as of that time."""
+    import pyengine.state.heap as heap
+
+    reads = []
+    wall = [5_000]
+
+    def time_ns():
+        reads.append(1)
+        return wall[0] * 1_000_000
+
+    monkeypatch.setattr(heap, "_time_ns", time_ns)
+    backend = create_keyed_backend("heap", max_parallelism=8)
+    v = backend.get_state(ValueStateDescriptor("v", ttl=TTL))
+    mp = backend.get_state(MapStateDescriptor("m", ttl=TTL))
+    backend.set_current_key("old")
+    v.update(1)  # stamped 5,000
+    reads.clear()
+    wall[0] += TTL  # "old" has expired on the wall clock
+    backend.begin_ttl_step(records=1_000)
+    assert len(reads) == 1
+    for key in range(50):
+        backend.set_current_key(key)
+        v.update(key)
+        mp.put("a", v.value())
+    backend.set_current_key("old")
+    assert v.value() is None  # expired as of the step's time
+    assert len(reads) == 1
+    backend.end_ttl_step()
+    backend.set_current_key(3)
+    assert mp.get("a") == 3 and len(reads) == 2  # outside a step: once per record again
+    assert backend._tables["v"].groups[backend._key_index][3][1] == 5_000 + TTL  # the step's stamp
+
+
+def test_a_step_runs_the_incremental_cleanup_for_its_records(monkeypatch) -> None:
+    clock = Clock()
+    backend = create_keyed_backend("heap", max_parallelism=16, ttl_clock_ms=clock)
+    lst = backend.get_state(ListStateDescriptor("l", ttl=TTL))
+    for key in range(300):
+        backend.set_current_key(key)
+        lst.add(key)
+    clock.ms += TTL
+    for _ in range(40):  # steps of 1,024 records that touch no state: the cleanup still runs
+        backend.begin_ttl_step(records=1_024)
+        backend.end_ttl_step()
+    assert backend.num_entries("l") == 0
 
 
 @pytest.mark.parametrize("kind", ["list", "map"])
