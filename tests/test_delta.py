@@ -160,6 +160,10 @@ def _run(job: str = "etl", lineage: str = "", restored: Tuple[Tuple[str, int], .
     return RunInfo(job, run_id, lineage or run_id, restored)
 
 
+def _active(uri: str) -> List[str]:
+    return [str(p) for p in pa.table(DeltaTable(uri).get_add_actions(flatten=True)).column("path").to_pylist()]
+
+
 def _rows(tag: str, n: int = 3) -> pa.Table:
     return pa.table({"user": [1] * n, "n": list(range(n)), "tag": [tag] * n})
 
@@ -186,6 +190,69 @@ def test_a_replayed_commit_is_skipped_by_the_app_transaction(tmp_path) -> None:
     sink.recover(((run.run_id, 2),))  # a restart restoring checkpoint 2: Delta has it all
     assert _tags(uri) == Counter({"a": 3, "b": 3, "c": 3})
     assert DeltaTable(uri).version() == 1 and DeltaTable(uri).transaction_version(sink.app_id) == 2
+
+
+def test_a_piece_a_failed_attempt_stages_after_the_restart_is_deleted_not_published(tmp_path) -> None:
+    """A Spark task of a failed attempt can outlive the restart and stage a piece (its
+    checkpoint never completed) after the driver's recover ran; the new attempt replays
+    those records, so its commit must not publish the zombie's copy."""
+    import copy
+
+    uri = str(tmp_path / "t")
+    run = _run()
+    sink = pe.sinks.DeltaSink(uri)
+    sink.begin_run(run)
+    sink.recover(())
+    sink.stage(0, 1, _rows("first"))
+    sink.commit(0, 1)
+    zombie = copy.deepcopy(sink)  # the failed attempt's copy, on an executor that is still running
+    sink.recover(((run.run_id, 1),))  # the restart: checkpoint 1 restored
+    zombie.stage(0, 2, _rows("zombie"))  # checkpoint 2 of the failed attempt: aborted, never completes
+    sink.stage(0, 3, _rows("replayed"))
+    sink.commit(0, 3)
+    assert _tags(uri) == Counter({"first": 3, "replayed": 3})
+    assert not [n for n in os.listdir(uri) if n.endswith(".parquet") and n not in _active(uri)]
+
+
+def test_two_first_commits_at_once_create_the_table_once(tmp_path) -> None:
+    """The driver's recovery and a failed attempt's task both committing checkpoint 1
+    of a table that does not exist yet: one creates it, the other finds its commit
+    there (delta-rs would otherwise rebase the second create onto the first)."""
+    import copy
+
+    for i in range(6):
+        uri = str(tmp_path / f"t{i}")
+        run = _run()
+        sink = pe.sinks.DeltaSink(uri)
+        sink.begin_run(run)
+        sink.recover(())
+        sink.stage(0, 1, _rows("a"))
+        zombie = copy.deepcopy(sink)
+        start = threading.Barrier(2)
+        errors: List[BaseException] = []
+
+        def commit(which: Any, how: str, start: Any = start, run: RunInfo = run, errors: List[Any] = errors) -> None:
+            start.wait()
+            try:
+                if how == "recover":
+                    which.recover(((run.run_id, 1),))
+                else:
+                    which.commit(0, 1)
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(target=commit, args=(sink, "recover")),
+            threading.Thread(target=commit, args=(zombie, "commit")),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        history = [h for h in DeltaTable(uri).history() if "pyengine.checkpoint_id" in h]
+        assert len(history) == 1, history
+        assert _tags(uri) == Counter({"a": 3})
 
 
 def test_recover_commits_covered_pieces_once_and_drops_the_rest(tmp_path) -> None:

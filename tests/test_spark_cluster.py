@@ -155,7 +155,9 @@ def test_kill_9_of_an_executor_jvm_recovers_exactly_into_a_delta_table(tmp_path,
     assert pairs(pa.table(table.to_pyarrow_table()).to_pylist()) == expected()
     commits = [h for h in table.history() if "pyengine.checkpoint_id" in h]
     keys = [(c["pyengine.run_id"], c["pyengine.checkpoint_id"]) for c in commits]
-    assert len(keys) == len(set(keys)) and sum(c["pyengine.rows"] for c in commits) == N
+    described = [{k: v for k, v in c.items() if k.startswith("pyengine.") or k == "version"} for c in commits]
+    assert len(keys) == len(set(keys)), described
+    assert sum(c["pyengine.rows"] for c in commits) == N, described
 
 
 def test_executors_run_pyengine_from_the_packed_virtualenv(spark) -> None:
