@@ -240,3 +240,24 @@ def test_a_batchs_output_staged_under_a_declined_checkpoint_is_taken_with_the_ne
     sink.mark(7, "r" * 32, 2, staged)
     again = sink.read(7)
     assert again is not None and again.to_pylist() == [{"user": 1, "count": 3}]
+
+
+def test_after_an_in_process_restart_a_batch_counts_as_read_only_once_read_again() -> None:
+    """A failure after the reader emitted batch 0's rows, before the checkpoint: the
+    restart rewinds the reader, so those rows are in no state. Until they are read
+    again, the handler must not trigger the batch's checkpoint, nor may the source's
+    checkpointed state claim the batch."""
+    import pyarrow as pa
+
+    from pyengine.spark.foreach_batch import _MicroBatchSource
+
+    source = _MicroBatchSource(None)
+    source.restore_split_state(0, 1, None)  # the first attempt: a fresh start
+    end = source.feed(0, pa.record_batch({"v": list(range(10))}))
+    assert len(source.read(0, 1, 0, 100)) == 10
+    assert source.wait_read(end, lambda: True) and source.split_state(0, 1) == {"spark_batch_id": 0, "end": 10}
+    source.restore_split_state(0, 1, None)  # the job fails and restarts in-process, from no checkpoint
+    assert not source.wait_read(end, lambda: False), "the rewound reader has not emitted the batch again"
+    assert source.split_state(0, 1) is None
+    assert len(source.read(0, 1, 0, 100)) == 10  # read again from the restored position
+    assert source.wait_read(end, lambda: True) and source.split_state(0, 1) == {"spark_batch_id": 0, "end": 10}

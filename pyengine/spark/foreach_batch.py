@@ -142,9 +142,14 @@ class _MicroBatchSource(Source):
             return
         with self._cond:
             batch = None if state is None else int(state["spark_batch_id"])
+            end = 0 if state is None else int(state["end"])
             if not self._fed_any:  # a new handler resuming: positions continue after the batch
-                end = 0 if state is None else int(state["end"])
-                self._base, self._fed_end, self._read_to = (batch, end), end, end
+                self._base, self._fed_end = (batch, end), end
+            # The reader starts again from the restored position (an in-process restart
+            # rewinds it): rows it emitted before the failure are in no state now, so a
+            # batch counts as read, for wait_read and split_state, only once it is read
+            # again. `end` is at or before that position; the first read moves it there.
+            self._read_to = end
             self.restored_batch = batch
         self.restored.set()
 
