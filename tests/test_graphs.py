@@ -349,31 +349,20 @@ def test_a_connect_of_three_edges_uses_one_gate_over_all_of_them() -> None:
     assert "connect" in graph.nonlinear_features() and "several sources" in graph.nonlinear_features()
 
 
-def test_the_spark_runner_refuses_a_graph_naming_what_is_embedded_only() -> None:
+def test_a_runner_that_runs_lines_only_refuses_a_graph_naming_what_makes_it_one() -> None:
     e = env()
     s = e.from_collection([1])
     s.sink_to(pe.sinks.CollectSink())
     s.map(lambda x: x).sink_to(pe.sinks.CollectSink())
 
-    class FakeSparkRunner:
+    class LinesOnly:  # a runner without supports_graphs
         supports_event_time = True
 
         def job(self, *args: Any) -> Any:
             raise AssertionError("a graph must be refused before it reaches the runner")
 
     with pytest.raises(ValueError, match=r"several sinks.*fan-out.*run it embedded"):
-        e.execute("graph-on-spark", runner=FakeSparkRunner())
-
-
-def test_the_spark_runner_itself_refuses_a_graph() -> None:
-    from pyengine.runners.spark import SparkRunner
-
-    e = env()
-    a, b = e.from_collection([1]), e.from_collection([2])
-    a.union(b).sink_to(pe.sinks.CollectSink())
-    runner = SparkRunner.__new__(SparkRunner)  # no session needed: it refuses before using one
-    with pytest.raises(ValueError, match=r"several sources, union.*Spark runner does not run yet.*embedded"):
-        runner.job(e._graph(), e, "graph")
+        e.execute("graph-elsewhere", runner=LinesOnly())
 
 
 # -- event time across inputs ----------------------------------------------------------------------

@@ -16,7 +16,7 @@ from collections import Counter
 from typing import Any, List, Tuple
 
 import pytest
-from conftest import barrier, drain, eop, feed
+from conftest import barrier, cancel, drain, eop, feed
 
 import pyengine as pe
 from pyengine.io import CheckpointFailureReason
@@ -246,6 +246,23 @@ def test_one_input_ending_while_aligning_aborts_the_checkpoint_and_releases_the_
     assert (0, "a-after") in out
     feed(gate, [(3, eop()), (0, barrier(2)), (1, barrier(2))])
     assert listener.triggered_ids == [2]
+
+
+def test_a_cancellation_marker_on_one_input_aborts_and_releases_the_other(make_gate: Any, listener: Any) -> None:
+    gate = make_gate(4)
+    out = feed(gate, [(0, barrier(1)), (1, barrier(1)), (1, "a-after"), (2, cancel(1))])
+    assert listener.aborted == [(1, R.CHECKPOINT_DECLINED_ON_CANCELLATION_BARRIER)]
+    assert (1, "a-after") in out, "the aligned input is released by the cancellation"
+    feed(gate, [(3, cancel(1)), (0, barrier(2)), (1, barrier(2)), (2, barrier(2)), (3, barrier(2))])
+    assert listener.triggered_ids == [2]
+
+
+def test_a_newer_barrier_on_one_input_subsumes_the_alignment_of_the_other(make_gate: Any, listener: Any) -> None:
+    gate = make_gate(4)
+    feed(gate, [(0, barrier(1)), (1, barrier(1)), (2, barrier(2))])
+    assert listener.aborted == [(1, R.CHECKPOINT_DECLINED_SUBSUMED)]
+    feed(gate, [(3, barrier(2)), (0, barrier(2)), (1, barrier(2))])
+    assert listener.triggered_ids == [2], "checkpoint 2 aligns over both inputs and triggers once"
 
 
 def test_unaligned_records_in_flight_data_of_both_inputs_with_their_channels(make_gate: Any, listener: Any) -> None:

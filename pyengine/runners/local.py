@@ -33,7 +33,7 @@ from ..storage.jobs import JobLease, describe_jobs, list_jobs
 from ..storage.metadata import CheckpointMetadata, OperatorState, load_metadata
 from .result import JobResult
 
-__all__ = ["LocalRunner", "refuse_graph", "resolve_restore_path"]
+__all__ = ["LocalRunner", "out_edges", "recover_sinks", "refuse_graph", "resolve_restore_path", "sinks_of"]
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ class LocalRunner:
         # reverse, each vertex's consumers' gates exist when its outputs are made.
         for v_index in reversed(range(len(graph.vertices))):
             vertex = graph.vertices[v_index]
-            out_edges = _out_edges(graph, v_index)
+            edges_out = out_edges(graph, v_index)
             row: List[StreamTask] = []
             for s in range(p):
                 outs = [
@@ -298,7 +298,7 @@ class LocalRunner:
                             gate_channel=k * p + s,  # after the channels of the consumer's earlier edges
                         ),
                     )
-                    for c, k, edge in out_edges
+                    for c, k, edge in edges_out
                 ]
                 output: Optional[Union[Output, Outputs]] = None
                 if len(outs) == 1 and outs[0][0] is None:
@@ -392,7 +392,7 @@ class LocalRunner:
             and self.restore_from is None
             and bool(env.checkpoint_storage)
             and env.checkpointing is not None
-            and not any(isinstance(sink, CollectSink) for sink in _sinks(self.graph))
+            and not any(isinstance(sink, CollectSink) for sink in sinks_of(self.graph))
         )
 
     def _find_resumable(self, uri: str) -> Any:
@@ -411,7 +411,7 @@ class LocalRunner:
             )
         if job.finished:
             return None
-        output = sinks_identity(_sinks(self.graph))
+        output = sinks_identity(sinks_of(self.graph))
         if job.output and output and job.output != output:
             raise OutputInUseError(
                 f"job {self.name!r} has an unfinished run in {job.uri} that wrote to {job.output}, but this run "
@@ -443,7 +443,7 @@ class LocalRunner:
         storage = checkpoint_storage(uri, dir_id)
         storage.probe()
         self.lease = JobLease(
-            storage.uri_of(storage.root), self.name, lineage_id, self.job_id, sinks_identity(_sinks(self.graph))
+            storage.uri_of(storage.root), self.name, lineage_id, self.job_id, sinks_identity(sinks_of(self.graph))
         )
         self.lease.acquire(restored_from=path)
         self.run_info = RunInfo(self.name, self.job_id, lineage_id, covered_by(restored))
@@ -536,7 +536,7 @@ class LocalRunner:
                 self._wake.clear()
                 restored = dict(restored_meta.operators) if restored_meta is not None else {}
                 covered = covered_by(restored_meta)
-                _recover_sinks(self.graph, covered)
+                recover_sinks(self.graph, covered)
                 self._attempted = True
                 self._build(restarts, restored, executor, storage)
                 for t in self._tasks:
@@ -555,7 +555,7 @@ class LocalRunner:
                     # The tasks may have been cancelled before the savepoint's commit reached
                     # them: the sink commits what the savepoint covers here, and nothing after.
                     stopped = covered_by(self._stop_savepoint)
-                    _recover_sinks(self.graph, stopped)
+                    recover_sinks(self.graph, stopped)
                     status = "FINISHED"
                     break
                 if outcome == "cancelled":
@@ -707,18 +707,17 @@ class LocalRunner:
 
 
 def refuse_graph(graph: Any, runner: str) -> None:
-    """Raises for a runner that runs one-line jobs only when ``graph`` is more than one
-    line, naming what makes it a graph and the way out (run it embedded)."""
+    """Raises for a runner that runs one-line jobs only (no ``supports_graphs``) when
+    ``graph`` is more than one line, naming what makes it a graph and the way out."""
     features = graph.nonlinear_features() if hasattr(graph, "nonlinear_features") else []
     if features:
         raise ValueError(
-            f"this job is a graph, not one line ({', '.join(features)}), which {runner} does not run yet: run it "
-            "embedded (execute(..., runner='embedded')); on Spark, a job is one line from one source to one sink "
-            "for now"
+            f"this job is a graph, not one line ({', '.join(features)}), which {runner} does not run: run it "
+            "embedded (execute(..., runner='embedded')) or on Spark (runner='spark'), which run any graph"
         )
 
 
-def _sinks(graph: Any) -> List[Any]:
+def sinks_of(graph: Any) -> List[Any]:
     """A job graph's sinks (a graph made before several sinks: its one sink)."""
     sinks = getattr(graph, "sinks", None)
     return list(sinks) if sinks is not None else [graph.sink]
@@ -728,7 +727,7 @@ def _each_sink(graph: Any, call: Callable[[Any], None]) -> None:
     """``call(sink)`` for every sink of the job, each even when one before it
     raised; then the first error goes on."""
     error: Optional[BaseException] = None
-    for sink in _sinks(graph):
+    for sink in sinks_of(graph):
         try:
             call(sink)
         except BaseException as exc:
@@ -738,12 +737,12 @@ def _each_sink(graph: Any, call: Callable[[Any], None]) -> None:
         raise error
 
 
-def _recover_sinks(graph: Any, covered: Tuple[Tuple[str, int], ...]) -> None:
+def recover_sinks(graph: Any, covered: Tuple[Tuple[str, int], ...]) -> None:
     """``Sink.recover(covered)`` for every sink of the job."""
     _each_sink(graph, lambda sink: sink.recover(covered))
 
 
-def _out_edges(graph: Any, v_index: int) -> List[Tuple[int, int, Any]]:
+def out_edges(graph: Any, v_index: int) -> List[Tuple[int, int, Any]]:
     """(consumer vertex, the edge's position among its inputs, edge) for every edge
     leaving vertex ``v_index``; a graph without edges is a line."""
     consumers = getattr(graph, "consumers", None)

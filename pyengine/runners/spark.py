@@ -30,13 +30,13 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 from ..coordinator import ExecutionAttempt, ThreadTimerService
 from ..errors import NonRetryableError
 from ..io import CheckpointOptions, CheckpointType
-from ..runtime.task import EventTimeStatistics, Output, event_time_statistics
+from ..runtime.task import EventTimeStatistics, Output, Outputs, event_time_statistics
 from ..sinks import CollectSink
 from ..storage import checkpoint_storage
 from ..storage.metadata import OperatorState
 from .control import ControlClient, ControlServer
 from .flight import JobTls
-from .local import GIL_SWITCH_INTERVAL_S, LocalRunner, build_task, covered_by, refuse_graph
+from .local import GIL_SWITCH_INTERVAL_S, LocalRunner, build_task, covered_by, out_edges, recover_sinks, sinks_of
 from .result import JobResult
 
 __all__ = ["SparkRunner"]
@@ -196,15 +196,33 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
         downstream = wired.get(timeout=REGISTRATION_TIMEOUT_S)
         if downstream is None:
             return
-        if v_index + 1 < len(graph.vertices):
-            nxt = graph.vertices[v_index + 1]
-            channels = [
-                RemoteChannel(loc, s, spec.token, capacity=max(1, env.channel_capacity), tls=spec.tls)
-                for loc in downstream
+        # One Output per edge out of this vertex (several for a fan-out or side outputs),
+        # each over remote channels to the consumer's subtasks, at this subtask's channel of
+        # the consumer's one gate (past the channels of its earlier input edges).
+        outs: List[Any] = []
+        for (_, k, edge), locations in zip(out_edges(graph, v_index), downstream, strict=True):
+            edge_channels: List[Any] = [
+                RemoteChannel(loc, k * p + s, spec.token, capacity=max(1, env.channel_capacity), tls=spec.tls)
+                for loc in locations
             ]
-            task.output = Output(
-                channels, s, nxt.exchange, nxt.key_selector, env.max_parallelism, env.buffer_size, task.cancelled
+            channels.extend(edge_channels)
+            output = Output(
+                edge_channels,
+                s,
+                edge.exchange,
+                edge.key_selector,
+                env.max_parallelism,
+                env.buffer_size,
+                task.cancelled,
+                gate_channel=k * p + s,
             )
+            outs.append((edge.tag, output))
+        if len(outs) == 1 and outs[0][0] is None:
+            task.output = outs[0][1]
+        elif outs:
+            task.output = Outputs(outs)
+            if task.output.sides:
+                task.chain[-1].side_output = task.output.emit_side
         task.start()
         task.finished.wait()
         for channel in channels:
@@ -524,6 +542,7 @@ class SparkRunner:
     # as metadata events, in order with the data (``flight.encode_event``); each task's
     # watermarks reach the driver with its poll (``JobResult.event_time``).
     supports_event_time = True
+    supports_graphs = True  # several sources and sinks, union, connect, side outputs
 
     def __init__(self, spark: Any = None) -> None:
         _require_pyspark()
@@ -532,10 +551,8 @@ class SparkRunner:
     def job(
         self, graph: Any, env: Any, name: str, restore_from: Optional[str] = None, resume: str = "auto"
     ) -> _SparkJob:
-        """The job, ready to ``run()`` (``env.execute`` calls this). A job graph beyond
-        one line (several sinks or sources, union, connect, side outputs, fan-out) is
-        refused for now, naming what makes it one: those run embedded only."""
-        refuse_graph(graph, "the Spark runner")
+        """The job, ready to ``run()`` (``env.execute`` calls this): any job graph, each
+        edge a set of Flight channels into its consumer's one gate."""
         return _SparkJob(graph, env, name, restore_from, self.spark, resume)
 
     def run(
@@ -558,7 +575,7 @@ class _SparkJob(LocalRunner):
         resume: str = "auto",
     ) -> None:
         super().__init__(graph, env, name, restore_from, resume)
-        if isinstance(graph.sink, CollectSink):
+        if any(isinstance(sink, CollectSink) for sink in sinks_of(graph)):
             raise ValueError(
                 "CollectSink keeps records in memory, which Spark executors do not share with the driver: "
                 "use FileSink (parquet, which spark.read.parquet reads) on Spark"
@@ -584,7 +601,8 @@ class _SparkJob(LocalRunner):
         return [ExecutionAttempt(v.name, s, self._attempt_number) for v in self.graph.vertices for s in range(p)]
 
     def tasks_to_trigger(self) -> Sequence[ExecutionAttempt]:
-        return [a for a in self._attempts() if a.vertex == self.graph.vertices[0].name]
+        sources = {v.name for v in self.graph.vertices if not v.inputs}  # every source is triggered
+        return [a for a in self._attempts() if a.vertex in sources]
 
     def tasks_to_ack(self) -> Sequence[ExecutionAttempt]:
         return self._attempts()
@@ -778,7 +796,7 @@ class _SparkJob(LocalRunner):
                 self._ending = False
                 self._wake.clear()
                 restored = dict(restored_meta.operators) if restored_meta is not None else {}
-                self.graph.sink.recover(covered_by(restored_meta))
+                recover_sinks(self.graph, covered_by(restored_meta))
                 self._attempted = True
                 self._submit(backend, _TaskSpec(restored=restored, attempt=self._attempt_number, **spec_base))
                 outcome = self._supervise_spark()
@@ -796,7 +814,7 @@ class _SparkJob(LocalRunner):
                 if outcome == "stopped":
                     # As the embedded runner: the tasks may have been cancelled before the
                     # savepoint's commit reached them, so the sink commits what it covers here.
-                    self.graph.sink.recover(covered_by(self._stop_savepoint))
+                    recover_sinks(self.graph, covered_by(self._stop_savepoint))
                     status = "FINISHED"
                     break
                 if outcome == "cancelled":
@@ -863,12 +881,14 @@ class _SparkJob(LocalRunner):
             self._wake.clear()
         p = self.env.parallelism
         for v_index, vertex in enumerate(self.graph.vertices):
-            nxt = self.graph.vertices[v_index + 1] if v_index + 1 < len(self.graph.vertices) else None
-            downstream = (
-                [self._registered[ExecutionAttempt(nxt.name, j, self._attempt_number)] for j in range(p)]
-                if nxt is not None
-                else []
-            )
+            # per edge out of the vertex (``out_edges``' order): its consumer's subtasks' addresses
+            downstream = [
+                [
+                    self._registered[ExecutionAttempt(self.graph.vertices[c].name, j, self._attempt_number)]
+                    for j in range(p)
+                ]
+                for c, _, _ in out_edges(self.graph, v_index)
+            ]
             for s in range(p):
                 task = ExecutionAttempt(vertex.name, s, self._attempt_number)
                 self._send(task, {"cmd": "wiring", "downstream": downstream})
