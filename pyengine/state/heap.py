@@ -227,18 +227,17 @@ class _Ttl:
     (an expired entry found by a read is removed then, unless the state may return
     expired entries), the snapshot's asynchronous part leaves expired entries out
     of the file, and an incremental cleanup (Flink's, bounded per record) checks
-    ``CLEANUP_SIZE`` entries every ``CLEANUP_EVERY`` records that use TTL state:
-    ``tick`` once per record (the backend's clock read for it) or ``advance`` once
-    per step of the task for all of the step's records. A cursor walks the key
-    groups, the keys of each and, for a map, its entries, so the cost never depends
-    on how much state a key holds, and no state call pays for the counting. A step
-    of the cleanup costs one comparison while nothing can have expired:
+    ``CLEANUP_SIZE`` entries every ``CLEANUP_EVERY`` records that use TTL state
+    (the backend counts them where it reads its clock: once per record, or once
+    per step of the task for all of the step's records, so no state call counts).
+    A cursor walks the key groups, the keys of each and, for a map, its entries,
+    so the cost never depends on how much state a key holds. The cleanup costs one
+    comparison while nothing can have expired (``may_have_expired``):
     ``floor`` is a lower bound of the stamps in the state (the state's creation
     for a new one; after a restore, the oldest stamp a full pass of the cursor saw).
     """
 
     __slots__ = (
-        "_countdown",
         "_entries",
         "_epos",
         "_group",
@@ -263,7 +262,6 @@ class _Ttl:
         self.ttl_ms = config.ttl_ms
         self.on_read = config.update_type is TtlUpdateType.ON_READ_AND_WRITE
         self.return_expired = config.state_visibility is StateVisibility.RETURN_EXPIRED_IF_NOT_CLEANED_UP
-        self._countdown = self.CLEANUP_EVERY
         self._group = -1  # the cleanup cursor: key group, its keys, a map's user keys
         self._keys: List[Any] = []
         self._kpos = 0
@@ -282,31 +280,8 @@ class _Ttl:
     def visible(self, stamp: int, now: int) -> bool:
         return now - stamp < self.ttl_ms or self.return_expired
 
-    def tick(self, table: StateTable, now: Optional[int] = None) -> None:
-        """Counts a record; every CLEANUP_EVERY records, one bounded cleanup step."""
-        self._countdown -= 1
-        if self._countdown <= 0:
-            self.step(table, now)
-
-    def advance(self, table: StateTable, records: int, now: int) -> None:
-        """Counts ``records`` records at once (a step of the task): the cleanup steps
-        they are due, as one cleanup of their combined size."""
-        every = self.CLEANUP_EVERY
-        countdown = self._countdown - records
-        if countdown > 0:
-            self._countdown = countdown
-            return
-        steps = (every - countdown) // every
-        self._countdown = countdown + steps * every
-        if now - self.ttl_ms >= self.floor:  # else nothing can have expired yet
-            self.cleanup(table, self.CLEANUP_SIZE * steps, now)
-
-    def step(self, table: StateTable, now: Optional[int] = None) -> None:
-        self._countdown = self.CLEANUP_EVERY
-        if now is None:
-            now = self.clock()
-        if now - self.ttl_ms >= self.floor:  # else nothing can have expired yet
-            self.cleanup(table, self.CLEANUP_SIZE, now)
+    def may_have_expired(self, now: int) -> bool:
+        return now - self.ttl_ms >= self.floor
 
     def cleanup(self, table: StateTable, budget: int, now: Optional[int] = None) -> None:
         """Checks about ``budget`` entries at the cursor and removes the expired ones
@@ -994,10 +969,20 @@ class MapState(_KeyedState, Generic[K, V]):
         if index < 0:
             raise _no_key(self)
         ttl = self._ttl
-        if ttl is None:
-            self._writable(index, b._key)[user_key] = value
-        else:
-            self._writable(index, b._key)[user_key] = (value, (b._ttl_now or ttl.clock()))
+        if ttl is not None:
+            now = b._ttl_now
+            value = (value, now if now is not None else ttl.clock())  # type: ignore[assignment]
+        key = b._key
+        table = self._table
+        stored = table.groups[index].get(key)  # _writable, inlined: once per record in most jobs
+        if stored is None:
+            table.store(index, key, {user_key: value})
+            return
+        if table.tainted[index] and key not in table.owned[index]:
+            stored = table.own(index, key, stored)  # copied once per key and snapshot
+        elif table.changes is not None:
+            table.changes[index].add(key)
+        stored[user_key] = value
 
     def put_all(self, entries: Mapping[K, V]) -> None:
         """Sets several entries of the current key's map."""
@@ -1309,6 +1294,7 @@ class HeapKeyedStateBackend:
         # The TTL states (and their tables), for the incremental cleanup, which counts
         # records at the clock's reads: once per record, or per step.
         self._ttl_states: List[Tuple[_Ttl, StateTable]] = []
+        self._ttl_countdown = _Ttl.CLEANUP_EVERY  # records until the next cleanup step
         self._ttl_step_now: Optional[int] = None  # what set_current_key leaves in _ttl_now
         # Tables are StateTable (dicts) or columnar.ColumnarValueTable; states likewise.
         self._tables: Dict[str, Any] = {}
@@ -1355,11 +1341,24 @@ class HeapKeyedStateBackend:
                 now = self._ttl_now = _time_ns() // 1_000_000
             else:
                 now = self._ttl_clock()
-            for ttl, table in self._ttl_states:  # a record (or call) using TTL: the cleanup's count
-                ttl._countdown -= 1
-                if ttl._countdown <= 0:
-                    ttl.step(table, now)
+            self._ttl_countdown -= 1  # a record (or a call) that uses TTL: the cleanup's count
+            if self._ttl_countdown <= 0:
+                self._ttl_cleanup(0, now)
         return now
+
+    def _ttl_cleanup(self, records: int, now: int) -> None:
+        """Counts ``records`` more records for the incremental cleanup of the TTL
+        states and runs the cleanup steps they are due (one per ``CLEANUP_EVERY``)."""
+        every = _Ttl.CLEANUP_EVERY
+        countdown = self._ttl_countdown - records
+        if countdown > 0:
+            self._ttl_countdown = countdown
+            return
+        steps = (every - countdown) // every
+        self._ttl_countdown = countdown + steps * every
+        for ttl, table in self._ttl_states:
+            if ttl.may_have_expired(now):
+                ttl.cleanup(table, _Ttl.CLEANUP_SIZE * steps, now)
 
     def begin_ttl_step(self, now_ms: Optional[int] = None, records: int = 1) -> None:
         """A step of the task's mailbox begins (an operator processing one buffer):
@@ -1380,8 +1379,7 @@ class HeapKeyedStateBackend:
         if self._ttl_states:
             if now_ms is None:
                 now_ms = self._ttl_clock()
-            for ttl, table in self._ttl_states:
-                ttl.advance(table, records, now_ms)
+            self._ttl_cleanup(records, now_ms)
         self._ttl_now = self._ttl_step_now = now_ms
 
     def end_ttl_step(self) -> None:
