@@ -768,8 +768,11 @@ class ListState(_KeyedState, Generic[T]):
         if not view._ttl:
             return stored[:n]  # type: ignore[no-any-return]
         limit = view._now - view._ttl
-        if n == len(stored) and min(map(_stamp_of, stored)) > limit:  # none expired: two C passes
-            return list(map(_value_of, stored))
+        if n == len(stored):
+            # none expired: one C pass, or two when some element of the state may have
+            # (floor: a lower bound of the state's stamps)
+            if self._ttl.floor > limit or min(map(_stamp_of, stored)) > limit:  # type: ignore[union-attr]
+                return list(map(_value_of, stored))
         return list(view)
 
     def view(self) -> ListView[T]:
