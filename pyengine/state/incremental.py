@@ -32,6 +32,15 @@ checkpoint before it):
 Deltas cover every change since the base's snapshot (the change logs of all the
 snapshots taken since, those that failed included), so nothing is lost when the
 base stays behind.
+
+TTL state: what expired by the time the asynchronous part writes is left out, as
+by the heap backend's full snapshots (Flink's cleanup in full snapshots): a base
+holds only live entries, and a delta writes a changed key whose entry expired as a
+tombstone (a list or map: its live elements), so a restore does not bring an older
+version back from the chain's earlier files. A key left unchanged since a file of
+the chain was written keeps its entry there until a base is written again (every
+``max_chain`` deltas); reads leave it out once expired, and the incremental
+cleanup removes it after a restore.
 """
 
 from __future__ import annotations
