@@ -9,6 +9,8 @@ from collections import Counter
 from typing import Any, Dict, List
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import pyengine as pe
 from pyengine.api import JobGraph
@@ -422,3 +424,56 @@ def test_at_least_once_checkpoints_across_a_connect_complete_and_lose_nothing() 
     lefts, rights = Counter(r["k"] for r in LEFT), Counter(r["k"] for r in RIGHT)
     assert sorted(sink.records) == sorted((k, lefts[k], rights[k]) for k in set(lefts) | set(rights))
     assert result.checkpoints.counts["completed"] >= 1
+
+
+# -- random graphs' inputs against brute force ---------------------------------------------------
+
+
+class Join(pe.KeyedCoProcessFunction):
+    """Emits every (left, right) pair of a key once, whichever side came first: the
+    pairs a brute-force join of the whole inputs gives."""
+
+    def open(self, ctx: pe.KeyedContext) -> None:
+        self.lefts = ctx.get_state(pe.ListStateDescriptor("lefts"))
+        self.rights = ctx.get_state(pe.ListStateDescriptor("rights"))
+
+    def process_element1(self, value: Any, ctx: pe.KeyedContext) -> Any:
+        self.lefts.add(value["v"])
+        return [(value["v"], r) for r in self.rights.get()]
+
+    def process_element2(self, value: Any, ctx: pe.KeyedContext) -> Any:
+        self.rights.add(value["v"])
+        return [(left, value["v"]) for left in self.lefts.get()]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    left=st.lists(st.integers(0, 5), max_size=60),
+    right=st.lists(st.integers(0, 5), max_size=60),
+    extra=st.lists(st.integers(0, 5), max_size=30),
+    parallelism=st.integers(1, 3),
+    backend=st.sampled_from(["heap", "incremental"]),
+    unaligned=st.booleans(),
+)
+def test_a_union_into_a_keyed_connect_joins_as_brute_force_does(
+    left: List[int], right: List[int], extra: List[int], parallelism: int, backend: str, unaligned: bool
+) -> None:
+    lefts = [{"k": k, "v": f"l{i}"} for i, k in enumerate(left)] + [{"k": k, "v": f"x{i}"} for i, k in enumerate(extra)]
+    rights = [{"k": k, "v": f"r{i}"} for i, k in enumerate(right)]
+    e = env(
+        parallelism=parallelism,
+        state_backend=backend,
+        checkpointing=pe.CheckpointConfig(interval_ms=5, unaligned=unaligned),
+        buffer_size=4,
+    )
+    a = e.from_collection(lefts[: len(left)])
+    x = e.from_collection(lefts[len(left) :])
+    b = e.from_collection(rights)
+    joined, keys = pe.sinks.CollectSink(), pe.sinks.CollectSink()
+    pairs = a.union(x).key_by("k").connect(b.key_by("k")).process(Join())
+    pairs.sink_to(joined)
+    b.map(lambda r: r["k"]).sink_to(keys)  # the same source feeds a second sink too
+    e.execute("random-join")
+    expected = Counter((lt["v"], rt["v"]) for lt in lefts for rt in rights if lt["k"] == rt["k"])
+    assert Counter(joined.records) == expected
+    assert sorted(keys.records) == sorted(right)
