@@ -393,7 +393,10 @@ class JobMonitor:
         if config is None:
             return None
         return rest.checkpoint_config(
-            config, state_backend=str(self.job.env.state_backend), checkpoint_storage=self.storage_uri()
+            config,
+            state_backend=str(self.job.env.state_backend),
+            checkpoint_storage=self.storage_uri(),
+            interval=getattr(self.tracker(), "interval", None) or None,
         )
 
     def job_details(self) -> Dict[str, Any]:

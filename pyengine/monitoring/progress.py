@@ -154,7 +154,9 @@ def streaming_query_progress(monitor: JobMonitor, sample: JobSample) -> Dict[str
         "sources": [source] if source is not None else [],
         "sink": {"description": sink_name, "numOutputRows": reached, "metrics": {}},
         "observedMetrics": {},
-        # pyengine's own, beside Spark's: the job's state and restarts so far
+        # pyengine's own, beside Spark's: the job's state and restarts so far, and the
+        # checkpoint interval in use (with interval_ms="auto", the one the goal chose)
         "status": monitor.state(),
         "restarts": monitor.restarts,
+        "checkpointIntervalMs": (getattr(tracker, "interval", None) or {}).get("interval_ms"),
     }

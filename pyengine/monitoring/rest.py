@@ -341,11 +341,28 @@ def task_checkpoint_details(stats: Any, vertex: VertexInfo) -> Dict[str, Any]:
     return out
 
 
-def checkpoint_config(config: Any, *, state_backend: str, checkpoint_storage: str) -> Dict[str, Any]:
-    """Flink's ``CheckpointConfigInfo``: ``/jobs/:jobid/checkpoints/config``."""
+def checkpoint_config(
+    config: Any, *, state_backend: str, checkpoint_storage: str, interval: Optional[Dict[str, Any]] = None
+) -> Dict[str, Any]:
+    """Flink's ``CheckpointConfigInfo``: ``/jobs/:jobid/checkpoints/config``.
+
+    ``interval``: the coordinator's interval in use (``CheckpointStatsTracker.interval``);
+    with ``interval_ms="auto"`` the configured value is not a number, and ``interval``
+    is the one chosen now (0 while a backlog takes no checkpoints), as Flink reports the
+    backlog interval in force."""
+    current = (interval or {}).get("interval_ms", config.interval_ms) if interval else config.interval_ms
+    out = _checkpoint_config(config, state_backend=state_backend, checkpoint_storage=checkpoint_storage)
+    out["interval"] = int(current) if isinstance(current, int) else 0
+    if interval:
+        # pyengine's own: "fixed" or "auto", the goal, the backlog state and the estimate
+        out["interval_info"] = dict(interval)
+    return out
+
+
+def _checkpoint_config(config: Any, *, state_backend: str, checkpoint_storage: str) -> Dict[str, Any]:
     return {
         "mode": "exactly_once" if config.mode == "exactly_once" else "at_least_once",
-        "interval": int(config.interval_ms),
+        "interval": config.interval_ms if isinstance(config.interval_ms, int) else 0,
         "timeout": int(config.timeout_ms),
         "min_pause": int(config.min_pause_ms),
         "max_concurrent": int(config.max_concurrent),
