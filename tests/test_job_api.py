@@ -247,25 +247,22 @@ def test_checkpoints_commands_fail_clearly_on_a_wrong_path(tmp_path, capsys) -> 
     assert "not a directory" in capsys.readouterr().err
 
 
-def test_a_stream_used_twice_is_refused_not_silently_chained() -> None:
-    """``s.filter(...).sink_to(a)`` then ``s.key_by(...)...sink_to(b)`` would branch the
-    stream; a job is one line for now, and continuing the first line instead sent the
-    second branch's operators the first's output (both sinks received nothing)."""
+def test_a_stream_used_twice_branches_and_a_sink_is_not_continued() -> None:
+    """``s.filter(...).sink_to(a)`` then ``s.key_by(...)...sink_to(b)`` branches the
+    stream (issue #20: job graphs): each branch gets every record. Continuing the
+    first line instead sent the second branch's operators the first's output (both
+    sinks received nothing) before graphs; what ``sink_to`` returns is not continued."""
     env = pe.StreamEnvironment(monitoring=None)
     s = env.from_collection([{"u": i % 3, "v": i} for i in range(10)])
-    s.filter(lambda r: r["v"] % 2 == 0).sink_to(pe.sinks.CollectSink())
-    with pytest.raises(ValueError, match=r"key_by\(\): this stream was already continued with filter\(\)"):
-        s.key_by("u")
-    keyed = env.from_collection([{"u": 1}]).key_by("u")
-    keyed.aggregate(pe.agg.count())
-    with pytest.raises(ValueError, match="already continued with aggregate"):
-        keyed.aggregate(pe.agg.count())
-    done = env.from_collection([{"u": 1}]).map(lambda r: r)
-    done.sink_to(pe.sinks.CollectSink())
-    with pytest.raises(ValueError, match="already continued with sink_to"):
+    evens, counts = pe.sinks.CollectSink(), pe.sinks.CollectSink()
+    s.filter(lambda r: r["v"] % 2 == 0).sink_to(evens)
+    s.key_by("u").aggregate(pe.agg.count(), emit="final").sink_to(counts)
+    done = env.from_collection([{"u": 1}]).map(lambda r: r).sink_to(pe.sinks.CollectSink())
+    with pytest.raises(ValueError, match=r"map\(\): this stream is the end of a sink_to\(\)"):
         done.map(lambda r: r)
-    with pytest.raises(ValueError, match=r"uid.*already continued"):
-        done.uid("late")
+    env.execute("branches")
+    assert sorted(r["v"] for r in evens.records) == [0, 2, 4, 6, 8]
+    assert {r["u"]: r["count"] for r in counts.records} == {0: 4, 1: 3, 2: 3}
 
 
 def test_ctrl_c_during_execute_records_the_run_canceled_before_the_interrupt_goes_on(tmp_path) -> None:

@@ -30,6 +30,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional
 import pyarrow.flight as flight
 
 from ..coordinator import ExecutionAttempt, SubtaskMetrics, TaskStateSnapshot
+from ..coordinator.coordinator import CheckpointException
+from ..io import CheckpointFailureReason
 from ..storage.handles import handle_from_json
 from ..storage.metadata import SubtaskState
 from .flight import (
@@ -177,9 +179,15 @@ class ControlServer(GuardedServer):
             self.coordinator.receive_acknowledge_message(int(body["checkpoint_id"]), attempt, snapshot, metrics)
             return None
         if kind == "decline":
-            self.coordinator.receive_decline_message(
-                int(body["checkpoint_id"]), attempt, RuntimeError(str(body.get("message", "declined")))
-            )
+            message = str(body.get("message", "declined"))
+            cause: BaseException = RuntimeError(message)
+            reason = body.get("reason")
+            if isinstance(reason, str) and reason in CheckpointFailureReason.__members__:
+                # The task's reason, as the embedded runner's coordinator gets it: one the
+                # tolerable-failure budget ignores (an input that ended while aligning, a
+                # cancellation barrier, a subsumed checkpoint) must not fail a Spark job.
+                cause = CheckpointException(CheckpointFailureReason[reason])
+            self.coordinator.receive_decline_message(int(body["checkpoint_id"]), attempt, cause)
             return None
         if kind == "drained":
             self._on_drained(attempt)
@@ -234,7 +242,13 @@ class ControlClient:
         )
 
     def decline(self, checkpoint_id: int, cause: Optional[BaseException]) -> None:
-        self._call("decline", checkpoint_id=checkpoint_id, message=str(cause) if cause is not None else "declined")
+        reason = getattr(cause, "reason", None)
+        self._call(
+            "decline",
+            checkpoint_id=checkpoint_id,
+            message=str(cause) if cause is not None else "declined",
+            reason=reason.name if isinstance(reason, CheckpointFailureReason) else None,
+        )
 
     def drained(self) -> None:
         self._call("drained")
