@@ -57,8 +57,8 @@ import pyengine as pe
 RECORDS = int(os.environ.get("PYENGINE_BENCH_RECORDS", 10_000_000))
 PER_RECORD = max(RECORDS // 4, 200_000)  # a Python call per record: a quarter runs as long as the rest
 KEYS = 10_000
-ROUNDS = 3  # monitored rounds, each after an unmonitored run
-OFF_ROUNDS = 2  # the unmonitored row's own rounds
+ROUNDS = 5  # monitored rounds, each but the first after an unmonitored run
+OFF_ROUNDS = 1  # the unmonitored row's own rounds: with the runs between, 5 of each, as many as before rows
 TARGET = 0.98  # issue #15: monitoring costs at most 2% of the throughput
 GUARD = 0.95  # what the timed ratio must show when the runs resolve it (see the docstring)
 RESOLVING = 1.10  # the runs resolve the guard when each variant's median run is within this of its best
@@ -168,7 +168,8 @@ def _rows(benchmark: Any, monitored: bool, what: str, build: Any, scraper: Scrap
 
     def between() -> None:  # untimed: an unmonitored run, and the last monitored run's requests
         _served(on, scraper)
-        off.append(_run(build, False, scraper))
+        if on or not off:  # before the first round, the unmonitored row has just run
+            off.append(_run(build, False, scraper))
 
     benchmark.pedantic(lambda: on.append(_run(build, True, scraper)), setup=between, rounds=ROUNDS)
     _served(on, scraper)
