@@ -165,6 +165,8 @@ def test_state_call_costs_do_not_grow_with_the_state(benchmark: Any, overhead: f
         # were interleaved round by round before rows: a spell of the machine's load hits
         # every size, and every timed batch follows the same work (a row's batches back to
         # back would find the caches hot for the small sizes only: 1.5-1.8x ratios of nothing)
+        if call == "list get":
+            return  # reported, not asserted; and its batches at 10,000 take 0.1-0.2 s each
         for other in SIZES:
             if other != size:
                 _BATCHES.setdefault((call, ttl, other), []).append(_batch_after(*backends[(ttl, other)][call]))
