@@ -104,10 +104,9 @@ def test_a_graph_runs_on_spark_exactly_once_across_a_failure(tmp_path: Any, spar
     counted.get_side_output(SEVENS).sink_to(sevens)
     result = env.execute("graph-on-spark", runner=pe.runners.SparkRunner(spark))
     assert result.status == "FINISHED", result.cause
-    # At least the injected one: until the control plane carries a decline's reason
-    # (/tmp/patches/graphs-control-decline-reason.patch), a checkpoint pending when an
-    # input ends is declined as a plain failure on Spark, and may cost one more restart.
-    assert os.path.exists(tmp_path / "failed-once") and result.restarts >= 1
+    # Exactly the injected one: a checkpoint declined because an input ended while it
+    # aligned is not a failure (its reason reaches the driver), on Spark as embedded.
+    assert os.path.exists(tmp_path / "failed-once") and result.restarts == 1
     per_user = Counter(r["user"] for r in FIRST + SECOND + THIRD)
     expected = Counter({(u, n): 1 for u, c in per_user.items() for n in range(1, c + 1)})
     assert Counter((r["user"], r["n"]) for r in counts.read_committed()) == expected
