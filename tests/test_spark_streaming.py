@@ -67,7 +67,12 @@ def _write_inputs(directory: str, first: int, last: int) -> None:
     os.makedirs(directory, exist_ok=True)
     for f in range(first, last):
         rows = [{"user": (f * ROWS + i) % USERS, "v": f * ROWS + i} for i in range(ROWS)]
-        pq.write_table(pa.Table.from_pylist(rows), os.path.join(directory, f"part-{f:03d}.parquet"))
+        path = os.path.join(directory, f"part-{f:03d}.parquet")
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        # Spark's file source takes files in modification-time order: files written within
+        # one clock tick could otherwise make batch f another file (the tests name batches
+        # by the file they hold).
+        os.utime(path, (1_700_000_000 + f, 1_700_000_000 + f))
 
 
 def _expected(files: int) -> Counter:
