@@ -230,6 +230,20 @@ class LocalRunner:
             return False
         return all(t.running.is_set() and not t.end_requested.is_set() for t in self._tasks)
 
+    def records_read(self) -> int:
+        """Records the source tasks of this attempt read so far (the coordinator's
+        replay rate for ``interval_ms="auto"``; optional in a JobGateway)."""
+        return sum(t.records_in for t in list(self._tasks) if t.gate is None)
+
+    def is_processing_backlog(self) -> bool:
+        """Whether a source reports a backlog (``Source.is_processing_backlog``): the
+        coordinator then checkpoints every ``interval_during_backlog_ms``."""
+        for source in getattr(self.graph, "sources", ()):
+            ask = getattr(source, "is_processing_backlog", None)
+            if ask is not None and ask():
+                return True
+        return False
+
     def operator_parallelism(self) -> Dict[str, Tuple[int, int]]:
         p, max_p = self.env.parallelism, self.env.max_parallelism
         return {uid: (p, max_p) for uid in self.graph.state_uids()}

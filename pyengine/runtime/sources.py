@@ -80,6 +80,15 @@ class Source:
         """Before a run reads a split: the state ``split_state`` gave at the restored
         checkpoint, or None for a fresh start."""
 
+    def is_processing_backlog(self) -> bool:
+        """True while the source is catching up on a backlog (Flink's
+        ``isProcessingBacklog``, FLIP-309): the job then checkpoints every
+        ``CheckpointConfig.interval_during_backlog_ms``. Asked from the coordinator's
+        thread at every checkpoint tick, so it must be cheap and thread-safe (read a
+        flag). A source may also tell the coordinator itself,
+        ``coordinator.set_processing_backlog(name, True)``."""
+        return False
+
 
 class CollectionSource(Source):
     """A list of records, or an Arrow table (read as batches), read in its order by
