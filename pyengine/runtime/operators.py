@@ -7,6 +7,7 @@ of a task call each other through plain lists: no queue, no copy."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Iterable, List, Optional, Tuple, TypeAlias, overload
 
 import pyarrow as pa
@@ -616,12 +617,20 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
         out: List[Any] = []
         records = rows_of(records)
         backend, kctx = self.backend, self._kctx
+        set_current_key = backend.set_current_key
+        # key_by(field): the field read in C (operator.itemgetter); a record without
+        # it is found below and refused by the selector itself, as before
+        fast = getattr(select, "fast", None)
+        get_key = select if fast is None else fast
+        # One processing time for the buffer's TTL checks and stamps (Flink's
+        # TtlTimeProvider): one clock read per buffer, not per record.
+        backend.begin_ttl_step(records=len(records))
         try:
             for r in records:
-                key = select(r)
+                key = get_key(r)
                 if key.__class__ is float and key != key:
                     raise NaNKeyError(f"{self.where()}: the key of record {r!r} is NaN")
-                backend.set_current_key(key)
+                set_current_key(key)
                 kctx.current_key = key
                 kctx._record = r
                 produced = element(r, kctx)
@@ -630,9 +639,12 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
         except NonRetryableError:
             raise
         except Exception as exc:
+            if fast is not None and isinstance(exc, (KeyError, IndexError, TypeError)):
+                select(r)  # a record without the key's field: ColumnNotFoundError (else the function raised)
             raise UserFunctionError(f"{self.where()}: {type(exc).__name__}: {exc}") from exc
         finally:
             kctx._record = None
+            backend.end_ttl_step()
         return out
 
     def _fire(self, queue: Any, upto: int, domain: Any) -> List[Any]:
@@ -867,5 +879,6 @@ def key_selector(key: Any) -> Callable[[Any], Any]:
                 raise ColumnNotFoundError(f"key_by({name!r}): record {record!r} has no field {name!r}") from None
 
         select.column = name  # type: ignore[attr-defined]  # lets Arrow batches be partitioned by column
+        select.fast = operator.itemgetter(name)  # type: ignore[attr-defined]  # the same read, in C
         return select
     raise TypeError(f"key_by takes a function or a field name, got {key!r}")
