@@ -17,19 +17,21 @@ map), met or not. ``ListState.get()`` returns a new list, so it
 copies the elements (a C-level copy, no Python call per element): its ratio is
 reported, not asserted; ``view()`` is the read whose cost does not grow, asserted.
 
-TTL calls are timed within a record: the backend reads the wall clock once per
-record (``set_current_key``), and that read (a system call on this host, measured
-and reported as ``clock read``) is in the sessionizer's figure, not in the calls'.
+TTL calls are timed within a record: outside a processing step the backend reads the
+wall clock once per record (``set_current_key``), and that read (a system call on this
+host, measured and reported as ``clock read``) is not in the calls' figures. A job's
+keyed operator reads it once per buffer (``begin_ttl_step``).
 
 Sessionizer (the issue's job, written here): per event a ValueState pair (session
 start, last event), a MapState of page counts and a ListState of amounts; a gap
 of 30 minutes of event time closes a session and emits its summary. Parallelism 1,
 the embedded runner, no checkpoints. The target is TTL costing <= 15% and >= 200 k
 events/s with TTL, reported met or not: measured here TTL costing 17-40% (no TTL
-130-190 k events/s, with TTL 80-157 k, depending on the machine's load). Most of it
-is the wall clock read once per record (a system call on this host: 0.1-0.7 us
-with the Python around it) and a tuple per stamped entry; the calls themselves cost
-0.05-0.15 us more with TTL (the rows above). Asserted, as a regression guard: with
+130-190 k events/s, with TTL 80-157 k, depending on the machine's load) when the clock
+was read once per record; with one read per buffer, 21-36% of CPU time
+(``bench/test_bench_state_sessionizer.py``). What remains is a ``(value, stamp)``
+tuple per stamped entry, unpacked on every read (a list's ``get()`` most); the calls
+themselves cost 0.05-0.15 us more with TTL (the rows above). Asserted, as a regression guard: with
 TTL >= 40% of the events/s without it.
 """
 
