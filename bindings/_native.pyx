@@ -693,7 +693,7 @@ cdef class InputGate:
             self.timeout_eligible = False
             self.last_alignment_ns = 0
             metrics = Metrics(0, self.last_start_delay_ns, 0, True)
-            notes.append((self.cb_trigger, (barrier, metrics)))
+            notes.append((self.cb_trigger, (barrier.with_alignment(True), metrics)))
             self.hand_overtaken(ch, overtaken, notes)
         else:
             self.phase = ALIGNED
@@ -714,7 +714,9 @@ cdef class InputGate:
         if self.phase == ALIGNED:
             duration = self.end_alignment()
             metrics = Metrics(duration, self.last_start_delay_ns, self.bytes_during_alignment, False)
-            notes.append((self.cb_trigger, (barrier, metrics)))
+            # An aligned-first checkpoint whose barriers all came in time is an aligned one:
+            # no in-flight data and no finish_input follow, so its barrier must not say unaligned.
+            notes.append((self.cb_trigger, (barrier.with_alignment(False), metrics)))
         elif self.cb_finish is not None:
             notes.append((self.cb_finish, (self.align.checkpoint_id,)))
         return 0
@@ -771,7 +773,7 @@ cdef class InputGate:
                     self.prio_len += 1
                     break
         metrics = Metrics(duration, self.last_start_delay_ns, self.bytes_during_alignment, True)
-        self.cb_trigger(self.current_barrier, metrics)
+        self.cb_trigger(self.current_barrier.with_alignment(True), metrics)
         return 0
 
     cdef int hand_overtaken(self, uint32_t ch, list overtaken, list notes) except -1:

@@ -130,6 +130,18 @@ class CheckpointBarrier(_Final):
         """True for a checkpoint, False for either kind of savepoint."""
         return not self.options.checkpoint_type.is_savepoint
 
+    def with_alignment(self, unaligned: bool) -> CheckpointBarrier:
+        """This barrier as a gate takes its checkpoint: unaligned (Flink's ``asUnaligned``,
+        at once or at the aligned timeout) or aligned (an aligned-first checkpoint whose
+        barriers all arrived in time). The gate triggers with it, so the task's
+        ``options.unaligned`` says whether in-flight data (``finish_input``) will follow.
+        ``self`` when it already says so."""
+        if self.options.unaligned is unaligned:
+            return self
+        return CheckpointBarrier(
+            self.checkpoint_id, self.timestamp, CheckpointOptions(self.options.checkpoint_type, unaligned)
+        )
+
 
 @dataclass(frozen=True, slots=True, repr=False)
 class CancelCheckpointMarker(_Final):

@@ -32,7 +32,9 @@ class CheckpointedInputGate(abc.ABC):
     ``listener``:
 
     * ``trigger_checkpoint_on_barrier(barrier, metrics)`` when this subtask
-      must snapshot (``metrics`` is a ``CheckpointMetrics``);
+      must snapshot (``metrics`` is a ``CheckpointMetrics``; ``barrier.options.unaligned``
+      says, as ``metrics.unaligned`` does, how it is taken here: an aligned-first
+      checkpoint is aligned if aligned in time, unaligned from its timeout);
     * ``abort_checkpoint_on_barrier(checkpoint_id, reason)`` with a
       ``CheckpointFailureReason``;
     * unaligned only, if the listener (or its ``channel_state_writer``) has

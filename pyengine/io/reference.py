@@ -456,7 +456,8 @@ class ReferenceCheckpointedInputGate:
             self._timeout_eligible = False
             self._last_alignment_ns = 0
             metrics = CheckpointMetrics(0, self._last_start_delay_ns, 0, True)
-            notes.append(lambda: self._cb.trigger(barrier, metrics))
+            taken = barrier.with_alignment(True)
+            notes.append(lambda: self._cb.trigger(taken, metrics))
             self._hand_overtaken(ch, overtaken, notes)
         else:
             self._phase = _ALIGNED
@@ -476,7 +477,10 @@ class ReferenceCheckpointedInputGate:
         if self._phase == _ALIGNED:
             duration = self._end_alignment()
             metrics = CheckpointMetrics(duration, self._last_start_delay_ns, self._bytes_during_alignment, False)
-            notes.append(lambda: self._cb.trigger(barrier, metrics))
+            # An aligned-first checkpoint whose barriers all came in time is an aligned one:
+            # no in-flight data and no finish_input follow, so its barrier must not say unaligned.
+            taken = barrier.with_alignment(False)
+            notes.append(lambda: self._cb.trigger(taken, metrics))
         elif self._cb.finish_input is not None:
             finish = self._cb.finish_input
             notes.append(lambda: finish(checkpoint_id))
@@ -525,7 +529,8 @@ class ReferenceCheckpointedInputGate:
                 continue
             if self._barrier_position(self._rings[ch], checkpoint_id) is not None:
                 self._priority.append((ch, checkpoint_id))
-        barrier = self._current_barrier
+        assert self._current_barrier is not None
+        barrier = self._current_barrier.with_alignment(True)
         metrics = CheckpointMetrics(duration, self._last_start_delay_ns, self._bytes_during_alignment, True)
         self._cb.trigger(barrier, metrics)
 
