@@ -419,3 +419,23 @@ def test_recovery_of_a_growing_job_stays_within_the_goal(tmp_path: Any) -> None:
     assert len(set(intervals)) >= 2, f"the interval never changed: {intervals}"
     assert sizes[-1] > sizes[0]  # the state grew
     assert tracker.interval["estimate"]["restore_measured"]  # the restart's restore was timed
+
+
+def test_a_tick_that_fired_while_the_interval_changed_does_not_start_a_second_timer(tmp_path: Any) -> None:
+    """The timer fires and its tick waits for the coordinator's lock, held by a
+    completion that changes the interval and replaces the timer (cancelling one that
+    already fired does nothing). The stale tick must not schedule a second periodic
+    timer: two would checkpoint at twice the rate, and each such overlap adds one."""
+    c, g, t = coordinator(tmp_path, interval_ms=1000)
+    c.start_checkpoint_scheduler()
+    run_checkpoints(c, g, t, size=10, ms=10, n=1)
+    fired = c._scheduler
+    assert fired is not None and t.scheduled == 1
+    c._reschedule()  # the completion's reschedule, while the fired tick waits
+    fired.action()  # type: ignore[attr-defined]  # the stale tick gets the lock
+    assert t.scheduled == 1
+    before = len(g.triggered)
+    t.advance(10_000)
+    assert len(g.triggered) - before <= 10  # one timer: a checkpoint per second at most
+    c.stop_checkpoint_scheduler()
+    assert t.scheduled == 0

@@ -235,6 +235,10 @@ class CheckpointCoordinator:
         self._queue: Deque[_Request] = deque()
         self._recent: Deque[int] = deque(maxlen=RECENT_EXPIRED)
         self._scheduler: Optional[Cancellable] = None
+        # The periodic timer's generation: a tick that fired while another thread held
+        # the lock and replaced the timer (_reschedule: cancelling a timer that already
+        # fired does nothing) is stale and returns, instead of scheduling a second one.
+        self._tick_generation = 0
         self._pause_timer: Optional[Cancellable] = None
         self._periodic = False
         self._executing = False  # _execute_queued is running (a failed start re-enters it)
@@ -347,11 +351,11 @@ class CheckpointCoordinator:
             interval = self._current_interval()
             self._last_tick_ms = now
             if interval is None:
-                self._scheduler = self.timers.schedule(BACKLOG_POLL_MS, self._on_scheduler_tick)
+                self._scheduler = self._schedule_tick(BACKLOG_POLL_MS)
                 return
             low = min(self.config.min_pause_ms, interval)
             delay = self._rng.uniform(low, interval + 1)
-            self._scheduler = self.timers.schedule(delay, self._on_scheduler_tick)
+            self._scheduler = self._schedule_tick(delay)
 
     def _reschedule(self) -> None:
         """The interval changed: the next periodic checkpoint is due one new interval
@@ -361,10 +365,10 @@ class CheckpointCoordinator:
         interval = self._current_interval()
         self._scheduler.cancel()
         if interval is None:
-            self._scheduler = self.timers.schedule(BACKLOG_POLL_MS, self._on_scheduler_tick)
+            self._scheduler = self._schedule_tick(BACKLOG_POLL_MS)
             return
         due = self._last_tick_ms + interval - self.timers.now_ms()
-        self._scheduler = self.timers.schedule(max(0, due), self._on_scheduler_tick)
+        self._scheduler = self._schedule_tick(max(0, due))
 
     def stop_checkpoint_scheduler(self, abort_pending: bool = True) -> None:
         """Stops periodic checkpoints. Queued periodic requests fail with
@@ -376,6 +380,7 @@ class CheckpointCoordinator:
             if self._scheduler is not None:
                 self._scheduler.cancel()
                 self._scheduler = None
+            self._tick_generation += 1  # a tick already fired and waiting for the lock does nothing
             self._fail_queued(lambda r: r.periodic, CheckpointFailureReason.PERIODIC_SCHEDULER_SHUTDOWN)
             if abort_pending:
                 self._fail_queued(lambda r: True, CheckpointFailureReason.CHECKPOINT_COORDINATOR_SUSPEND)
@@ -399,18 +404,24 @@ class CheckpointCoordinator:
         else:
             self.stop_checkpoint_scheduler()
 
-    def _on_scheduler_tick(self) -> None:
+    def _schedule_tick(self, delay_ms: float) -> Cancellable:
+        """The next periodic tick, of a new generation (the lock is held)."""
+        self._tick_generation += 1
+        generation = self._tick_generation
+        return self.timers.schedule(delay_ms, lambda: self._on_scheduler_tick(generation))
+
+    def _on_scheduler_tick(self, generation: Optional[int] = None) -> None:
         with self._lock:
-            if not self._periodic:
-                return
+            if not self._periodic or (generation is not None and generation != self._tick_generation):
+                return  # stopped, or replaced while this tick waited for the lock
             self._scheduler = None  # the tick is spent: _update_backlog must not reschedule it
             self._update_backlog()
             interval = self._current_interval()
             if interval is None:  # a backlog without checkpoints: ask again soon
-                self._scheduler = self.timers.schedule(BACKLOG_POLL_MS, self._on_scheduler_tick)
+                self._scheduler = self._schedule_tick(BACKLOG_POLL_MS)
                 return
             self._last_tick_ms = self.timers.now_ms()
-            self._scheduler = self.timers.schedule(interval, self._on_scheduler_tick)
+            self._scheduler = self._schedule_tick(interval)
             try:
                 self._request(CheckpointType.CHECKPOINT, periodic=True, target=None)
             except Exception:  # the timer thread must survive anything: the next tick tries again
