@@ -225,7 +225,10 @@ class JobGraph:
         uids = [u for v in self.vertices for u in v.uids()]
         duplicates = sorted({u for u in uids if uids.count(u) > 1})
         if duplicates:
-            raise ValueError(f"operator uids must be unique in a job; repeated: {duplicates}")
+            raise ValueError(
+                f"operator uids must be unique in a job; repeated: {duplicates}. An operator without .uid(...) "
+                "takes its .name(...) as its state's uid: give each of them its own .uid(...)"
+            )
 
     @staticmethod
     def _assign_uids(ops: List[_Step]) -> None:
@@ -775,6 +778,12 @@ class DataStream:
     def _last_op(self, what: str) -> _Step:
         node: Optional[_Step] = self._node
         while node is not None and node.kind != "op":
+            if node.kind == "side":  # the operator before it is the producer's, not this stream's
+                raise ValueError(
+                    f"{what} names an operator, and a side output has none of its own (naming the operator "
+                    "that produces it would rename that one's state): name the producer before "
+                    "get_side_output, or the operator you apply to the side output"
+                )
             node = node.inputs[0] if len(node.inputs) == 1 else None
         if node is None:
             raise ValueError(f"{what} names an operator: call it right after one (map, process, window, ...)")

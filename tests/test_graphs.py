@@ -477,3 +477,47 @@ def test_a_union_into_a_keyed_connect_joins_as_brute_force_does(
     expected = Counter((lt["v"], rt["v"]) for lt in lefts for rt in rights if lt["k"] == rt["k"])
     assert Counter(joined.records) == expected
     assert sorted(keys.records) == sorted(right)
+
+
+def test_review_misuses_are_refused_naming_the_way_out() -> None:
+    """uid() on a side output would rename its producer's state; a wrong tag in
+    ctx.output is refused even while no side output is read; keyed state in a
+    non-keyed function is refused at once (not an AttributeError, not retried); two
+    branches named alike are told to take uids."""
+    e = env()
+    main = e.from_collection(LEFT).rebalance().process(Split()).uid("splitter")
+    with pytest.raises(ValueError, match="side output has none of its own"):
+        main.get_side_output(ODD).uid("odd-records")
+    assert main._last_op("check").uid == "splitter"
+
+    class WrongTag(pe.ProcessFunction):
+        def process_element(self, value: Any, ctx: Any) -> Any:
+            ctx.output("odd", value)  # a string, not a pe.OutputTag
+            yield value
+
+    e = env()
+    e.from_collection([1, 2]).process(WrongTag()).sink_to(pe.sinks.DiscardSink())
+    with pytest.raises(pe.JobFailedError) as failed:
+        e.execute("wrong-tag")
+    assert "pe.OutputTag" in str(failed.value.cause)
+
+    class KeyedInOpen(pe.ProcessFunction):
+        def open(self, ctx: Any) -> None:
+            self.n = ctx.get_state(pe.ValueStateDescriptor("n", 0))
+
+        def process_element(self, value: Any, ctx: Any) -> Any:
+            yield value
+
+    e = pe.StreamEnvironment(monitoring=None, restart_attempts=3)
+    e.from_collection([1, 2]).process(KeyedInOpen()).sink_to(pe.sinks.DiscardSink())
+    with pytest.raises(pe.JobFailedError) as failed:
+        e.execute("keyed-state-unkeyed")
+    assert failed.value.result.restarts == 0
+    assert "needs a keyed stream" in str(failed.value.cause) and "KeyedProcessFunction" in str(failed.value.cause)
+
+    e = env()
+    s = e.from_collection([1])
+    s.map(lambda x: x).name("parse").sink_to(pe.sinks.DiscardSink())
+    s.map(lambda x: x).name("parse").sink_to(pe.sinks.DiscardSink())
+    with pytest.raises(ValueError, match=r"takes its \.name\(\.\.\.\) as its state's uid"):
+        e.execute("same-names")

@@ -632,6 +632,18 @@ class _SparkJob(LocalRunner):
     def notify_aborted(self, task: ExecutionAttempt, checkpoint_id: int) -> None:
         self._send(task, {"cmd": "aborted", "checkpoint_id": checkpoint_id})
 
+    def records_read(self) -> int:
+        """Not counted on the driver (the sources read on executors): ``interval_ms="auto"``
+        assumes replay as fast as the first processing, the safe side."""
+        return 0
+
+    def is_processing_backlog(self) -> bool:
+        """The driver's copies of the sources never read, so they cannot tell a backlog:
+        the backlog interval applies on Spark only through the coordinator's
+        ``set_processing_backlog``. (Asking them could keep a flag that starts True, and
+        with ``interval_during_backlog_ms=0`` no checkpoint would ever commit.)"""
+        return False
+
     def _on_register(self, attempt: ExecutionAttempt, location: str) -> None:
         if attempt.attempt == self._attempt_number:
             self._registered[attempt] = location

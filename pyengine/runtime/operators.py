@@ -151,9 +151,10 @@ class Operator:
 
     def emit_side(self, tag: OutputTag, value: Any) -> None:
         """One record to the side output ``tag`` (``ctx.output``)."""
+        name = _check_tag(tag, "ctx.output").name  # a wrong tag is refused whether or not a side output is read
         send = self.side_output
         if send is not None:
-            send(_check_tag(tag, "ctx.output").name, [value])
+            send(name, [value])
 
     def process2(self, records: Any) -> List[Any]:
         """A buffer of the second input (two-input operators: ``connect``)."""
@@ -769,6 +770,31 @@ class ProcessContext:
     def subtask(self) -> int:
         assert self._op.ctx is not None
         return self._op.ctx.subtask
+
+    def _keyed_only(self, what: str) -> NonRetryableError:
+        return NonRetryableError(
+            f"{self._op.where()}: ctx.{what} needs a keyed stream (keyed state and timers are per key): "
+            "key_by(...).process(pe.KeyedProcessFunction), or for two inputs "
+            "a.key_by(k1).connect(b.key_by(k2)).process(pe.KeyedCoProcessFunction)"
+        )
+
+    # Keyed-only calls, refused with the way out (not an AttributeError, nor retried: no
+    # restart makes a stream keyed).
+    def get_state(self, descriptor: Any) -> Any:
+        raise self._keyed_only("get_state")
+
+    def get_list_state(self, descriptor: Any) -> Any:
+        raise self._keyed_only("get_list_state")
+
+    def get_map_state(self, descriptor: Any) -> Any:
+        raise self._keyed_only("get_map_state")
+
+    def timer_service(self) -> Any:
+        raise self._keyed_only("timer_service()")
+
+    @property
+    def current_key(self) -> Any:
+        raise self._keyed_only("current_key")
 
 
 class ProcessFunction:
