@@ -137,7 +137,9 @@ CASES = [
     ("commit", "heap", True, 3),
     ("notify", "incremental", False, 2),
     ("user", "incremental", False, 300),
-    ("commit", "incremental", True, 5),
+    # at most 4: two sinks of two subtasks commit 4 times per completed checkpoint, and a
+    # fast run may complete only the final one (5 never came once in CI)
+    ("commit", "incremental", True, 4),
 ]
 
 
