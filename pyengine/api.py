@@ -51,6 +51,7 @@ from .state.keygroups import check_parallelism
 from .time.strategy import TimestampAssigner, WatermarkStrategy
 
 if TYPE_CHECKING:
+    from .joins import IntervalJoin, JoinedStreams
     from .windows import WindowAssigner, WindowedStream
 
 __all__ = [
@@ -64,6 +65,9 @@ __all__ = [
 ]
 
 BACKENDS = ("heap", "incremental")
+# How the embedded runner runs subtasks: threads of this process (one GIL: vectorised jobs),
+# or worker processes on this machine (per-record Python work on every core).
+EXECUTORS = ("threads", "processes")
 
 
 DEFAULT_BUFFER_SIZE = 1024  # records per buffer of Python records
@@ -304,8 +308,11 @@ class StreamEnvironment:
         channel_capacity: int = 8,
         auto_watermark_interval_ms: int = 200,
         monitoring: Optional[Monitoring] = Monitoring(),  # noqa: B008 - frozen, so one default serves all
+        executor: str = "threads",
     ) -> None:
         _positive_int("parallelism", parallelism)
+        if executor not in EXECUTORS:
+            raise ValueError(f"StreamEnvironment executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
         _positive_int("max_parallelism", max_parallelism)
         try:
             check_parallelism(parallelism, max_parallelism)
@@ -346,6 +353,7 @@ class StreamEnvironment:
         self.channel_capacity = channel_capacity
         self.auto_watermark_interval_ms = auto_watermark_interval_ms  # how often watermarks are generated
         self.monitoring = monitoring
+        self.executor = executor
         self._streams: List[DataStream] = []  # each source's stream and each sink_to's
         self._sources: List[Source] = []
         self._seq = 0  # nodes of the job in creation order
@@ -491,6 +499,10 @@ class StreamEnvironment:
                 raise ValueError("pass either resume=<path> or restore_from=<path>, not both")
             restore_from, resume = resume, "never"
         graph = self._graph()
+        if runner == "processes" or (runner == "embedded" and self.executor == "processes"):
+            from .runners.processes import ProcessRunner
+
+            runner = ProcessRunner()
         if runner == "embedded":
             from .runners.local import LocalRunner
 
@@ -501,7 +513,7 @@ class StreamEnvironment:
 
             runner = SparkRunner()
         if not hasattr(runner, "job") or isinstance(runner, str):
-            raise ValueError(f"runner must be 'embedded', 'spark' or a SparkRunner, got {runner!r}")
+            raise ValueError(f"runner must be 'embedded', 'processes', 'spark' or a SparkRunner, got {runner!r}")
         if not getattr(runner, "supports_graphs", False):
             from .runners.local import refuse_graph
 
@@ -536,8 +548,10 @@ class StreamEnvironment:
         storage root that ``name`` picks one job of) restores that; ``restore_from`` is
         the same.
 
-        ``runner``: "embedded" (threads in this process), "spark" (a barrier stage on
-        the active Spark session, or a local one), or a ``pe.runners.SparkRunner(spark)``.
+        ``runner``: "embedded" (threads in this process, or worker processes with
+        ``StreamEnvironment(executor="processes")``), "processes" (the same as that),
+        "spark" (a barrier stage on the active Spark session, or a local one), or a
+        ``pe.runners.SparkRunner(spark)``.
 
         A job with an unbounded source runs until ``JobClient.cancel()`` or
         ``stop_with_savepoint`` (start it with ``execute_async``); Ctrl-C during
@@ -870,6 +884,14 @@ class DataStream:
         node.timestamps = stamps[0] if all(t == stamps[0] for t in stamps) else None
         return DataStream(self._env, node)
 
+    def join(self, other: DataStream) -> JoinedStreams:
+        """A window join (PyFlink's): ``a.join(b).where(k1).equal_to(k2)
+        .window(pe.windows.tumbling(...)).apply(fn)`` calls ``fn(left, right)`` for
+        every pair of records with equal keys in the same window."""
+        from .joins import JoinedStreams
+
+        return JoinedStreams(self, other)
+
     def connect(self, other: DataStream) -> ConnectedStreams:
         """Two streams into one operator with an input for each (PyFlink's name):
         ``.process(pe.CoProcessFunction)``, or ``.key_by(k1, k2).process(
@@ -1049,6 +1071,15 @@ class KeyedStream:
                 "the broadcast state pattern (connecting a broadcast stream) is not supported yet"
             )
         return ConnectedStreams(self, other)
+
+    def interval_join(self, other: KeyedStream) -> IntervalJoin:
+        """An interval join (PyFlink's): ``a.key_by(k).interval_join(b.key_by(k))
+        .between(lower_ms, upper_ms).process(fn)`` pairs each record of ``a`` with the
+        records of ``b`` of the same key whose timestamps lie in
+        ``[a.ts + lower_ms, a.ts + upper_ms]``; event time on both sides."""
+        from .joins import IntervalJoin
+
+        return IntervalJoin(self, other)
 
     def process(self, fn: KeyedProcessFunction) -> DataStream:
         if not isinstance(fn, KeyedProcessFunction):
