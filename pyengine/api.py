@@ -309,6 +309,8 @@ class StreamEnvironment:
         auto_watermark_interval_ms: int = 200,
         monitoring: Optional[Monitoring] = Monitoring(),  # noqa: B008 - frozen, so one default serves all
         executor: str = "threads",
+        buffer_debloat: bool = True,
+        buffer_debloat_target_ms: int = 1000,
     ) -> None:
         _positive_int("parallelism", parallelism)
         if executor not in EXECUTORS:
@@ -332,6 +334,7 @@ class StreamEnvironment:
         _positive_int("restart_attempts", restart_attempts, 0)
         _positive_int("restart_delay_ms", restart_delay_ms, 0)
         _positive_int("channel_capacity", channel_capacity)
+        _positive_int("buffer_debloat_target_ms", buffer_debloat_target_ms)
         _positive_int("auto_watermark_interval_ms", auto_watermark_interval_ms)
         if monitoring is not None and not isinstance(monitoring, Monitoring):
             raise TypeError(f"StreamEnvironment monitoring must be a pyengine.Monitoring or None, got {monitoring!r}")
@@ -354,6 +357,10 @@ class StreamEnvironment:
         self.auto_watermark_interval_ms = auto_watermark_interval_ms  # how often watermarks are generated
         self.monitoring = monitoring
         self.executor = executor
+        # Adaptive buffers (Flink's buffer debloating, on by default here): each output
+        # channel keeps about this much of its consumer's time in flight.
+        self.buffer_debloat = bool(buffer_debloat)
+        self.buffer_debloat_target_ms = buffer_debloat_target_ms
         self._streams: List[DataStream] = []  # each source's stream and each sink_to's
         self._sources: List[Source] = []
         self._seq = 0  # nodes of the job in creation order

@@ -310,6 +310,7 @@ class LocalRunner:
                             env.buffer_size,
                             threading.Event(),  # replaced by the task's own below
                             gate_channel=k * p + s,  # after the channels of the consumer's earlier edges
+                            debloat_target_ms=env.buffer_debloat_target_ms if env.buffer_debloat else None,
                         ),
                     )
                     for c, k, edge in edges_out

@@ -215,6 +215,7 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
                 env.buffer_size,
                 task.cancelled,
                 gate_channel=k * p + s,
+                debloat_target_ms=env.buffer_debloat_target_ms if env.buffer_debloat else None,
             )
             outs.append((edge.tag, output))
         if len(outs) == 1 and outs[0][0] is None:

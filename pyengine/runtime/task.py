@@ -168,8 +168,11 @@ class Output:
         buffer_size: int,
         cancelled: threading.Event,
         gate_channel: Optional[int] = None,
+        debloat_target_ms: Optional[int] = None,
     ) -> None:
         self.gates = list(gates)
+        # Adaptive buffers: None keeps buffer_size fixed (StreamEnvironment(buffer_debloat=False)).
+        self.debloat_target_ms = debloat_target_ms
         # This subtask's channel index at every downstream gate: its subtask index, offset
         # past the channels of the gate's other inputs when the gate has several (a union,
         # a connect: one gate over all of a task's inputs, as Flink 1.12's).
