@@ -1,20 +1,663 @@
-"""The process-parallel embedded runner: subtasks in worker processes on this machine.
+"""The process-parallel embedded runner: every subtask in a worker process of this machine.
 
-Skeleton (issue #19): selected with ``StreamEnvironment(executor="processes")`` or
-``execute(runner="processes")``."""
+The embedded runner runs every subtask as a thread of one interpreter, so per-record
+Python work (a ``KeyedProcessFunction``, ``map`` over Python records) never uses more
+than one core: the GIL lets one thread run Python at a time. This runner starts one
+worker process per subtask instead, as Bytewax and Spark do, and is selected with
+``StreamEnvironment(executor="processes")`` or ``execute(runner="processes")``.
+
+It is the Spark runner without Spark: the same task body (``spark._run_subtask``:
+a ``StreamTask`` serving its input gate on a Flight ``ChannelServer``, sending over
+``RemoteChannel`` s to its downstream subtasks on loopback), the same driver-side
+``ControlServer`` and ``CheckpointCoordinator``, the same failover (any worker
+failing, or dying, fails the attempt; the driver kills the rest and restores the
+latest completed checkpoint, up to ``restart_attempts``). Only what starts the tasks
+differs: ``_ProcessBackend`` forks them from a ``multiprocessing`` fork server that
+has pyengine and pyarrow imported already, so a worker starts in milliseconds rather
+than the second a fresh interpreter takes to import them, and stays cheap across
+restarts (the fork server lives as long as this process).
+
+The job reaches a worker pickled with cloudpickle (so lambdas and closures travel, as
+to Spark executors). Sinks that keep their output in the driver's memory
+(``CollectSink``, ``DiscardSink``, ``PrintSink``) are not copied: a worker gets a
+proxy that forwards their calls to the driver's object over the worker's pipe, a
+transactional sink's ``stage`` answered before the subtask acknowledges the
+checkpoint, so what a completed checkpoint covers is always on the driver for
+``Sink.recover``. Everything over that pipe is between this process and the workers
+it forked (the trust of ``multiprocessing`` itself); nothing from the channels or the
+control plane is ever unpickled."""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import io
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection, wait
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from ..errors import NonRetryableError
+from ..sinks import CollectSink, DiscardSink, PrintSink, Sink
+from .result import JobResult
+from .spark import _describe_failure, _rebuild_failure, _SparkJob, _TaskSpec
 
 __all__ = ["ProcessRunner"]
 
+log = logging.getLogger(__name__)
+
+# Sinks whose output lives in the driver's memory: workers get a proxy (``_SinkProxy``).
+_PROXIED = (CollectSink, DiscardSink, PrintSink)
+# What the fork server imports once, so that every worker forked from it has them.
+_PRELOAD = [
+    "pyengine",
+    "pyengine.runners.processes",
+    "pyengine.runners.flight",
+    "pyengine.runners.control",
+    "pyarrow.flight",
+    "pyarrow.compute",
+    "pyarrow.acero",
+]
+START_METHODS = ("forkserver", "spawn")
+KILL_WAIT_S = 10.0
+
+
+def _cloudpickle() -> Any:
+    """cloudpickle, which ships lambdas and closures by value: the package if installed,
+    else the copy inside pyspark; an error naming the fix when neither is there."""
+    try:
+        import cloudpickle
+
+        return cloudpickle
+    except ImportError:
+        pass
+    try:
+        from pyspark import cloudpickle as bundled
+
+        return bundled
+    except ImportError:
+        raise ImportError(
+            "the process runner ships the job's functions to its worker processes with cloudpickle, "
+            "which is not installed: pip install cloudpickle"
+        ) from None
+
+
+# -- the job, pickled for a worker ------------------------------------------------------------
+
+
+def _pickler_class() -> Any:
+    cloudpickle = _cloudpickle()
+
+    class JobPickler(cloudpickle.Pickler):  # type: ignore[misc, name-defined]
+        """cloudpickle, with the driver-memory sinks replaced by references (``persistent_id``)."""
+
+        def __init__(self, file: Any, proxied: List[Sink]) -> None:
+            super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+            self.proxied = proxied
+
+        def persistent_id(self, obj: Any) -> Any:
+            if type(obj) in _PROXIED:
+                for i, sink in enumerate(self.proxied):
+                    if sink is obj:
+                        return ("pyengine-sink", i, bool(obj.transactional))
+                self.proxied.append(obj)
+                return ("pyengine-sink", len(self.proxied) - 1, bool(obj.transactional))
+            return None
+
+    return JobPickler
+
+
+def dumps_job(spec: Any) -> Tuple[bytes, List[Sink]]:
+    """``spec`` pickled for a worker, and the driver's sinks its proxies stand for."""
+    proxied: List[Sink] = []
+    out = io.BytesIO()
+    _pickler_class()(out, proxied).dump(spec)
+    return out.getvalue(), proxied
+
+
+class _WorkerUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, link: _Link) -> None:
+        super().__init__(file)
+        self.link = link
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) == 3 and pid[0] == "pyengine-sink":
+            return _SinkProxy(self.link, int(pid[1]), bool(pid[2]))
+        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+
+
+class _Link:
+    """A worker's end of its pipe to the driver, shared by the worker's threads."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+
+    def call(self, message: Tuple[Any, ...]) -> Any:
+        with self.lock:
+            self.conn.send(message)
+            kind, value = self.conn.recv()
+        if kind == "error":
+            raise value
+        return value
+
+    def post(self, message: Tuple[Any, ...]) -> None:
+        with self.lock:
+            self.conn.send(message)
+
+
+class _SinkProxy(Sink):
+    """A driver-memory sink as a worker sees it: each call runs on the driver's object.
+
+    A transactional sink's ``stage`` and ``commit`` wait for the driver's answer, so a
+    piece is staged there before the checkpoint it belongs to is acknowledged; a
+    non-transactional sink's ``stage`` is posted (one pipe write per buffer), and the
+    driver reads every posted call before the job's result is made."""
+
+    def __init__(self, link: _Link, key: int, transactional: bool) -> None:
+        self._link = link
+        self._key = key
+        self.transactional = transactional
+
+    def __getstate__(self) -> Dict[str, Any]:
+        raise TypeError("a sink proxy of the process runner cannot be pickled again")
+
+    def open(self, subtask: int) -> None:
+        self._link.call(("sink", self._key, "open", (subtask,), True))
+
+    def stage(self, subtask: int, checkpoint_id: int, records: Any) -> None:
+        message = ("sink", self._key, "stage", (subtask, checkpoint_id, records), self.transactional)
+        if self.transactional:
+            self._link.call(message)
+        else:
+            self._link.post(message)
+
+    def commit(self, subtask: int, checkpoint_id: int) -> None:
+        self._link.call(("sink", self._key, "commit", (subtask, checkpoint_id), True))
+
+    def recover(self, covered: Any) -> None:
+        raise RuntimeError("recover runs on the driver, not in a worker")
+
+
+# -- a worker -------------------------------------------------------------------------------
+
+
+def _worker_main(payload: bytes, index: int, conn: Connection, where: Dict[str, Any]) -> None:
+    """A worker process: subtask ``index`` of the job in ``payload``. The driver's
+    working directory, ``sys.path`` and environment first (a fork server's are those of
+    when it started), then the job; the end goes to the driver as ``("done", ...)`` or
+    ``("error", description)`` before the process exits."""
+    try:
+        os.chdir(where["cwd"])
+    except OSError:
+        pass
+    sys.path[:] = list(where["sys_path"])
+    os.environ.clear()
+    os.environ.update(where["environ"])
+    link = _Link(conn)
+    try:
+        spec = _WorkerUnpickler(io.BytesIO(payload), link).load()
+    except BaseException as exc:
+        link.post(("load-error", f"{type(exc).__name__}: {exc}"))
+        conn.close()
+        os._exit(3)
+    from .spark import _run_subtask
+
+    try:
+        lines = list(_run_subtask(spec, index))
+    except BaseException as exc:
+        try:
+            link.post(("error", _describe_failure(exc.__cause__ if exc.__cause__ is not None else exc)))
+        except Exception:  # the driver is gone
+            pass
+        conn.close()
+        os._exit(1)
+    link.post(("done", lines))
+    conn.close()
+
+
+# -- the driver's side ----------------------------------------------------------------------
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process ended without finishing its subtask."""
+
+    def __init__(
+        self, message: str, *, index: int = -1, crashed: bool = False, load_error: bool = False, described: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.index = index  # the subtask's index in the stage (-1: none in particular)
+        self.described = described  # the message is ``_describe_failure``'s text
+        self.crashed = crashed  # died without a word: killed, out of memory, os._exit
+        self.load_error = load_error  # could not unpickle the job: no restart helps
+
+
+def _exit_reason(code: Optional[int]) -> str:
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}"
+    return f"exited with code {code}"
+
+
+class _Stage:
+    """One attempt's worker processes: started, served (their sinks' calls, their
+    ends) and, on ``cancel``, killed."""
+
+    def __init__(self, context: Any, count: int, payload: bytes, proxied: List[Sink], names: List[str]) -> None:
+        self.context = context
+        self.count = count
+        self.payload = payload
+        self.proxied = proxied
+        self.names = names  # what each index runs, for messages
+        self.cancelled = threading.Event()
+        self.lock = threading.Lock()
+        self.procs: List[Any] = []
+        self.conns: List[Connection] = []
+        self.started_s = 0.0  # how long starting took (the workers' start-up, measured)
+
+    def _start(self) -> None:
+        where = {"cwd": os.getcwd(), "sys_path": list(sys.path), "environ": dict(os.environ)}
+        began = time.monotonic()
+        for index in range(self.count):
+            with self.lock:
+                if self.cancelled.is_set():
+                    return
+                parent, child = self.context.Pipe(duplex=True)
+                proc = self.context.Process(
+                    target=_worker_main,
+                    args=(self.payload, index, child, where),
+                    name=f"pyengine-worker-{self.names[index]}",
+                    daemon=True,
+                )
+                with _without_main():
+                    proc.start()
+                child.close()
+                self.procs.append(proc)
+                self.conns.append(parent)
+        self.started_s = time.monotonic() - began
+
+    def run(self) -> List[str]:
+        """Starts the workers and serves them until every one has finished (their
+        lines) or one failed (``WorkerFailed``, the others left to ``cancel``)."""
+        self._start()
+        if self.cancelled.is_set():
+            raise WorkerFailed("cancelled before it started")
+        done: Dict[int, List[str]] = {}
+        open_conns = {conn: i for i, conn in enumerate(self.conns)}
+        sentinels = {proc.sentinel: i for i, proc in enumerate(self.procs)}
+        while len(done) < self.count:
+            ready = wait(list(open_conns) + list(sentinels), timeout=0.5)
+            if self.cancelled.is_set():
+                raise WorkerFailed("cancelled")
+            for item in ready:
+                if item in open_conns:
+                    index = open_conns[item]
+                    if not self._serve(item, index, done):
+                        del open_conns[item]
+                elif item in sentinels:
+                    index = sentinels.pop(item)
+                    conn = self.conns[index]
+                    while conn in open_conns and self._serve(conn, index, done):  # what it sent before it ended
+                        pass
+                    open_conns.pop(conn, None)
+                    if index not in done:
+                        self.procs[index].join(1)
+                        code = self.procs[index].exitcode
+                        raise WorkerFailed(
+                            f"the worker process of {self.names[index]} (pid {self.procs[index].pid}) "
+                            f"{_exit_reason(code)} while running the job",
+                            index=index,
+                            crashed=True,
+                        )
+        return [line for i in range(self.count) for line in done[i]]
+
+    def _serve(self, conn: Connection, index: int, done: Dict[int, List[str]]) -> bool:
+        """One message from worker ``index``: False once its pipe is closed."""
+        try:
+            if not conn.poll():
+                return False if conn.closed else True
+            message = conn.recv()
+        except (EOFError, OSError):
+            return False
+        kind = message[0]
+        if kind == "sink":
+            _, key, method, args, reply = message
+            try:
+                value = getattr(self.proxied[key], method)(*args)
+                answer: Tuple[str, Any] = ("ok", value)
+            except BaseException as exc:
+                answer = ("error", exc)
+            if reply:
+                try:
+                    conn.send(answer)
+                except (OSError, ValueError):
+                    return False
+                except Exception as exc:  # an exception that does not pickle: its words travel
+                    conn.send(("error", RuntimeError(f"{type(answer[1]).__name__}: {answer[1]}")))
+                    del exc
+            elif answer[0] == "error":
+                raise WorkerFailed(f"{type(self.proxied[key]).__name__}.{method} failed on the driver: {answer[1]}")
+            return True
+        if kind == "done":
+            done[index] = [str(line) for line in message[1]]
+            return True
+        if kind == "load-error":
+            raise WorkerFailed(
+                f"the worker process of {self.names[index]} could not load the job: {message[1]}. Every function, "
+                "source and sink of a job run in worker processes must load in a new Python process: define "
+                "them at the top level of an importable module or of the script that runs the job (a module "
+                "that only this process has imported, or changed sys.path for, is not there)",
+                index=index,
+                load_error=True,
+            )
+        if kind == "error":
+            raise WorkerFailed(str(message[1]), index=index, described=True)
+        return True
+
+    def cancel(self) -> None:
+        """Kills every worker of this stage (SIGKILL: their state is in the checkpoints)."""
+        self.cancelled.set()
+        with self.lock:
+            procs, conns = list(self.procs), list(self.conns)
+        for proc in procs:
+            if proc.exitcode is None:
+                proc.kill()
+        deadline = time.monotonic() + KILL_WAIT_S
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for conn in conns:
+            conn.close()
+
+
+class _ProcessBackend:
+    """The Spark runner's backend interface (``master``, ``local``, ``slots()``,
+    ``driver_host()``, ``run_barrier``, ``cancel``) over worker processes of this machine."""
+
+    connect = False
+    master = "processes"
+    local = True
+
+    def __init__(self, start_method: str) -> None:
+        self.context = _context(start_method)
+        self._stage: Optional[_Stage] = None
+        self._lock = threading.Lock()
+
+    def slots(self) -> Optional[int]:
+        return None
+
+    def driver_host(self) -> str:
+        return "127.0.0.1"
+
+    def stage(self, count: int, payload: bytes, proxied: List[Sink], names: List[str]) -> _Stage:
+        """A new attempt's stage, current from now on (``cancel`` kills it)."""
+        stage = _Stage(self.context, count, payload, proxied, names)
+        with self._lock:
+            self._stage = stage
+        return stage
+
+    def run_barrier(self, count: int, fn: Any, group: str, description: str) -> List[str]:
+        """Runs ``count`` tasks at once (``fn`` a ``(payload, proxied, names)`` triple,
+        see ``stage``); raises when one fails."""
+        payload, proxied, names = fn
+        return self.stage(count, payload, proxied, names).run()
+
+    def cancel(self, group: str) -> None:
+        with self._lock:
+            stage = self._stage
+        if stage is not None:
+            stage.cancel()
+
+
+_LAUNCH_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _without_main() -> Iterator[None]:
+    """While a worker is launched: ``multiprocessing`` leaves out the main module.
+
+    By default a "forkserver" or "spawn" child runs the parent's main script again (as
+    ``__mp_main__``) so that references into it unpickle; a script that builds and runs
+    its job at the top level, without an ``if __name__ == "__main__":`` guard, would
+    then run the job again in every worker. Nothing of a worker needs it: cloudpickle
+    ships what the job uses of ``__main__`` by value. Held under a lock, restored after."""
+    from multiprocessing import spawn
+
+    original = spawn.get_preparation_data
+
+    def preparation_data(name: str) -> Dict[str, Any]:
+        data = dict(original(name))
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        return data
+
+    with _LAUNCH_LOCK:
+        spawn.get_preparation_data = preparation_data  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            spawn.get_preparation_data = original  # type: ignore[assignment]
+
+
+_CONTEXTS: Dict[str, Any] = {}
+
+
+def _context(start_method: str) -> Any:
+    """The multiprocessing context: a fork server preloading pyengine (where the
+    platform has one), else spawn. The fork server is started once per process, on
+    the first job, and every later job and restart forks from it."""
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
+    if start_method == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
+        start_method = "spawn"
+    context = _CONTEXTS.get(start_method)
+    if context is None:
+        context = multiprocessing.get_context(start_method)
+        if start_method == "forkserver":
+            module = _cloudpickle().__name__
+            context.set_forkserver_preload([*_PRELOAD, module])
+        _CONTEXTS[start_method] = context
+    return context
+
+
+class _ProcessJob(_SparkJob):
+    """One job in worker processes: the Spark runner's coordination (control plane,
+    checkpoints, failover) with ``_ProcessBackend`` starting the tasks."""
+
+    _where = "a worker process"
+
+    def __init__(
+        self,
+        graph: Any,
+        env: Any,
+        name: str,
+        restore_from: Optional[str] = None,
+        resume: str = "auto",
+        start_method: str = "forkserver",
+    ) -> None:
+        super().__init__(graph, env, name, restore_from, None, resume)
+        self._start_method = start_method
+        self._backend_obj: Optional[_ProcessBackend] = None
+        self.worker_start_s: List[float] = []  # each attempt's start of its workers, measured
+
+    def _check_sinks(self) -> None:
+        """Every sink runs here: driver-memory sinks through proxies, the rest copied."""
+
+    def _open_backend(self) -> Any:
+        count = len(self._attempts())
+        cores = os.cpu_count() or 1
+        limit = max(32, 8 * cores)
+        if count > limit:
+            raise ValueError(
+                f"parallelism={self.env.parallelism} needs {count} worker processes ({len(self.graph.vertices)} "
+                f"vertices), more than the process runner starts on {cores} core(s) (at most {limit}): lower "
+                "parallelism, run threads (executor='threads'), or run on Spark (runner='spark')"
+            )
+        self._backend_obj = _ProcessBackend(self._start_method)
+        return self._backend_obj
+
+    def _collected(self) -> List[Any]:
+        return list(getattr(self.graph.sink, "records", []))
+
+    def _task_names(self) -> List[str]:
+        return [f"{a.vertex} ({a.subtask + 1}/{self.env.parallelism})" for a in self._attempts()]
+
+    def _check_picklable(self, spec: _TaskSpec) -> None:
+        try:
+            dumps_job(spec)
+        except Exception as exc:
+            raise TypeError(unpicklable_message(self.name, self.graph, exc)) from None
+
+    def _submit(self, backend: Any, spec: _TaskSpec) -> None:
+        payload, proxied = dumps_job(spec)
+        count = len(self._attempts())
+        stage = backend.stage(count, payload, proxied, self._task_names())
+
+        def job() -> None:
+            try:
+                stage.run()
+            except BaseException as exc:
+                self._spark_error = exc
+                if stage.cancelled.is_set():
+                    self.fail_job(RuntimeError("the job's worker processes were cancelled"))
+                    return
+                if isinstance(exc, WorkerFailed) and exc.load_error:
+                    self.fail_job(NonRetryableError(str(exc)))
+                    return
+                failure: BaseException
+                if isinstance(exc, WorkerFailed) and exc.described:
+                    failure = _rebuild_failure(self._attempts()[exc.index], str(exc), self._where)
+                else:
+                    failure = RuntimeError(str(exc))
+                if isinstance(exc, WorkerFailed) and exc.crashed:
+                    # The root cause, though its peers (their channels cut) may have told first.
+                    with self._failure_lock:
+                        failure.__context__ = self._failure
+                        self._failure = failure
+                self.fail_job(failure)
+            finally:
+                if stage.started_s:
+                    self.worker_start_s.append(stage.started_s)
+                self._wake.set()
+
+        self._spark_error = None
+        self._spark_thread = threading.Thread(target=job, name="pyengine-process-job", daemon=True)
+        self._spark_thread.start()
+
+
+# -- naming what does not pickle ---------------------------------------------------------------
+
+
+def unpicklable_message(job: str, graph: Any, error: BaseException) -> str:
+    """Why job ``job`` cannot go to worker processes, naming the step and, where it
+    can be found, the function or captured value that does not pickle, and the fix."""
+    found = _find_unpicklable(graph)
+    where = f": {found}" if found else ""
+    return (
+        f"job {job!r} cannot run in worker processes (executor='processes'): a part of it cannot be pickled"
+        f"{where} ({type(error).__name__}: {error}). Functions, sources and sinks go to each worker with "
+        "cloudpickle: keep locks, open files, sockets, clients and generators out of what they capture or "
+        "hold (create them in open(), or in the function, instead), or run the job with executor='threads'"
+    )
+
+
+def _find_unpicklable(graph: Any) -> str:
+    """The first step of ``graph`` with something that does not pickle, as a path down
+    to the smallest such value found (a function's captured variable, an attribute)."""
+    pickler = _pickler_class()
+    for vertex in getattr(graph, "vertices", []):
+        for step in getattr(vertex, "steps", []):
+            for attr in ("source", "factory", "key", "sink", "timestamps"):
+                value = getattr(step, attr, None)
+                if value is not None and not _pickles(pickler, value):
+                    path = _narrow(pickler, value, f"step {step.name!r} ({attr})", 0)
+                    return path
+    return ""
+
+
+def _pickles(pickler: Any, value: Any) -> bool:
+    try:
+        pickler(io.BytesIO(), []).dump(value)
+        return True
+    except Exception:
+        return False
+
+
+def _parts(value: Any) -> Sequence[Tuple[str, Any]]:
+    """What ``value`` holds that pickling it pickles: a function's captured variables and
+    the globals it names, an object's attributes, a container's items."""
+    import types
+
+    if isinstance(value, types.FunctionType):
+        parts: List[Tuple[str, Any]] = []
+        for name, cell in zip(value.__code__.co_freevars, value.__closure__ or (), strict=False):
+            try:
+                parts.append((f"captured variable {name!r} of {_describe(value)}", cell.cell_contents))
+            except ValueError:
+                pass
+        for name in value.__code__.co_names:
+            if name in value.__globals__ and value.__module__ in ("__main__", None):
+                parts.append((f"global {name!r} of {_describe(value)}", value.__globals__[name]))
+        return parts
+    if isinstance(value, types.MethodType):
+        return [(f"the object of {value.__func__.__qualname__}", value.__self__)]
+    if isinstance(value, dict):
+        return [(f"item {k!r}", v) for k, v in list(value.items())[:100]]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [(f"item {i}", v) for i, v in enumerate(list(value)[:100])]
+    state = getattr(value, "__dict__", None)
+    if isinstance(state, dict):
+        return [(f"attribute {k!r} of {type(value).__name__}", v) for k, v in state.items()]
+    return []
+
+
+def _describe(fn: Any) -> str:
+    code = getattr(fn, "__code__", None)
+    where = f" ({os.path.basename(code.co_filename)}:{code.co_firstlineno})" if code is not None else ""
+    return f"{getattr(fn, '__qualname__', fn)!s}{where}"
+
+
+def _narrow(pickler: Any, value: Any, path: str, depth: int) -> str:
+    if depth < 6:
+        for name, part in _parts(value):
+            if part is value or _pickles(pickler, part):
+                continue
+            return _narrow(pickler, part, f"{path} -> {name}", depth + 1)
+    return f"{path} -> {type(value).__name__} object"
+
 
 class ProcessRunner:
-    """Runs a job's subtasks in worker processes."""
+    """Runs a job's subtasks in worker processes of this machine, each its own Python
+    interpreter, so per-record Python work uses every core; exchange between subtasks
+    goes over loopback Flight channels, checkpoints and failover are the embedded
+    runner's. ``StreamEnvironment(executor="processes")`` selects it for ``execute``.
+
+    ``start_method``: "forkserver" (default where the platform has it: workers fork
+    from a server that has pyengine imported, in milliseconds) or "spawn" (a fresh
+    interpreter per worker, about a second each)."""
 
     supports_graphs = True
     supports_event_time = True
 
-    def job(self, graph: Any, env: Any, name: str, restore_from: Any, resume: str) -> Any:
-        raise NotImplementedError("the process-parallel runner is not built yet")
+    def __init__(self, start_method: str = "forkserver") -> None:
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
+        self.start_method = start_method
+
+    def job(
+        self, graph: Any, env: Any, name: str, restore_from: Optional[str] = None, resume: str = "auto"
+    ) -> _ProcessJob:
+        """The job, ready to ``run()`` (``env.execute`` calls this)."""
+        return _ProcessJob(graph, env, name, restore_from, resume, self.start_method)
+
+    def run(
+        self, graph: Any, env: Any, name: str, restore_from: Optional[str] = None, resume: str = "auto"
+    ) -> JobResult:
+        return self.job(graph, env, name, restore_from, resume).run()

@@ -576,11 +576,7 @@ class _SparkJob(LocalRunner):
         resume: str = "auto",
     ) -> None:
         super().__init__(graph, env, name, restore_from, resume)
-        if any(isinstance(sink, CollectSink) for sink in sinks_of(graph)):
-            raise ValueError(
-                "CollectSink keeps records in memory, which Spark executors do not share with the driver: "
-                "use FileSink (parquet, which spark.read.parquet reads) on Spark"
-            )
+        self._check_sinks()
         self._spark = spark
         self._token = secrets.token_hex(16)
         self._registered: Dict[ExecutionAttempt, str] = {}
@@ -594,6 +590,17 @@ class _SparkJob(LocalRunner):
         # Each subtask's latest event-time figures of the current attempt (its poll's).
         self._time_reports: Dict[ExecutionAttempt, Dict[str, int]] = {}
         self._time_lock = threading.Lock()
+
+    # Where tasks run, as a failure's note names it (``_rebuild_failure``).
+    _where = "a Spark executor"
+
+    def _check_sinks(self) -> None:
+        """Refuses sinks that cannot work where the tasks run (a subclass's may)."""
+        if any(isinstance(sink, CollectSink) for sink in sinks_of(self.graph)):
+            raise ValueError(
+                "CollectSink keeps records in memory, which Spark executors do not share with the driver: "
+                "use FileSink (parquet, which spark.read.parquet reads) on Spark"
+            )
 
     # -- the JobGateway, over the control plane -------------------------------------------
 
@@ -652,7 +659,7 @@ class _SparkJob(LocalRunner):
 
     def _on_failed(self, attempt: ExecutionAttempt, message: str) -> None:
         if attempt.attempt == self._attempt_number:
-            self.fail_job(_rebuild_failure(attempt, message))
+            self.fail_job(_rebuild_failure(attempt, message, self._where))
 
     def _on_drained(self, attempt: ExecutionAttempt) -> None:
         if attempt.attempt == self._attempt_number:
@@ -755,10 +762,7 @@ class _SparkJob(LocalRunner):
         env = self.env
         started = time.monotonic()
         # Spark first: a missing pyspark or too few slots is said before anything is written.
-        backend = _backend(self._session())
-        self._check_slots(backend)
-        if not backend.local:
-            self._check_executors(backend)
+        backend = self._open_backend()
         timers = ThreadTimerService()
         try:
             storage, restored_meta = self._start_run(timers)
@@ -848,7 +852,20 @@ class _SparkJob(LocalRunner):
             if storage.fs.get_file_info(probe_path).is_file:
                 storage.fs.delete_file(probe_path)
             self._close_run("STOPPED" if self._stop_with_savepoint.is_set() else status)
-        return self._result(status, cause, restarts, [], storage, started)
+        return self._result(status, cause, restarts, self._collected(), storage, started)
+
+    def _open_backend(self) -> Any:
+        """What runs the tasks (``_Classic`` or ``_Connect``: ``master``, ``local``,
+        ``slots()``, ``driver_host()``, ``run_barrier``, ``cancel``), checked first."""
+        backend = _backend(self._session())
+        self._check_slots(backend)
+        if not backend.local:
+            self._check_executors(backend)
+        return backend
+
+    def _collected(self) -> List[Any]:
+        """``JobResult.records``: none on Spark (a CollectSink is refused there)."""
+        return []
 
     def _check_executors(self, backend: Any) -> None:
         """Before the run opens: a barrier stage as wide as the job checks that its
@@ -981,7 +998,7 @@ def _describe_failure(exc: BaseException) -> str:
     return _FAILURE_TAG + json.dumps(body)
 
 
-def _rebuild_failure(attempt: ExecutionAttempt, message: str) -> BaseException:
+def _rebuild_failure(attempt: ExecutionAttempt, message: str, where: str = "a Spark executor") -> BaseException:
     """The driver's copy of a task's failure (see ``_describe_failure``): the user's
     exception type when the driver has it (a module it has imported already: nothing
     is imported by name from a message), with the executor's traceback as a note."""
@@ -1007,7 +1024,7 @@ def _rebuild_failure(attempt: ExecutionAttempt, message: str) -> BaseException:
     else:
         kind: Any = NonRetryableError if body.get("non_retryable") else RuntimeError
         user = kind(f"{module}.{qualname}: {text}")
-    note = f"raised on a Spark executor ({attempt}); its traceback there:\n{body.get('traceback', '')}"
+    note = f"raised on {where} ({attempt}); its traceback there:\n{body.get('traceback', '')}"
     notes: Any = user
     notes.__notes__ = [*getattr(user, "__notes__", []), note]  # add_note, which Python 3.10 lacks
     if user.__class__ is not UserFunctionError and body.get("where"):
