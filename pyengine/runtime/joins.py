@@ -1,0 +1,646 @@
+"""The operators of the joins (``pyengine.joins`` builds them): two-input keyed
+operators, each side keyed by its own selector into one key space.
+
+- ``IntervalJoinOperator``: Flink's ``IntervalJoinOperator``, per record. Each key's
+  records of both sides wait in keyed state (``{timestamp: [records]}`` per side); a
+  record is probed against the other side's buffer of its key, and a keyed event-time
+  timer at its cleanup time drops it once no record of the other side could still
+  pair with it. A record behind the watermark is late: dropped and counted (or sent to
+  a side output), as in Flink.
+- ``WindowJoinOperator``: the window join with a ``JoinFunction``, per record, on
+  ``WindowOperator`` (each key's windows and their elements in keyed state, a timer per
+  window), elements tagged with their side: at a window's end every pair of a left and
+  a right element of the key goes to the function, as Flink's join is a co-group of
+  the two sides' windows.
+- ``ArrowWindowJoinOperator`` and ``ArrowIntervalJoinOperator``: the same joins on
+  Arrow batches with no Python call per row (``.project(...)``): rows wait as
+  Arrow batches, a buffer is probed with a hash join per batch (interval join) or
+  per window (window join), and the joined rows go on as Arrow batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeAlias
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..errors import ColumnNotFoundError, NonRetryableError
+from ..io.events import MIN_WATERMARK
+from ..state import ListStateDescriptor, ValueStateDescriptor
+from ..state.keygroups import assign_to_key_group, key_groups_of_int64
+from ..time.strategy import TimestampAssigner
+from ..windows import WindowOperator
+from .operators import (
+    EventTimeOperatorMixin,
+    KeyedOperator,
+    NaNKeyError,
+    OperatorContext,
+    OutputTag,
+    UserFunctionError,
+    batch_of,
+    rows_of,
+)
+
+__all__ = [
+    "ArrowIntervalJoinOperator",
+    "ArrowWindowJoinOperator",
+    "IntervalJoinOperator",
+    "JoinContext",
+    "ProcessJoinFunction",
+    "WindowJoinOperator",
+    "joined_schema",
+]
+
+_LEFT = ValueStateDescriptor("interval-join/left")  # key -> {timestamp: [records]}
+_RIGHT = ValueStateDescriptor("interval-join/right")
+_LATE = ListStateDescriptor("join-late-records")  # [count]: split on rescaling, the sum stays
+_ARROW_BUFFERS = ListStateDescriptor("join-buffers")  # union: [bucket, side, Arrow IPC stream bytes]
+
+
+class JoinContext:
+    """The ``ctx`` of ``ProcessJoinFunction.process_element`` (PyFlink's
+    ``ProcessJoinFunction.Context``): the pair's timestamps and side outputs."""
+
+    def __init__(self, operator: IntervalJoinOperator) -> None:
+        self._op = operator
+        self._left_ts = 0
+        self._right_ts = 0
+        self.current_key: Any = None
+
+    def timestamp(self) -> int:
+        """The pair's event time: the larger of its two records' (as Flink stamps the output)."""
+        return max(self._left_ts, self._right_ts)
+
+    def left_timestamp(self) -> int:
+        return self._left_ts
+
+    def right_timestamp(self) -> int:
+        return self._right_ts
+
+    def output(self, tag: OutputTag, value: Any) -> None:
+        """Sends ``value`` to the side output ``tag`` (``stream.get_side_output(tag)``)."""
+        self._op.emit_side(tag, value)
+
+    @property
+    def subtask(self) -> int:
+        assert self._op.ctx is not None
+        return self._op.ctx.subtask
+
+
+class ProcessJoinFunction:
+    """An interval join's function (PyFlink's ``ProcessJoinFunction``):
+    ``process_element(left, right, ctx)`` is called once per joined pair (a record of
+    the left stream and one of the right stream, same key, timestamps within the
+    bounds) and yields its outputs; ``ctx.timestamp()`` is the larger of the two
+    timestamps, ``ctx.left_timestamp()`` / ``ctx.right_timestamp()`` each one's."""
+
+    Context: TypeAlias = JoinContext
+
+    def open(self, ctx: JoinContext) -> None:
+        pass
+
+    def process_element(self, left: Any, right: Any, ctx: JoinContext) -> Optional[Iterable[Any]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def _check_key(op: Any, key: Any, record: Any) -> None:
+    if key.__class__ is float and key != key:
+        raise NaNKeyError(f"{op.where()}: the key of record {record!r} is NaN")
+
+
+class _LateCounting(EventTimeOperatorMixin, KeyedOperator):
+    """Shared by the join operators: the watermark and the count of late records in
+    operator state, and where a late record goes (a side output per input, or dropped)."""
+
+    def __init__(self, uid: str, name: str, late_tags: Tuple[Optional[str], Optional[str]] = (None, None)) -> None:
+        super().__init__(uid, name)
+        self.late_tags = late_tags
+        self._late: Any = None
+
+    def setup(self, ctx: OperatorContext, restored: Any) -> None:
+        super().setup(ctx, restored)
+        self._restore_watermark(restored)
+        assert self.operator_state is not None
+        self._late = self.operator_state.get_list_state(_LATE)
+        self.late_records_dropped = sum(int(v) for v in self._late.get()) if restored is not None else 0
+
+    def snapshot(self, checkpoint_id: int, location: Any) -> Any:
+        self._save_watermark()
+        self._late.update([self.late_records_dropped])
+        return super().snapshot(checkpoint_id, location)
+
+    def _late_record(self, side: int, records: Any, n: int) -> None:
+        tag = self.late_tags[side]
+        if tag is None:
+            self.late_records_dropped += n
+        elif self.side_output is not None:  # as Flink: to the side output, not counted as dropped
+            self.side_output(tag, records)
+
+
+class IntervalJoinOperator(_LateCounting):
+    """Flink's ``IntervalJoinOperator``; see the module docstring.
+
+    ``lower`` and ``upper`` are inclusive here (the builder moved an exclusive bound
+    by 1 ms): a left record at ``t`` pairs with the right records of its key at
+    ``t + lower <= t' <= t + upper``. A left record can pair with no right record
+    later than ``t + upper``, so its cleanup timer is at ``t + max(upper, 0)``; a
+    right record's at ``t' + max(-lower, 0)``. One timer per key and time cleans
+    every bucket of both sides that is due by then."""
+
+    def __init__(
+        self,
+        uid: str,
+        name: str,
+        key_selectors: Tuple[Callable[[Any], Any], Callable[[Any], Any]],
+        timestamps: Tuple[TimestampAssigner, TimestampAssigner],
+        lower: int,
+        upper: int,
+        fn: ProcessJoinFunction,
+        late_tags: Tuple[Optional[str], Optional[str]] = (None, None),
+    ) -> None:
+        super().__init__(uid, name, late_tags)
+        self.key_selectors = key_selectors
+        self.timestamps = timestamps
+        self.lower, self.upper = lower, upper
+        self.fn = fn
+        self._jctx = JoinContext(self)
+        self._buffers: List[Any] = []
+        self._timers: Any = None
+
+    def setup(self, ctx: OperatorContext, restored: Any) -> None:
+        super().setup(ctx, restored)
+        from ..state.timers import InternalTimerService
+
+        self._buffers = [self.backend.get_state(_LEFT), self.backend.get_state(_RIGHT)]
+        self._timers = InternalTimerService(self.backend, self.current_watermark)
+
+    def open(self) -> None:
+        self._call(self.fn.open, self._jctx)
+
+    def close(self) -> None:
+        self._call(self.fn.close)
+
+    def process(self, records: Any) -> List[Any]:
+        return self._process(records, 0)
+
+    def process2(self, records: Any) -> List[Any]:
+        return self._process(records, 1)
+
+    def _cleanup_time(self, side: int, ts: int) -> int:
+        if side == 0:
+            return ts + self.upper if self.upper > 0 else ts
+        return ts - self.lower if self.lower < 0 else ts
+
+    def _process(self, records: Any, side: int) -> List[Any]:
+        out: List[Any] = []
+        if not len(records):
+            return out
+        try:
+            stamps = self.timestamps[side].of_buffer(records).tolist()
+        except NonRetryableError as exc:
+            raise type(exc)(f"{self.where()}: {exc}") from None
+        rows = rows_of(records)
+        select = self.key_selectors[side]
+        backend, jctx, element = self.backend, self._jctx, self.fn.process_element
+        ours, theirs = self._buffers[side], self._buffers[1 - side]
+        # the other side's timestamps that pair with ours: [ts + low, ts + high]
+        low, high = (self.lower, self.upper) if side == 0 else (-self.upper, -self.lower)
+        watermark = self.current_watermark
+        register = self._timers.event.register
+        try:
+            for record, ts in zip(rows, stamps, strict=True):
+                if watermark != MIN_WATERMARK and ts < watermark:
+                    self._late_record(side, [record], 1)
+                    continue
+                key = select(record)
+                _check_key(self, key, record)
+                backend.set_current_key(key)
+                jctx.current_key = key
+                buffer = ours.value() or {}
+                buffer.setdefault(ts, []).append(record)
+                ours.update(buffer)
+                other = theirs.value()
+                if other:
+                    for other_ts in sorted(other):
+                        if other_ts < ts + low or other_ts > ts + high:
+                            continue
+                        for match in other[other_ts]:
+                            if side == 0:
+                                left, right = record, match
+                                jctx._left_ts, jctx._right_ts = ts, other_ts
+                            else:
+                                left, right = match, record
+                                jctx._left_ts, jctx._right_ts = other_ts, ts
+                            produced = element(left, right, jctx)
+                            if produced is not None:
+                                out.extend(produced)
+                register(self._cleanup_time(side, ts))
+        except (NonRetryableError, UserFunctionError):
+            raise
+        except Exception as exc:
+            raise UserFunctionError(f"{self.where()}: {type(exc).__name__}: {exc}") from exc
+        return out
+
+    def process_watermark(self, watermark: int) -> List[Any]:
+        if watermark <= self.current_watermark:
+            return []
+        self.current_watermark = watermark
+        for _key, ts in self._timers.advance_watermark(watermark):
+            for side in (0, 1):  # the backend's current key is the timer's
+                state = self._buffers[side]
+                buffer = state.value()
+                if not buffer:
+                    continue
+                kept = {t: v for t, v in buffer.items() if self._cleanup_time(side, t) > ts}
+                if len(kept) != len(buffer):
+                    state.update(kept or None)
+        return []
+
+
+class WindowJoinOperator(WindowOperator):
+    """The window join with a ``JoinFunction``; see the module docstring. Elements
+    are kept as ``(side, record)`` in the window's contents, so a session window
+    merges both sides' elements with it."""
+
+    def __init__(
+        self,
+        uid: str,
+        name: str,
+        key_selectors: Tuple[Callable[[Any], Any], Callable[[Any], Any]],
+        timestamps: Tuple[TimestampAssigner, TimestampAssigner],
+        assigner: Any,
+        fn: Callable[[Any, Any], Any],
+    ) -> None:
+        super().__init__(uid, name, key_selectors[0], "key", assigner, 0, timestamps[0], function=self._pairs)
+        self.key_selectors = key_selectors
+        self.side_timestamps = timestamps
+        self.join_fn = fn
+
+    def _pairs(self, key: Any, window: Any, elements: List[Any]) -> List[Any]:
+        lefts = [r for side, r in elements if side == 0]
+        rights = [r for side, r in elements if side == 1]
+        fn = self.join_fn
+        return [fn(left, right) for left in lefts for right in rights]
+
+    def open(self) -> None:
+        opener = getattr(self.join_fn, "open", None)
+        if opener is not None:
+            self._call(opener, self._wctx)
+
+    def close(self) -> None:
+        closer = getattr(self.join_fn, "close", None)
+        if closer is not None:
+            self._call(closer)
+
+    def process(self, records: Any) -> List[Any]:
+        return self._tagged(records, 0)
+
+    def process2(self, records: Any) -> List[Any]:
+        return self._tagged(records, 1)
+
+    def _tagged(self, records: Any, side: int) -> List[Any]:
+        out: List[Any] = []
+        if not len(records):
+            return out
+        try:
+            stamps = self.side_timestamps[side].of_buffer(records).tolist()
+        except NonRetryableError as exc:
+            raise type(exc)(f"{self.where()}: {exc}") from None
+        select, backend = self.key_selectors[side], self.backend
+        try:
+            for record, ts in zip(rows_of(records), stamps, strict=True):
+                key = select(record)
+                _check_key(self, key, record)
+                backend.set_current_key(key)
+                self._add(key, (side, record), ts, out)
+        except (NonRetryableError, UserFunctionError):
+            raise
+        except Exception as exc:
+            raise UserFunctionError(f"{self.where()}: {type(exc).__name__}: {exc}") from exc
+        return out
+
+
+# -- the Arrow joins --------------------------------------------------------------------------------
+
+_TS = "__pe_ts"  # a buffered row's event time (int64), kept beside its columns
+
+
+def joined_schema(
+    left: pa.Schema,
+    right: pa.Schema,
+    keys: Tuple[str, str],
+    columns: Tuple[Optional[Sequence[str]], Optional[Sequence[str]]],
+    right_suffix: str,
+    extra: Sequence[Tuple[str, pa.DataType]] = (),
+) -> Tuple[List[str], List[str], pa.Schema]:
+    """What ``project`` outputs: the left key column, the chosen left columns and the
+    chosen right columns (the right key left out: it equals the left's), a right
+    column whose name the left side has taking ``right_suffix``; then ``extra``.
+    Returns the left's columns, the right's and the output schema; a name that
+    collides even so is refused."""
+    left_cols = [c for c in (columns[0] if columns[0] is not None else left.names) if c != keys[0]]
+    right_cols = [c for c in (columns[1] if columns[1] is not None else right.names) if c != keys[1]]
+    for side, schema, wanted in (("left", left, left_cols), ("right", right, right_cols)):
+        missing = [c for c in wanted if c not in schema.names]
+        if missing:
+            raise ColumnNotFoundError(
+                f"join project: the {side} stream has no column {missing[0]!r} (columns: {schema.names})"
+            )
+    fields = [left.field(keys[0])] + [left.field(c) for c in left_cols]
+    taken = {f.name for f in fields}
+    for c in right_cols:
+        f = right.field(c)
+        fields.append(f.with_name(c + right_suffix) if c in taken or c == keys[0] else f)
+    fields += [pa.field(n, t) for n, t in extra]
+    names = [f.name for f in fields]
+    clashes = sorted({n for n in names if names.count(n) > 1})
+    if clashes:
+        raise ValueError(
+            f"join project: output columns {clashes} repeat; choose columns with left=/right= or another right_suffix="
+        )
+    return left_cols, right_cols, pa.schema(fields)
+
+
+class _ArrowJoinBase(_LateCounting):
+    """Rows of both sides wait as Arrow batches in buckets (a window start, or one
+    bucket for the interval join), each batch with its rows' event times in ``_TS``.
+
+    A snapshot writes each bucket of each side as one Arrow IPC stream into union
+    operator state; a restored subtask reads them all and keeps the rows whose key
+    falls in its key groups (the same assignment as the exchange's), so a restore at
+    another parallelism splits them exactly as the keyed records are split."""
+
+    def __init__(
+        self,
+        uid: str,
+        name: str,
+        keys: Tuple[str, str],
+        timestamps: Tuple[TimestampAssigner, TimestampAssigner],
+        columns: Tuple[Optional[Sequence[str]], Optional[Sequence[str]]],
+        right_suffix: str,
+        late_tags: Tuple[Optional[str], Optional[str]] = (None, None),
+    ) -> None:
+        super().__init__(uid, name, late_tags)
+        self.keys = keys
+        self.timestamps = timestamps
+        self.columns = columns
+        self.right_suffix = right_suffix
+        self._buckets: Dict[Tuple[int, int], List[pa.RecordBatch]] = {}  # (bucket, side) -> batches
+        self._saved: Any = None
+        self._schemas: List[Optional[pa.Schema]] = [None, None]  # each side's kept columns
+        self._plan: Optional[Tuple[List[str], List[str], pa.Schema]] = None
+
+    def setup(self, ctx: OperatorContext, restored: Any) -> None:
+        super().setup(ctx, restored)
+        assert self.operator_state is not None
+        self._saved = self.operator_state.get_union_list_state(_ARROW_BUFFERS)
+        if restored is None:
+            return
+        r = self.backend.key_group_range
+        for bucket, side, data in self._saved.get():
+            table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+            if not table.num_rows:
+                continue
+            batch = table.combine_chunks().to_batches()[0]
+            groups = self._key_groups(batch.column(self.keys[side]))
+            mine = batch.filter(pa.array((groups >= r.start) & (groups <= r.end)))
+            if mine.num_rows:
+                self._schemas[side] = mine.schema
+                self._buckets.setdefault((int(bucket), int(side)), []).append(mine)
+
+    def _key_groups(self, keys: pa.Array) -> np.ndarray:
+        max_parallelism = self.backend.max_parallelism
+        if keys.null_count == 0 and pa.types.is_integer(keys.type):
+            return key_groups_of_int64(keys.to_numpy().astype(np.int64, copy=False), max_parallelism)
+        return np.array([assign_to_key_group(k, max_parallelism) for k in keys.to_pylist()], np.int64)
+
+    def snapshot(self, checkpoint_id: int, location: Any) -> Any:
+        entries = []
+        for (bucket, side), batches in sorted(self._buckets.items()):
+            if not batches:
+                continue
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, batches[0].schema) as writer:
+                for b in batches:
+                    writer.write_batch(b)
+            entries.append([bucket, side, sink.getvalue().to_pybytes()])
+        self._saved.update(entries)
+        return super().snapshot(checkpoint_id, location)
+
+    def _input(self, records: Any, side: int) -> Tuple[pa.RecordBatch, np.ndarray]:
+        """A buffer as an Arrow batch of the columns kept, with its event times."""
+        try:
+            batch = batch_of(records)
+        except (TypeError, pa.ArrowException) as exc:
+            raise NonRetryableError(f"{self.where()}: join project needs records that form a table: {exc}") from None
+        key = self.keys[side]
+        wanted = [key] + [c for c in (self.columns[side] or batch.schema.names) if c != key]
+        missing = [c for c in wanted if c not in batch.schema.names]
+        if missing:
+            raise ColumnNotFoundError(
+                f"{self.where()}: the {('left', 'right')[side]} records have no column {missing[0]!r} "
+                f"(columns: {batch.schema.names})"
+            )
+        try:
+            ts = self.timestamps[side].of_buffer(batch)
+        except NonRetryableError as exc:
+            raise type(exc)(f"{self.where()}: {exc}") from None
+        keys = batch.column(key)
+        if keys.null_count:
+            raise NonRetryableError(f"{self.where()}: the {('left', 'right')[side]} key column {key!r} has nulls")
+        kept = batch.select(wanted)
+        kept = kept.append_column(_TS, pa.array(ts, pa.int64()))
+        return kept, ts
+
+    def _output_plan(self) -> Tuple[List[str], List[str], pa.Schema]:
+        if self._plan is None:
+            left, right = self._schemas
+            assert left is not None and right is not None
+            strip = [f for f in left if f.name != _TS], [f for f in right if f.name != _TS]
+            self._plan = joined_schema(
+                pa.schema(strip[0]), pa.schema(strip[1]), self.keys, self.columns, self.right_suffix, self._extra()
+            )
+        return self._plan
+
+    def _extra(self) -> List[Tuple[str, pa.DataType]]:
+        return []
+
+    def _join(self, left: pa.Table, right: pa.Table) -> pa.Table:
+        """The inner equi-join of two tables on the keys (Arrow's hash join), with the
+        event-time columns of both as ``__pe_ts`` and ``__pe_ts_r``."""
+        left_cols, right_cols, _ = self._output_plan()
+        lk, rk = self.keys
+        lt = left.select([lk, *left_cols, _TS])
+        rt = right.select([rk, *right_cols, _TS]).rename_columns(
+            ["__pe_rk", *[f"__pe_r_{c}" for c in right_cols], "__pe_ts_r"]
+        )
+        if lt.schema.field(lk).type != rt.schema.field("__pe_rk").type:
+            rt = rt.set_column(0, "__pe_rk", pc.cast(rt.column(0), lt.schema.field(lk).type))
+        return lt.join(rt, keys=lk, right_keys="__pe_rk", join_type="inner", use_threads=False)
+
+    def _finish(self, joined: pa.Table, extra: Dict[str, Any]) -> pa.RecordBatch:
+        left_cols, right_cols, schema = self._output_plan()
+        arrays = [joined.column(self.keys[0])] + [joined.column(c) for c in left_cols]
+        arrays += [joined.column(f"__pe_r_{c}") for c in right_cols]
+        arrays += [extra[n] for n in schema.names[len(arrays) :]]
+        table = pa.Table.from_arrays(arrays, schema=schema)
+        return table.combine_chunks().to_batches()[0] if table.num_rows else pa.RecordBatch.from_pylist([], schema)
+
+
+def _one_buffer(batches: List[pa.RecordBatch]) -> Any:
+    batches = [b for b in batches if b.num_rows]
+    if not batches:
+        return []
+    return batches[0] if len(batches) == 1 else pa.concat_batches(batches)
+
+
+class ArrowWindowJoinOperator(_ArrowJoinBase):
+    """The window join of Arrow batches (tumbling and sliding windows, event time):
+    per input batch, each row's windows at once (``assign_array``), late ones dropped,
+    the rows appended to their windows' buffers; when the watermark reaches a
+    window's ``end - 1``, its two buffers are joined on the key by Arrow's hash join
+    and the window's rows dropped. Output: the joined columns, then ``window_start``
+    and ``window_end``."""
+
+    def __init__(self, uid: str, name: str, assigner: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(uid, name, *args, **kwargs)
+        self.assigner = assigner
+
+    def _extra(self) -> List[Tuple[str, pa.DataType]]:
+        return [("window_start", pa.int64()), ("window_end", pa.int64())]
+
+    def process(self, records: Any) -> Any:
+        return self._process(records, 0)
+
+    def process2(self, records: Any) -> Any:
+        return self._process(records, 1)
+
+    def _process(self, records: Any, side: int) -> Any:
+        if not len(records):
+            return []
+        batch, ts = self._input(records, side)
+        self._schemas[side] = batch.schema
+        rows, starts = self.assigner.assign_array(ts)
+        on_time = starts + (self.assigner.size - 1) > self.current_watermark
+        if not on_time.all():
+            kept = rows[on_time]
+            late = np.setdiff1d(np.arange(batch.num_rows), kept)
+            if len(late):
+                self._late_record(side, batch.take(pa.array(late)).drop_columns([_TS]), len(late))
+            rows, starts = kept, starts[on_time]
+        if not len(rows):
+            return []
+        first, last = int(starts.min()), int(starts.max())
+        if first == last and len(rows) == batch.num_rows:
+            self._buckets.setdefault((first, side), []).append(batch)
+            return []
+        table = batch.take(pa.array(rows))
+        for window in np.unique(starts).tolist():
+            self._buckets.setdefault((int(window), side), []).append(table.filter(pa.array(starts == window)))
+        return []
+
+    def process_watermark(self, watermark: int) -> Any:
+        if watermark <= self.current_watermark:
+            return []
+        self.current_watermark = watermark
+        size = self.assigner.size
+        out: List[pa.RecordBatch] = []
+        for window in sorted({b for b, _ in self._buckets}):
+            if window + size - 1 > watermark:
+                break
+            left = self._buckets.pop((window, 0), None)
+            right = self._buckets.pop((window, 1), None)
+            if not left or not right:
+                continue
+            joined = self._join(pa.Table.from_batches(left), pa.Table.from_batches(right))
+            if joined.num_rows:
+                n = joined.num_rows
+                extra = {
+                    "window_start": pa.array(np.full(n, window, np.int64)),
+                    "window_end": pa.array(np.full(n, window + size, np.int64)),
+                }
+                out.append(self._finish(joined, extra))
+        return _one_buffer(out)
+
+
+class ArrowIntervalJoinOperator(_ArrowJoinBase):
+    """The interval join of Arrow batches: each input batch (its late rows dropped)
+    is hash-joined on the key with the other side's buffer and the pairs whose right
+    time lies in ``[left + lower, left + upper]`` are kept; then the batch joins its
+    own side's buffer. When the watermark passes, each side's rows past their
+    cleanup time (as ``IntervalJoinOperator``'s) are dropped from its buffer, one
+    filter per side. Output: the joined columns, then ``left_ts`` and ``right_ts``
+    (named by ``timestamp_columns``)."""
+
+    def __init__(
+        self,
+        uid: str,
+        name: str,
+        lower: int,
+        upper: int,
+        timestamp_columns: Tuple[str, str],
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(uid, name, *args, **kwargs)
+        self.lower, self.upper = lower, upper
+        self.timestamp_columns = timestamp_columns
+
+    def _extra(self) -> List[Tuple[str, pa.DataType]]:
+        return [(self.timestamp_columns[0], pa.int64()), (self.timestamp_columns[1], pa.int64())]
+
+    def process(self, records: Any) -> Any:
+        return self._process(records, 0)
+
+    def process2(self, records: Any) -> Any:
+        return self._process(records, 1)
+
+    def _process(self, records: Any, side: int) -> Any:
+        if not len(records):
+            return []
+        batch, ts = self._input(records, side)
+        self._schemas[side] = batch.schema
+        watermark = self.current_watermark
+        if watermark != MIN_WATERMARK:
+            on_time = ts >= watermark
+            if not on_time.all():
+                late = np.nonzero(~on_time)[0]
+                self._late_record(side, batch.take(pa.array(late)).drop_columns([_TS]), len(late))
+                batch = batch.filter(pa.array(on_time))
+                if not batch.num_rows:
+                    return []
+        out: Any = []
+        other = self._buckets.get((0, 1 - side))
+        if other:
+            this, that = pa.Table.from_batches([batch]), pa.Table.from_batches(other)
+            joined = self._join(this, that) if side == 0 else self._join(that, this)
+            if joined.num_rows:
+                lt, rt = joined.column(_TS), joined.column("__pe_ts_r")
+                keep = pc.and_(pc.greater_equal(rt, pc.add(lt, self.lower)), pc.less_equal(rt, pc.add(lt, self.upper)))
+                joined = joined.filter(keep)
+                if joined.num_rows:
+                    names = self.timestamp_columns
+                    out = self._finish(joined, {names[0]: joined.column(_TS), names[1]: joined.column("__pe_ts_r")})
+        self._buckets.setdefault((0, side), []).append(batch)
+        return out
+
+    def process_watermark(self, watermark: int) -> Any:
+        if watermark <= self.current_watermark:
+            return []
+        self.current_watermark = watermark
+        for side, reach in ((0, max(self.upper, 0)), (1, max(-self.lower, 0))):
+            batches = self._buckets.get((0, side))
+            if not batches:
+                continue
+            # a row stays while its cleanup time (ts + reach) is after the watermark
+            kept = [b.filter(pc.greater(b.column(_TS), watermark - reach)) for b in batches]
+            kept = [b for b in kept if b.num_rows]
+            if len(kept) > 8:  # many small batches: one, so probes join one table
+                kept = [pa.concat_batches(kept)]
+            self._buckets[(0, side)] = kept
+        return []
