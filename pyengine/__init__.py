@@ -11,10 +11,27 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what IDEs and type checkers see; at run time these load on first use
     from . import agg, errors, runners, sinks, windows
-    from .api import ConnectedStreams, DataStream, KeyedStream, StreamEnvironment
+    from .api import (
+        BroadcastConnectedStream,
+        BroadcastStream,
+        ConnectedStreams,
+        DataStream,
+        KeyedStream,
+        StreamEnvironment,
+    )
     from .coordinator.config import CheckpointConfig
     from .errors import JobFailedError
     from .monitoring.config import Monitoring
+    from .runtime.broadcast import (
+        BroadcastContext,
+        BroadcastProcessFunction,
+        BroadcastStateError,
+        KeyedBroadcastContext,
+        KeyedBroadcastProcessFunction,
+        KeyedBroadcastReadOnlyContext,
+        ReadOnlyBroadcastContext,
+        ReadOnlyBroadcastState,
+    )
     from .runtime.operators import (
         CoProcessFunction,
         KeyedContext,
@@ -27,6 +44,7 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time these load on 
     from .state import (
         AggregatingState,
         AggregatingStateDescriptor,
+        BroadcastState,
         ListState,
         ListStateDescriptor,
         ListView,
@@ -48,10 +66,19 @@ __version__ = "0.1.0"
 __all__ = [
     "AggregatingState",
     "AggregatingStateDescriptor",
+    "BroadcastConnectedStream",
+    "BroadcastContext",
+    "BroadcastProcessFunction",
+    "BroadcastState",
+    "BroadcastStateError",
+    "BroadcastStream",
     "CheckpointConfig",
     "CoProcessFunction",
     "ConnectedStreams",
     "DataStream",
+    "KeyedBroadcastContext",
+    "KeyedBroadcastProcessFunction",
+    "KeyedBroadcastReadOnlyContext",
     "KeyedCoProcessFunction",
     "KeyedContext",
     "KeyedProcessFunction",
@@ -59,6 +86,8 @@ __all__ = [
     "OutputTag",
     "ProcessContext",
     "ProcessFunction",
+    "ReadOnlyBroadcastContext",
+    "ReadOnlyBroadcastState",
     "ListState",
     "ListStateDescriptor",
     "ListView",
@@ -100,12 +129,29 @@ _LAZY = {
             "ProcessFunction",
         )
     },
-    **{name: ("pyengine.api", name) for name in ("ConnectedStreams", "DataStream", "KeyedStream")},
+    **{
+        name: ("pyengine.api", name)
+        for name in ("BroadcastConnectedStream", "BroadcastStream", "ConnectedStreams", "DataStream", "KeyedStream")
+    },
+    **{
+        name: ("pyengine.runtime.broadcast", name)
+        for name in (
+            "BroadcastContext",
+            "BroadcastProcessFunction",
+            "BroadcastStateError",
+            "KeyedBroadcastContext",
+            "KeyedBroadcastProcessFunction",
+            "KeyedBroadcastReadOnlyContext",
+            "ReadOnlyBroadcastContext",
+            "ReadOnlyBroadcastState",
+        )
+    },
     **{
         name: ("pyengine.state", name)
         for name in (
             "AggregatingState",
             "AggregatingStateDescriptor",
+            "BroadcastState",
             "ListState",
             "ListStateDescriptor",
             "ListView",

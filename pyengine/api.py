@@ -11,13 +11,21 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union, overload
 
 from .agg import Aggregation
 from .coordinator import CheckpointConfig
 from .monitoring.config import Monitoring
 from .runners.result import JobResult
 from .runtime.aggregate import AggregateOperator
+from .runtime.broadcast import (
+    BroadcastProcessFunction,
+    BroadcastProcessOperator,
+    KeyedBroadcastProcessFunction,
+    KeyedBroadcastProcessOperator,
+    check_broadcast_descriptors,
+    overrides_broadcast_on_timer,
+)
 from .runtime.operators import (
     CoProcessFunction,
     FilterOperator,
@@ -47,6 +55,7 @@ from .runtime.sources import (
 )
 from .runtime.task import EventTimeStatistics, SinkOperator, event_time_statistics
 from .sinks import Sink
+from .state.descriptors import MapStateDescriptor
 from .state.keygroups import check_parallelism
 from .time.strategy import TimestampAssigner, WatermarkStrategy
 
@@ -55,6 +64,8 @@ if TYPE_CHECKING:
     from .windows import WindowAssigner, WindowedStream
 
 __all__ = [
+    "BroadcastConnectedStream",
+    "BroadcastStream",
     "ConnectedStreams",
     "DataStream",
     "Edge",
@@ -107,6 +118,9 @@ class _Step:
     # column or field after a map (or assign timestamps again after the map).
     timestamps: Optional[TimestampAssigner] = None
     effective_uid: str = ""  # the uid its state goes by, set when a graph is built
+    # False for an operator that never sends to a side output (map, filter, a sink...):
+    # get_side_output on it is refused rather than read as an empty stream
+    side_outputs: bool = True
 
 
 @dataclass(eq=False)
@@ -790,8 +804,15 @@ class DataStream:
         step.schema, step.timestamps = self._node.schema, self._node.timestamps
         return DataStream(self._env, self._new(step, [self._node]))
 
-    def _op(self, name: str, factory: Callable[[str, str, bool], Operator], keeps_schema: bool = False) -> DataStream:
-        out = self._then(_Step("op", f"{len(self._steps)}-{name}", factory))
+    def _op(
+        self,
+        name: str,
+        factory: Callable[[str, str, bool], Operator],
+        keeps_schema: bool = False,
+        *,
+        side_outputs: bool = True,
+    ) -> DataStream:
+        out = self._then(_Step("op", f"{len(self._steps)}-{name}", factory, side_outputs=side_outputs))
         if not keeps_schema:
             out._schema = None
         return out
@@ -826,16 +847,16 @@ class DataStream:
         return self
 
     def map(self, fn: Callable[[Any], Any]) -> DataStream:
-        return self._op("map", lambda uid, n, _c: MapOperator(uid, n, fn))
+        return self._op("map", lambda uid, n, _c: MapOperator(uid, n, fn), side_outputs=False)
 
     def filter(self, fn: Callable[[Any], bool]) -> DataStream:
-        return self._op("filter", lambda uid, n, _c: FilterOperator(uid, n, fn), keeps_schema=True)
+        return self._op("filter", lambda uid, n, _c: FilterOperator(uid, n, fn), keeps_schema=True, side_outputs=False)
 
     def flat_map(self, fn: Callable[[Any], Iterable[Any]]) -> DataStream:
-        return self._op("flat_map", lambda uid, n, _c: FlatMapOperator(uid, n, fn))
+        return self._op("flat_map", lambda uid, n, _c: FlatMapOperator(uid, n, fn), side_outputs=False)
 
     def map_batches(self, fn: Callable[[Any], Any]) -> DataStream:
-        return self._op("map_batches", lambda uid, n, _c: MapBatchesOperator(uid, n, fn))
+        return self._op("map_batches", lambda uid, n, _c: MapBatchesOperator(uid, n, fn), side_outputs=False)
 
     def process(self, fn: ProcessFunction) -> DataStream:
         """Runs a ``pe.ProcessFunction`` on every record of this (not keyed) stream:
@@ -866,6 +887,12 @@ class DataStream:
                 "window(...)... returned, not on a source, key_by, union or another side output"
             )
         self._check_open(f"get_side_output({tag.name!r})")
+        if not self._node.side_outputs:
+            raise ValueError(
+                f"get_side_output({tag.name!r}): the last step here, {_call_of(self._node)}, sends nothing to a side "
+                "output, so this stream would always be empty; call get_side_output on what process(...) (whose "
+                "function calls ctx.output) or a window with side_output_late_data returned"
+            )
         node = self._new(_Step("side", f"side-{tag.name}", tag=tag), [self._node])
         return DataStream(self._env, node)
 
@@ -899,14 +926,25 @@ class DataStream:
 
         return JoinedStreams(self, other)
 
-    def connect(self, other: DataStream) -> ConnectedStreams:
+    @overload
+    def connect(self, other: DataStream) -> ConnectedStreams: ...
+
+    @overload
+    def connect(self, other: BroadcastStream) -> BroadcastConnectedStream: ...
+
+    def connect(self, other: Union[DataStream, BroadcastStream]) -> Union[ConnectedStreams, BroadcastConnectedStream]:
         """Two streams into one operator with an input for each (PyFlink's name):
         ``.process(pe.CoProcessFunction)``, or ``.key_by(k1, k2).process(
-        pe.KeyedCoProcessFunction)`` for keyed state and timers shared by both."""
+        pe.KeyedCoProcessFunction)`` for keyed state and timers shared by both.
+        With a ``BroadcastStream`` (``rules.broadcast(descriptor)``), the broadcast
+        state pattern: ``.process(pe.BroadcastProcessFunction)``."""
+        if isinstance(other, BroadcastStream):
+            return BroadcastConnectedStream(self, other)
         if isinstance(other, KeyedStream):
             raise TypeError(
                 "connect: this stream is not keyed and the other is; key both "
-                "(a.key_by(k1).connect(b.key_by(k2))) or neither (the broadcast state pattern is not supported yet)"
+                "(a.key_by(k1).connect(b.key_by(k2))) or neither; to send one stream to every subtask with "
+                "state, connect its broadcast: a.connect(b.broadcast(pe.MapStateDescriptor(...)))"
             )
         if not isinstance(other, DataStream):
             raise TypeError(f"connect takes a DataStream, got {other!r}")
@@ -924,6 +962,7 @@ class DataStream:
             "timestamps",
             lambda uid, n, _c: TimestampsAndWatermarksOperator(uid, n, checked),
             keeps_schema=True,
+            side_outputs=False,
         )
         out._steps[-1].event_time = True
         out._timestamps = checked.timestamps
@@ -932,8 +971,25 @@ class DataStream:
     def rebalance(self) -> DataStream:
         return self._then(_Step("exchange", "rebalance", exchange="rebalance"))
 
-    def broadcast(self) -> DataStream:
-        return self._then(_Step("exchange", "broadcast", exchange="broadcast"))
+    @overload
+    def broadcast(self) -> DataStream: ...
+
+    @overload
+    def broadcast(self, descriptor: MapStateDescriptor, /, *descriptors: MapStateDescriptor) -> BroadcastStream: ...
+
+    def broadcast(self, *descriptors: MapStateDescriptor) -> Union[DataStream, BroadcastStream]:
+        """Every record to every subtask of the next operator (PyFlink's name).
+
+        With descriptors (``pe.MapStateDescriptor``), the broadcast state pattern: a
+        ``BroadcastStream`` to ``connect`` to a stream (``stream.connect(bs)`` or
+        ``keyed.connect(bs)``), whose ``process`` function keeps these broadcast
+        states, written by ``process_broadcast_element`` and read by
+        ``process_element`` (see ``pe.BroadcastProcessFunction``,
+        ``pe.KeyedBroadcastProcessFunction``)."""
+        exchange = self._then(_Step("exchange", "broadcast", exchange="broadcast"))
+        if not descriptors:
+            return exchange
+        return BroadcastStream(exchange, check_broadcast_descriptors(descriptors))
 
     def key_by(self, key: Any) -> KeyedStream:
         if isinstance(key, str):
@@ -954,7 +1010,7 @@ class DataStream:
                 f"sink_to: this {type(sink).__name__} already ends another stream of the job; give each sink_to "
                 "a sink of its own (a sink takes one stream: union the streams first to write them to one sink)"
             )
-        out = self._op("sink", lambda uid, n, c: SinkOperator(uid, n, sink, c))
+        out = self._op("sink", lambda uid, n, c: SinkOperator(uid, n, sink, c), side_outputs=False)
         out._node.sink = sink
         self._env._streams.append(out)
         return out
@@ -1027,6 +1083,86 @@ class ConnectedStreams:
         return DataStream(a._env, node)
 
 
+class BroadcastStream:
+    """``stream.broadcast(descriptor, ...)``: a stream whose every record goes to
+    every subtask of the operator it is connected to, with the broadcast states those
+    descriptors name (PyFlink's ``BroadcastStream``). It is only connected:
+    ``other.connect(bs)`` or ``keyed.connect(bs)``, then ``.process(fn)``. One
+    broadcast stream may be connected to several streams."""
+
+    def __init__(self, stream: DataStream, descriptors: Sequence[MapStateDescriptor]) -> None:
+        self._stream = stream
+        self.descriptors: List[MapStateDescriptor] = list(descriptors)
+
+    def __repr__(self) -> str:
+        return f"BroadcastStream({', '.join(repr(d.name) for d in self.descriptors)})"
+
+
+class BroadcastConnectedStream:
+    """A stream (keyed or not) connected to a ``BroadcastStream`` (PyFlink's
+    ``BroadcastConnectedStream``). ``process`` takes a ``pe.BroadcastProcessFunction``
+    when the stream is not keyed, a ``pe.KeyedBroadcastProcessFunction`` when it is.
+    The operator reads both through one input gate, so a checkpoint's barriers align
+    across the broadcast input too; its broadcast state is checkpointed by every
+    subtask, and a restore at any parallelism gives each new subtask a copy."""
+
+    def __init__(self, first: Union[DataStream, KeyedStream], broadcast: BroadcastStream) -> None:
+        self._first: Any = first
+        self._broadcast = broadcast
+
+    def process(self, fn: Union[BroadcastProcessFunction, KeyedBroadcastProcessFunction]) -> DataStream:
+        """Runs ``fn``: ``process_element`` gets the stream's records,
+        ``process_broadcast_element`` every broadcast record (on every subtask)."""
+        import copy
+
+        first, bs = self._first, self._broadcast
+        keyed = isinstance(first, KeyedStream)
+        a: DataStream = first._stream if keyed else first
+        b: DataStream = bs._stream
+        if a._env is not b._env:
+            raise ValueError("connect: the streams belong to different StreamEnvironments; build a job in one")
+        a._check_open("connect()")
+        descriptors = list(bs.descriptors)
+        stamps = (a._timestamps, b._timestamps)
+        if keyed:
+            if not isinstance(fn, KeyedBroadcastProcessFunction):
+                raise TypeError(
+                    f"process on a keyed stream connected to a broadcast stream takes a "
+                    f"pe.KeyedBroadcastProcessFunction, got {fn!r}"
+                    + (
+                        " (a BroadcastProcessFunction has no keyed state: connect a stream that is not keyed)"
+                        if isinstance(fn, BroadcastProcessFunction)
+                        else ""
+                    )
+                )
+            select = first._select
+
+            def factory(uid: str, n: str, _c: bool) -> Operator:
+                return KeyedBroadcastProcessOperator(uid, n, select, copy.deepcopy(fn), descriptors, stamps)
+
+            event_time = overrides_broadcast_on_timer(fn)
+        else:
+            if not isinstance(fn, BroadcastProcessFunction):
+                raise TypeError(
+                    f"process on a stream connected to a broadcast stream takes a pe.BroadcastProcessFunction, "
+                    f"got {fn!r}"
+                    + (
+                        " (for keyed state and timers, key the stream first: "
+                        "stream.key_by(k).connect(rules.broadcast(descriptor)))"
+                        if isinstance(fn, KeyedBroadcastProcessFunction)
+                        else ""
+                    )
+                )
+
+            def factory(uid: str, n: str, _c: bool) -> Operator:
+                return BroadcastProcessOperator(uid, n, copy.deepcopy(fn), descriptors, stamps)
+
+            event_time = False
+        step = _Step("op", f"{len(a._steps)}-broadcast_process", factory, event_time=event_time)
+        node = a._new(step, [first._stream._node if keyed else a._node, b._node])
+        return DataStream(a._env, node)
+
+
 class KeyedStream:
     def __init__(self, stream: DataStream, select: Callable[[Any], Any]) -> None:
         self._stream = stream
@@ -1066,16 +1202,28 @@ class KeyedStream:
         from .runtime.aggregate import check_aggregate
 
         check_aggregate(self._stream._schema, column, aggs, emit)
-        return self._stream._op("aggregate", lambda uid, n, _c: AggregateOperator(uid, n, column, aggs, emit))
+        return self._stream._op(
+            "aggregate", lambda uid, n, _c: AggregateOperator(uid, n, column, aggs, emit), side_outputs=False
+        )
 
-    def connect(self, other: KeyedStream) -> ConnectedStreams:
+    @overload
+    def connect(self, other: KeyedStream) -> ConnectedStreams: ...
+
+    @overload
+    def connect(self, other: BroadcastStream) -> BroadcastConnectedStream: ...
+
+    def connect(self, other: Union[KeyedStream, BroadcastStream]) -> Union[ConnectedStreams, BroadcastConnectedStream]:
         """This keyed stream and ``other`` (keyed too, into the same key space) for
         one ``pe.KeyedCoProcessFunction``: records of either side with equal keys
-        meet the same keyed state and timers (PyFlink's ``connect``)."""
+        meet the same keyed state and timers (PyFlink's ``connect``). With a
+        ``BroadcastStream`` (``rules.broadcast(descriptor)``), the broadcast state
+        pattern: ``.process(pe.KeyedBroadcastProcessFunction)``."""
+        if isinstance(other, BroadcastStream):
+            return BroadcastConnectedStream(self, other)
         if not isinstance(other, KeyedStream):
             raise TypeError(
-                f"connect on a keyed stream takes a keyed stream (other.key_by(...)), got {other!r}; "
-                "the broadcast state pattern (connecting a broadcast stream) is not supported yet"
+                f"connect on a keyed stream takes a keyed stream (other.key_by(...)) or a broadcast stream "
+                f"(other.broadcast(pe.MapStateDescriptor(...))), got {other!r}"
             )
         return ConnectedStreams(self, other)
 
