@@ -56,12 +56,26 @@ _PROXIED = (CollectSink, DiscardSink, PrintSink)
 # What the fork server imports once, so that every worker forked from it has them.
 _PRELOAD = [
     "pyengine",
+    "pyengine.api",
+    "pyengine.agg",
+    "pyengine.windows",
+    "pyengine.monitoring",
+    "pyengine.monitoring.metrics",
+    "pyengine.runtime.aggregate",
+    "pyengine.runtime.broadcast",
+    "pyengine.runtime.joins",
+    "pyengine.state.heap",
+    "pyengine.state.incremental",
+    "pyengine.state.columnar",
+    "pyengine.snapshot.strategies",
     "pyengine.runners.processes",
+    "pyengine.runners.spark",
     "pyengine.runners.flight",
     "pyengine.runners.control",
     "pyarrow.flight",
     "pyarrow.compute",
     "pyarrow.acero",
+    "pyarrow.parquet",
 ]
 START_METHODS = ("forkserver", "spawn")
 KILL_WAIT_S = 10.0
