@@ -298,14 +298,20 @@ class SlowFirst(pe.KeyedCoProcessFunction):
         return [(ctx.current_key, 2)]
 
 
-@pytest.mark.parametrize("unaligned", [False, True], ids=["aligned", "unaligned"])
-def test_a_short_input_and_a_slow_one_checkpoint_and_end_exactly(tmp_path: Any, unaligned: bool) -> None:
-    """The second input is short and done long before the first: checkpoints keep
+@pytest.mark.parametrize("mode", ["aligned", "unaligned", "at_least_once"])
+def test_a_short_input_and_a_slow_one_checkpoint_and_end_exactly(tmp_path: Any, mode: str) -> None:
+    """The second input is short and done long before the first (its end of
+    partition reaches the gate while checkpoints are pending): checkpoints keep
     completing across the gate's channels of both (the second's idle, open ones
-    included), and every record arrives once."""
+    included), in each of the three barrier handlers, and every record arrives once."""
+    config = (
+        pe.CheckpointConfig(interval_ms=10, mode="at_least_once")
+        if mode == "at_least_once"
+        else pe.CheckpointConfig(interval_ms=10, unaligned=mode == "unaligned")
+    )
     env = pe.StreamEnvironment(
         parallelism=2,
-        checkpointing=pe.CheckpointConfig(interval_ms=10, unaligned=unaligned),
+        checkpointing=config,
         buffer_size=8,
         buffer_timeout_ms=1,
         channel_capacity=2,
