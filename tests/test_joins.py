@@ -143,8 +143,7 @@ def test_interval_join_equals_brute_force(
 ) -> None:
     n, keys, step, jitter, seed = shape
     lower, upper = bounds[0], bounds[0] + bounds[1]
-    if exclusive[0] and exclusive[1] and upper - lower < 2:
-        upper = lower + 2
+    upper = max(upper, lower + exclusive[0] + exclusive[1])  # an interval left once the bounds are open
     left = side(n, keys, step, jitter, seed, 0)
     right = side(n + 3, keys, step, jitter, seed + 1, 100_000)
     env = env_for(parallelism, backend)

@@ -328,6 +328,7 @@ class WindowJoinOperator(WindowOperator):
 # -- the Arrow joins --------------------------------------------------------------------------------
 
 _TS = "__pe_ts"  # a buffered row's event time (int64), kept beside its columns
+_WINDOW = "__pe_w"  # a buffered row's window start (the window join)
 
 
 def joined_schema(
@@ -461,7 +462,8 @@ class _ArrowJoinBase(_LateCounting):
         if self._plan is None:
             left, right = self._schemas
             assert left is not None and right is not None
-            strip = [f for f in left if f.name != _TS], [f for f in right if f.name != _TS]
+            internal = (_TS, _WINDOW)
+            strip = [f for f in left if f.name not in internal], [f for f in right if f.name not in internal]
             self._plan = joined_schema(
                 pa.schema(strip[0]), pa.schema(strip[1]), self.keys, self.columns, self.right_suffix, self._extra()
             )
@@ -470,18 +472,25 @@ class _ArrowJoinBase(_LateCounting):
     def _extra(self) -> List[Tuple[str, pa.DataType]]:
         return []
 
-    def _join(self, left: pa.Table, right: pa.Table) -> pa.Table:
-        """The inner equi-join of two tables on the keys (Arrow's hash join), with the
-        event-time columns of both as ``__pe_ts`` and ``__pe_ts_r``."""
+    def _join(self, left: pa.Table, right: pa.Table, also: Sequence[str] = ()) -> pa.Table:
+        """The inner equi-join of two tables on the keys (and the columns ``also``,
+        which both have), by Arrow's hash join; the event times of both come out as
+        ``__pe_ts`` and ``__pe_ts_r``."""
         left_cols, right_cols, _ = self._output_plan()
         lk, rk = self.keys
-        lt = left.select([lk, *left_cols, _TS])
-        rt = right.select([rk, *right_cols, _TS]).rename_columns(
-            ["__pe_rk", *[f"__pe_r_{c}" for c in right_cols], "__pe_ts_r"]
+        lt = left.select([lk, *left_cols, _TS, *also])
+        rt = right.select([rk, *right_cols, _TS, *also]).rename_columns(
+            ["__pe_rk", *[f"__pe_r_{c}" for c in right_cols], "__pe_ts_r", *[f"__pe_r{c}" for c in also]]
         )
         if lt.schema.field(lk).type != rt.schema.field("__pe_rk").type:
             rt = rt.set_column(0, "__pe_rk", pc.cast(rt.column(0), lt.schema.field(lk).type))
-        return lt.join(rt, keys=lk, right_keys="__pe_rk", join_type="inner", use_threads=False)
+        return lt.join(
+            rt,
+            keys=[lk, *also],
+            right_keys=["__pe_rk", *[f"__pe_r{c}" for c in also]],
+            join_type="inner",
+            use_threads=False,
+        )
 
     def _finish(self, joined: pa.Table, extra: Dict[str, Any]) -> pa.RecordBatch:
         left_cols, right_cols, schema = self._output_plan()
@@ -492,6 +501,11 @@ class _ArrowJoinBase(_LateCounting):
         return table.combine_chunks().to_batches()[0] if table.num_rows else pa.RecordBatch.from_pylist([], schema)
 
 
+def _min_max(column: pa.Array) -> Tuple[int, int]:
+    values = column.to_numpy()
+    return int(values.min()), int(values.max())
+
+
 def _one_buffer(batches: List[pa.RecordBatch]) -> Any:
     batches = [b for b in batches if b.num_rows]
     if not batches:
@@ -500,12 +514,16 @@ def _one_buffer(batches: List[pa.RecordBatch]) -> Any:
 
 
 class ArrowWindowJoinOperator(_ArrowJoinBase):
-    """The window join of Arrow batches (tumbling and sliding windows, event time):
-    per input batch, each row's windows at once (``assign_array``), late ones dropped,
-    the rows appended to their windows' buffers; when the watermark reaches a
-    window's ``end - 1``, its two buffers are joined on the key by Arrow's hash join
-    and the window's rows dropped. Output: the joined columns, then ``window_start``
-    and ``window_end``."""
+    """The window join of Arrow batches (tumbling and sliding windows, event time).
+
+    Per input batch: each row's windows at once (``assign_array``), the late
+    (row, window) pairs dropped, and the rows appended to their side's buffer with
+    their window's start (``__pe_w``; a row of several sliding windows once per
+    window). When the watermark passes, every window that ended (``end - 1`` at or
+    below it) fires in one go: the due rows of both sides are hash-joined on (key,
+    window start) by Arrow, one join per watermark however many windows and keys
+    end, and leave the buffers. Output: the joined columns, then ``window_start`` and
+    ``window_end``."""
 
     def __init__(self, uid: str, name: str, assigner: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(uid, name, *args, **kwargs)
@@ -524,7 +542,6 @@ class ArrowWindowJoinOperator(_ArrowJoinBase):
         if not len(records):
             return []
         batch, ts = self._input(records, side)
-        self._schemas[side] = batch.schema
         rows, starts = self.assigner.assign_array(ts)
         on_time = starts + (self.assigner.size - 1) > self.current_watermark
         if not on_time.all():
@@ -535,37 +552,39 @@ class ArrowWindowJoinOperator(_ArrowJoinBase):
             rows, starts = kept, starts[on_time]
         if not len(rows):
             return []
-        first, last = int(starts.min()), int(starts.max())
-        if first == last and len(rows) == batch.num_rows:
-            self._buckets.setdefault((first, side), []).append(batch)
-            return []
-        table = batch.take(pa.array(rows))
-        for window in np.unique(starts).tolist():
-            self._buckets.setdefault((int(window), side), []).append(table.filter(pa.array(starts == window)))
+        if len(rows) != batch.num_rows or self.assigner.kind != "tumbling":
+            batch = batch.take(pa.array(rows))
+        batch = batch.append_column(_WINDOW, pa.array(starts, pa.int64()))
+        self._schemas[side] = batch.schema
+        self._buckets.setdefault((0, side), []).append(batch)
         return []
 
     def process_watermark(self, watermark: int) -> Any:
         if watermark <= self.current_watermark:
             return []
         self.current_watermark = watermark
-        size = self.assigner.size
-        out: List[pa.RecordBatch] = []
-        for window in sorted({b for b, _ in self._buckets}):
-            if window + size - 1 > watermark:
-                break
-            left = self._buckets.pop((window, 0), None)
-            right = self._buckets.pop((window, 1), None)
-            if not left or not right:
+        last_start = watermark - self.assigner.size + 1  # windows starting up to here have ended
+        due: List[Optional[pa.Table]] = [None, None]
+        for side in (0, 1):
+            batches = self._buckets.get((0, side))
+            if not batches:
                 continue
-            joined = self._join(pa.Table.from_batches(left), pa.Table.from_batches(right))
-            if joined.num_rows:
-                n = joined.num_rows
-                extra = {
-                    "window_start": pa.array(np.full(n, window, np.int64)),
-                    "window_end": pa.array(np.full(n, window + size, np.int64)),
-                }
-                out.append(self._finish(joined, extra))
-        return _one_buffer(out)
+            table = pa.Table.from_batches(batches)
+            ended = pc.less_equal(table.column(_WINDOW), last_start)
+            if not pc.any(ended).as_py():
+                continue
+            due[side] = table.filter(ended)
+            rest = table.filter(pc.invert(ended)).combine_chunks()
+            self._buckets[(0, side)] = rest.to_batches() if rest.num_rows else []
+        left, right = due
+        if left is None or right is None:
+            return []
+        joined = self._join(left, right, (_WINDOW,))
+        if not joined.num_rows:
+            return []
+        starts = joined.column(_WINDOW)
+        extra = {"window_start": starts, "window_end": pc.add(starts, self.assigner.size)}
+        return self._finish(joined, extra)
 
 
 class ArrowIntervalJoinOperator(_ArrowJoinBase):
@@ -590,6 +609,7 @@ class ArrowIntervalJoinOperator(_ArrowJoinBase):
         super().__init__(uid, name, *args, **kwargs)
         self.lower, self.upper = lower, upper
         self.timestamp_columns = timestamp_columns
+        self._time_ranges: Dict[int, List[Tuple[int, int]]] = {}
 
     def _extra(self) -> List[Tuple[str, pa.DataType]]:
         return [(self.timestamp_columns[0], pa.int64()), (self.timestamp_columns[1], pa.int64())]
@@ -615,19 +635,41 @@ class ArrowIntervalJoinOperator(_ArrowJoinBase):
                 if not batch.num_rows:
                     return []
         out: Any = []
+        stamps = batch.column(_TS).to_numpy()
+        # the other side's times that can pair with this batch's: [min + low, max + high]
+        low, high = (self.lower, self.upper) if side == 0 else (-self.upper, -self.lower)
+        first, last = int(stamps.min()) + low, int(stamps.max()) + high
         other = self._buckets.get((0, 1 - side))
         if other:
-            this, that = pa.Table.from_batches([batch]), pa.Table.from_batches(other)
-            joined = self._join(this, that) if side == 0 else self._join(that, this)
-            if joined.num_rows:
-                lt, rt = joined.column(_TS), joined.column("__pe_ts_r")
-                keep = pc.and_(pc.greater_equal(rt, pc.add(lt, self.lower)), pc.less_equal(rt, pc.add(lt, self.upper)))
-                joined = joined.filter(keep)
+            # buffered batches whose time range misses that are skipped whole, rows filtered after
+            near = [b for b, (lo, hi) in zip(other, self._ranges(1 - side), strict=True) if hi >= first and lo <= last]
+            that = pa.Table.from_batches(near, other[0].schema) if near else None
+            if that is not None and that.num_rows:
+                t = that.column(_TS)
+                that = that.filter(pc.and_(pc.greater_equal(t, first), pc.less_equal(t, last)))
+            if that is not None and that.num_rows:
+                this = pa.Table.from_batches([batch])
+                joined = self._join(this, that) if side == 0 else self._join(that, this)
                 if joined.num_rows:
-                    names = self.timestamp_columns
-                    out = self._finish(joined, {names[0]: joined.column(_TS), names[1]: joined.column("__pe_ts_r")})
+                    lt, rt = joined.column(_TS), joined.column("__pe_ts_r")
+                    keep = pc.and_(
+                        pc.greater_equal(rt, pc.add(lt, self.lower)), pc.less_equal(rt, pc.add(lt, self.upper))
+                    )
+                    joined = joined.filter(keep)
+                    if joined.num_rows:
+                        names = self.timestamp_columns
+                        out = self._finish(joined, {names[0]: joined.column(_TS), names[1]: joined.column("__pe_ts_r")})
+        self._ranges(side).append((int(stamps.min()), int(stamps.max())))
         self._buckets.setdefault((0, side), []).append(batch)
         return out
+
+    def _ranges(self, side: int) -> List[Tuple[int, int]]:
+        """The (min, max) event time of each buffered batch of ``side``, in order."""
+        batches = self._buckets.get((0, side), [])
+        ranges = self._time_ranges.setdefault(side, [])
+        if len(ranges) != len(batches):  # restored, or trimmed: measured again
+            ranges[:] = [_min_max(b.column(_TS)) for b in batches]
+        return ranges
 
     def process_watermark(self, watermark: int) -> Any:
         if watermark <= self.current_watermark:
@@ -640,7 +682,8 @@ class ArrowIntervalJoinOperator(_ArrowJoinBase):
             # a row stays while its cleanup time (ts + reach) is after the watermark
             kept = [b.filter(pc.greater(b.column(_TS), watermark - reach)) for b in batches]
             kept = [b for b in kept if b.num_rows]
-            if len(kept) > 8:  # many small batches: one, so probes join one table
+            if len(kept) > 64:  # many small batches: fewer, so a probe gathers fewer pieces
                 kept = [pa.concat_batches(kept)]
             self._buckets[(0, side)] = kept
+            self._time_ranges.pop(side, None)
         return []
