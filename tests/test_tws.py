@@ -474,6 +474,63 @@ def test_spark_invocation_order() -> None:
     assert list(op._handle.listTimers()) == []  # type: ignore[union-attr]  # deleted once fired
 
 
+class Shapes(StatefulProcessor):
+    """Echoes each key's rows in the output shape ``how`` names: the adapter's fast
+    path (a Row of the schema's fields in order) and every other shape it accepts."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def init(self, handle: Any) -> None:
+        pass
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Iterator[Any]:
+        for r in rows:
+            assert isinstance(r, Row) and r["user"] == key[0] and r.user == key[0]
+            v = r.asDict()["v"]
+            if self.how == "row":
+                yield Row(user=key[0], v=v)
+            elif self.how == "reordered":
+                yield Row(v=v, user=key[0])
+            elif self.how == "factory":
+                yield Row("user", "v")(key[0], v)
+            elif self.how == "dict":
+                yield {"v": v, "user": key[0]}
+            elif self.how == "tuple":
+                yield (key[0], v)
+            else:  # a Row of the factory given fewer values than its fields
+                yield Row("user", "v")(key[0])
+
+
+ECHO_IN = [{"user": 2, "v": 1}, {"user": 1, "v": 2}, {"user": 2, "v": 3}, {"user": 3, "v": 4}, {"user": 2, "v": 5}]
+
+
+@pytest.mark.parametrize("how", ["row", "reordered", "factory", "dict", "tuple"])
+@pytest.mark.parametrize("given", ["dicts", "mixed-dicts", "arrow"])
+def test_every_input_and_output_shape_gives_the_same_rows(how: str, given: str) -> None:
+    """A buffer's rows reach the processor per key in arrival order (keys with one
+    record and with several, dicts of one shape, of varying shapes, an Arrow batch),
+    and every output shape it may yield lands in the schema's columns."""
+    import pyarrow as pa
+
+    records: Any = [dict(r) for r in ECHO_IN]
+    if given == "mixed-dicts":
+        records[1] = {"v": 2, "user": 1}  # another field order: matched by name
+    elif given == "arrow":
+        records = pa.RecordBatch.from_pylist(records)
+    op = make_operator(Shapes(how), "user bigint, v bigint")
+    out = op.process(records)
+    assert out.to_pylist() == [
+        {"user": u, "v": v} for u, v in [(2, 1), (2, 3), (2, 5), (1, 2), (3, 4)]
+    ]  # keys in order of first arrival, each key's rows in arrival order
+
+
+def test_a_row_with_fewer_values_than_fields_is_refused_by_name() -> None:
+    op = make_operator(Shapes("short"), "user bigint, v bigint")
+    with pytest.raises(OutputSchemaError, match="1 values for its 2 fields"):
+        op.process([{"user": 1, "v": 2}])
+
+
 def test_initial_state_only_on_a_first_run() -> None:
     Recorder.log = []
     op = make_operator(Recorder(), "user bigint", initial=INITIAL[:1], time_mode="ProcessingTime")

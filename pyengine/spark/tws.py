@@ -40,7 +40,7 @@ import copy
 import datetime as _dt
 import re
 from itertools import repeat
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
@@ -781,22 +781,84 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         self.batch_ts = self.clock()
         out: List[Any] = []
         if len(records):
-            groups = self._group_rows(records) if self.flavour == "row" else self._group_frames(records)
-            set_key, fn, tv = self.backend.set_current_key, self.processor.handleInputRows, self._timer_values()
-            extend = out.extend
-            try:
-                for key, rows in groups:
-                    set_key(key)
-                    produced = fn(key if key.__class__ is tuple else (key,), iter(rows), tv)
-                    if produced is not None:
-                        extend(produced)
-            except NonRetryableError:
-                raise
-            except Exception as exc:
-                raise self._wrap(exc, "handleInputRows") from exc
+            if self.flavour == "row":
+                self._input_rows(records, out)
+            else:
+                self._input_frames(records, out)
         if self.time_mode == "ProcessingTime" and self._timers is not None:
             self._fire(self._timers.processing, self.batch_ts, out)
         return self._output(out)
+
+    def _input_rows(self, records: Any, out: List[Any]) -> None:
+        """``handleInputRows`` per key, its output values appended to ``out`` (flat:
+        one row's values after another's, see ``_take``).
+
+        Why it is shaped like this: with ~1 record per key per buffer (many keys),
+        every object made per record and kept until the buffer ends survives the
+        garbage collector's young generation, and enough of them trigger full
+        collections of the whole heap (pyspark, pandas and pyarrow's objects
+        included): that, not the calls, was most of the adapter's cost. So the input
+        Rows are made only when the processor iterates (the buffer holds the records
+        it was given anyway), a key with one record gets no list, and an output Row
+        is taken apart as soon as it is yielded and freed at once."""
+        groups, cls, values = self._group_rows(records)
+        set_key, fn, tv = self.backend.set_current_key, self.processor.handleInputRows, self._timer_values()
+        new = tuple.__new__
+        names, width = self.output_names, len(self.output_names)
+        add, fit = out.extend, self._fit_row
+        try:
+            for key, bucket in groups:
+                set_key(key)
+                if cls is None:  # ready Rows, in a list
+                    rows: Iterator[Any] = iter(bucket)
+                elif bucket.__class__ is list:
+                    rows = map(new, repeat(cls), bucket if values is None else map(values, bucket))
+                else:
+                    rows = iter((new(cls, bucket if values is None else values(bucket)),))
+                produced = fn(key if key.__class__ is tuple else (key,), rows, tv)
+                if produced is not None:
+                    for row in produced:  # as _take, inline: this runs per key
+                        try:
+                            if len(row) == width and row.__fields__ == names:
+                                add(row)
+                                continue
+                        except (AttributeError, TypeError):
+                            pass
+                        add(fit(row))
+        except NonRetryableError:
+            raise
+        except Exception as exc:
+            raise self._wrap(exc, "handleInputRows") from exc
+
+    def _take(self, produced: Iterable[Any], out: List[Any]) -> None:
+        """A processor's output rows into ``out``, flat: a Row whose fields are the
+        output schema's, in its order, gives its values as they are; any other row is
+        matched by name (or by position, a plain tuple) or refused (``_fit_row``)."""
+        names, width = self.output_names, len(self.output_names)
+        add = out.extend
+        for row in produced:
+            try:
+                if len(row) == width and row.__fields__ == names:
+                    add(row)
+                    continue
+            except (AttributeError, TypeError):
+                pass
+            add(self._fit_row(row))
+
+    def _input_frames(self, records: Any, out: List[Any]) -> None:
+        groups = self._group_frames(records)
+        set_key, fn, tv = self.backend.set_current_key, self.processor.handleInputRows, self._timer_values()
+        extend = out.extend
+        try:
+            for key, frames in groups:
+                set_key(key)
+                produced = fn(key if key.__class__ is tuple else (key,), iter(frames), tv)
+                if produced is not None:
+                    extend(produced)
+        except NonRetryableError:
+            raise
+        except Exception as exc:
+            raise self._wrap(exc, "handleInputRows") from exc
 
     def _late(self, records: List[Any]) -> List[Any]:
         """EventTime: rows not later than the watermark are dropped, as Spark drops them;
@@ -809,49 +871,52 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         self.late_records_dropped += len(records) - len(kept)
         return kept
 
-    def _group_rows(self, records: Any) -> Iterable[Tuple[Any, List[Any]]]:
-        """Rows per key, in arrival order, keys in order of first arrival.
+    def _group_rows(self, records: Any) -> Tuple[Iterable[Tuple[Any, Any]], Any, Any]:
+        """The buffer per key, in arrival order, keys in order of first arrival, as
+        ``(groups, cls, values)``: each group is ``(key, bucket)``, a bucket one record
+        or a list of them (a key's second record makes the list). ``cls`` is the Row
+        class the records become (``None``: the buckets are lists of ready Rows) and
+        ``values`` what gives a record's values (``None``: it is its values' tuple).
 
-        With ~1 record per key per buffer (many keys), everything here is paid per
-        record, so the common shapes get a path of C-level passes over the whole
-        buffer (``map``, ``zip``, ``list.count``) and one Python loop that only
-        groups: a buffer of dicts with the same fields in the same order (one Row
-        class for all), and an Arrow batch (its columns transposed once)."""
+        The common shapes get C-level passes over the whole buffer (``map``,
+        ``list.count``) and one Python loop that only groups: a buffer of dicts with
+        the same fields in the same order (one Row class for all), and an Arrow batch
+        (its columns transposed once)."""
         if isinstance(records, (pa.RecordBatch, pa.Table)):
             if self.time_mode != "EventTime" and self.key_column in records.schema.names:
                 cls = self._row_class(tuple(records.schema.names))
                 values = zip(*[c.to_pylist() for c in records.columns], strict=True)
                 keys = records.column(self.key_column).to_pylist()
-                return self._bucket(keys, map(tuple.__new__, repeat(cls), values))
+                return self._bucket(keys, values), cls, None
             records = records.to_pylist()
         if self.time_mode == "EventTime":
             records = self._late(records)
         if not records:
-            return ()
+            return (), None, None
         column = self.key_column
         first = records[0]
         if column is not None and first.__class__ is dict and column in first:
             fields = tuple(first)
-            n = len(records)
             # Every record a dict of exactly these fields, in this order (a Row's
             # values are taken in dict order, so the order must be the same too).
-            if list(map(_shape, records)).count(fields) == n:
-                cls = self._row_class(fields)
+            if list(map(_shape, records)).count(fields) == len(records):
                 keys = list(map(itemgetter(column), records))
-                return self._bucket(keys, map(tuple.__new__, repeat(cls), map(dict.values, records)))
-        return self._group_any(records)
+                return self._bucket(keys, records), self._row_class(fields), dict.values
+        return self._group_any(records), None, None
 
-    def _bucket(self, keys: List[Any], rows: Iterable[Any]) -> Iterable[Tuple[Any, List[Any]]]:
-        groups: Dict[Any, List[Any]] = {}
+    def _bucket(self, keys: List[Any], records: Iterable[Any]) -> Iterable[Tuple[Any, Any]]:
+        groups: Dict[Any, Any] = {}
         get = groups.get
-        for key, row in zip(keys, rows, strict=False):  # rows is a lazy map of the same length
+        for key, record in zip(keys, records, strict=False):  # records may be a lazy zip of the same length
             bucket = get(key)
             if bucket is None:
                 if key.__class__ is float and key != key:
                     self._check_key(key)
-                groups[key] = [row]
+                groups[key] = record
+            elif bucket.__class__ is list:
+                bucket.append(record)
             else:
-                bucket.append(row)
+                groups[key] = [bucket, record]
         return groups.items()
 
     def _group_any(self, records: Iterable[Any]) -> Iterable[Tuple[Any, List[Any]]]:
@@ -930,12 +995,13 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         tv = self._timer_values()
         fn, info = self.processor.handleExpiredTimer, self._ExpiredTimerInfo
         backend = self.backend
+        take = self._take if self.flavour == "row" else _extend
         try:
             for key, ts in queue.due(upto):
                 self._firing, self._firing_key = ts, key
                 produced = fn(key if key.__class__ is tuple else (key,), tv, info(ts))
-                if produced is not None:
-                    out.extend(produced)  # consumed while the timer counts as firing
+                if produced is not None:  # consumed while the timer counts as firing
+                    take(produced, out)
                 self._firing = self._firing_key = None
                 if backend.current_key != key:
                     backend.set_current_key(key)
@@ -989,27 +1055,23 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
     def _fail(self, message: str) -> OutputSchemaError:
         return OutputSchemaError(f"{self.where()}: {message} (output schema: {self.output_struct.simpleString()})")
 
-    def _rows_batch(self, rows: List[Any]) -> pa.RecordBatch:
-        names = self.output_names
-        width = len(names)
-        fitted: List[Any] = rows
-        # Rows whose fields are the schema's, in its order, go as they are (one
-        # comparison each); any other row is matched by name (or by position, a tuple).
-        try:  # C-level passes: the Rows a processor makes each carry their names
-            same = list(map(_fields_of, rows)).count(names) == len(rows)
-        except AttributeError:  # a plain tuple or a dict among them
-            same = False
-        if not same:
-            fitted = [self._fit_row(r) for r in rows]
-        columns = list(zip(*fitted, strict=True)) if fitted else [()] * width
-        arrays = [self._column(field, list(col)) for field, col in zip(self.output_schema, columns, strict=True)]
+    def _rows_batch(self, flat: List[Any]) -> pa.RecordBatch:
+        """The output rows, flat (``_take``: every row's values in schema order, one
+        row after another), as one batch: a column is a C-level slice of the list."""
+        width = len(self.output_names)
+        arrays = [self._column(field, flat[i::width]) for i, field in enumerate(self.output_schema)]
         return pa.RecordBatch.from_arrays(arrays, schema=self.output_schema)
 
     def _fit_row(self, row: Any) -> Tuple[Any, ...]:
+        """An output row that is not a Row of the schema's fields in its order: its
+        values in the schema's order, matched by name (a Row, a dict) or by position
+        (a plain tuple), or an ``OutputSchemaError`` naming the column."""
         names = self.output_names
         if isinstance(row, dict):
             mapping = row
         elif getattr(row, "__fields__", None) is not None:
+            if len(row.__fields__) != len(row):
+                raise self._fail(f"output row has {len(row)} values for its {len(row.__fields__)} fields: {row!r}")
             mapping = dict(zip(row.__fields__, row, strict=True))
         elif isinstance(row, tuple):
             if len(row) != len(names):
@@ -1072,7 +1134,10 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
 
 
 _shape = tuple  # a dict record's fields, in order
-_fields_of = attrgetter("__fields__")
+
+
+def _extend(produced: Iterable[Any], out: List[Any]) -> None:
+    out.extend(produced)
 
 
 def _fits(value: Any, arrow_type: pa.DataType) -> bool:
