@@ -531,6 +531,31 @@ def test_a_row_with_fewer_values_than_fields_is_refused_by_name() -> None:
         op.process([{"user": 1, "v": 2}])
 
 
+@pytest.mark.parametrize("ddl", ["v bigint", "v int", "v boolean", "v string", "v binary", "v double", "v date"])
+def test_output_columns_hold_what_pandas_conversion_holds(ddl: str) -> None:
+    """The output's Arrow conversion (plain first where that cannot differ) gives what
+    the conversion with pandas' null semantics gives: NaN, NaT and NA are nulls."""
+    import datetime as dt
+    import decimal
+
+    import numpy as np
+    import pyarrow as pa
+
+    op = make_operator(Shapes("row"), f"user bigint, {ddl}")
+    field = op.output_schema.field("v")
+    odd = [None, np.nan, float("nan"), pd.NA, pd.NaT, np.datetime64("NaT"), decimal.Decimal("NaN")]
+    fine = [1, np.int32(3), True, np.bool_(False), 2.5, "x", np.str_("y"), b"z", dt.date(2020, 1, 2)]
+    for value in odd + fine:
+        try:
+            want = pa.array([value, None], type=field.type, from_pandas=True).to_pylist()
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            with pytest.raises(OutputSchemaError, match="'v'"):
+                op._column(field, [value, None])
+            continue
+        got = op._column(field, [value, None]).to_pylist()
+        assert got == want or (got[0] != got[0] and want[0] != want[0]), (value, got, want)
+
+
 def test_initial_state_only_on_a_first_run() -> None:
     Recorder.log = []
     op = make_operator(Recorder(), "user bigint", initial=INITIAL[:1], time_mode="ProcessingTime")
