@@ -531,3 +531,54 @@ def test_project_checks_columns_when_the_schemas_are_known() -> None:
         a.key_by("k").interval_join(b.key_by("k")).between(0, 1).project(timestamp_columns=("v", "ts_right"))
     stream = a.join(b).where("k").equal_to("k").window(pe.windows.tumbling(5)).project()
     assert stream._schema.names == ["k", "ts", "v", "ts_right", "v_right", "window_start", "window_end"]
+
+
+# -- late records in a job ----------------------------------------------------------------------------
+
+
+class Gated(pe.runtime.Source):
+    """``records`` up to ``hold``, the rest once ``release`` is set (one subtask)."""
+
+    def __init__(self, records: List[Record], hold: int, release: threading.Event) -> None:
+        self.records, self.hold, self.release = records, hold, release
+
+    def read(self, subtask: int, parallelism: int, position: int, n: int) -> Any:
+        if position >= self.hold and not self.release.is_set():
+            return []
+        if position >= len(self.records):
+            return None
+        end = len(self.records) if self.release.is_set() else self.hold
+        return self.records[position : min(end, position + n)]
+
+
+@pytest.mark.parametrize("to_side_output", [False, True], ids=["dropped", "side-output"])
+def test_a_record_behind_the_joins_watermark_is_dropped_and_counted_or_sent_aside(to_side_output: bool) -> None:
+    left = [{"k": 1, "ts": 10 * i, "v": i} for i in range(100)] + [{"k": 1, "ts": 15, "v": -1}]  # the last: late
+    right = [{"k": 1, "ts": 10 * i + 1, "v": 1000 + i} for i in range(100)]
+    release = threading.Event()
+    env = env_for(1, "heap")
+    a = env.from_source(Gated(left, 100, release), name="left", watermark_strategy=strategy(0))
+    b = env.from_source(Gated(right, 100, release), name="right", watermark_strategy=strategy(0))
+    joined = a.key_by("k").interval_join(b.key_by("k")).between(0, 5)
+    late_tag = pe.OutputTag("late-left")
+    if to_side_output:
+        joined = joined.side_output_left_late_data(late_tag)
+    pairs = joined.process(Pairs()).uid("join")
+    sink, late_sink = pe.sinks.CollectSink(), pe.sinks.CollectSink()
+    pairs.sink_to(sink)
+    if to_side_output:
+        pairs.get_side_output(late_tag).sink_to(late_sink)
+    client = env.execute_async("late-join")
+    deadline = time.monotonic() + 30
+    while not all(marks and min(marks) >= 900 for marks in client.watermarks().values()):
+        assert time.monotonic() < deadline, client.watermarks()
+        time.sleep(0.005)
+    release.set()  # now the held late record comes, behind the join's watermark
+    result = client.wait(30)
+    assert result.status == "FINISHED", result.cause
+    assert Counter(tuple(r) for r in sink.records) == interval_reference(left[:100], right, 0, 5)
+    if to_side_output:
+        assert late_sink.records == [{"k": 1, "ts": 15, "v": -1}]
+        assert result.event_time.late_records_dropped == 0
+    else:
+        assert result.event_time.late_records_dropped == 1
