@@ -14,8 +14,9 @@ operators, each side keyed by its own selector into one key space.
   the two sides' windows.
 - ``ArrowWindowJoinOperator`` and ``ArrowIntervalJoinOperator``: the same joins on
   Arrow batches with no Python call per row (``.project(...)``): rows wait as
-  Arrow batches, a buffer is probed with a hash join per batch (interval join) or
-  per window (window join), and the joined rows go on as Arrow batches.
+  Arrow batches, probed with one hash join per input batch (interval join) or per
+  watermark over every window it ends (window join), and the joined rows go on as
+  Arrow batches.
 """
 
 from __future__ import annotations
