@@ -62,6 +62,10 @@ class _TaskSpec:
     token: str
     local: bool = True  # Spark in local mode: every task on this machine
     tls: Optional[JobTls] = None  # the run's certificate, off loopback (as secret as the token)
+    # How buffers cross a channel: "safe" (Flight, Python records in msgpack, never code:
+    # Spark's, across machines) or "sockets" (the process runner's, between the workers
+    # it forked on this machine: Unix sockets, buffers pickled; see processes.SocketChannel).
+    rows: str = "safe"
 
 
 class _CoordinatorProxy:
@@ -86,6 +90,10 @@ class _CoordinatorProxy:
 def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
     """The body of one Spark task: subtask ``index`` of the flattened job graph."""
     from .flight import RemoteChannel, serve
+
+    if spec.rows == "sockets":  # the process runner's workers, on this machine
+        from .processes import SocketChannel as RemoteChannel  # type: ignore[assignment]
+        from .processes import serve_sockets as serve  # type: ignore[assignment]
 
     env, graph = spec.env, spec.graph
     p = env.parallelism
@@ -593,6 +601,8 @@ class _SparkJob(LocalRunner):
 
     # Where tasks run, as a failure's note names it (``_rebuild_failure``).
     _where = "a Spark executor"
+    # How Python records cross channels (``_TaskSpec.rows``): never pickle between machines.
+    _rows = "safe"
 
     def _check_sinks(self) -> None:
         """Refuses sinks that cannot work where the tasks run (a subclass's may)."""
@@ -801,6 +811,7 @@ class _SparkJob(LocalRunner):
                 token=self._token,
                 tls=self._control.tls,
                 local=backend.local,
+                rows=self._rows,
             )
             self._check_picklable(_TaskSpec(restored={}, attempt=0, **spec_base))
             while True:
