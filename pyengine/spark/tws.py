@@ -317,12 +317,14 @@ def _one(v: Any, what: str) -> Any:
 class _ScalarValueState:
     """``ValueState`` of a one-field schema: the field is stored alone."""
 
-    __slots__ = ("_s", "_what", "exists", "get")
+    __slots__ = ("_s", "_what", "exists", "get", "update")
 
     def __init__(self, state: Any, what: str) -> None:
         self._s = state
         self._what = what
-        value = state.value
+        value, put = state.value, state.update
+        # Closures over the backend state's bound methods: a call per state call
+        # saved (these run once per key per buffer).
 
         def get() -> Optional[Tuple[Any]]:
             v = value()
@@ -331,14 +333,15 @@ class _ScalarValueState:
         def exists() -> bool:
             return value() is not None
 
+        def update(newValue: Any) -> None:
+            if newValue.__class__ is tuple and len(newValue) == 1 and newValue[0].__class__ in _PLAIN:
+                put(newValue[0])  # the common case, without a call to _one
+            else:
+                put(_one(newValue, what))
+
         self.get = get
         self.exists = exists
-
-    def update(self, newValue: Any) -> None:
-        if newValue.__class__ is tuple and len(newValue) == 1 and newValue[0].__class__ in _PLAIN:
-            self._s.update(newValue[0])  # the common case, without a call to _one
-        else:
-            self._s.update(_one(newValue, self._what))
+        self.update = update
 
     def clear(self) -> None:
         self._s.clear()
@@ -469,6 +472,7 @@ class _Handle:
     def __init__(self, op: TransformWithStateOperator) -> None:
         self._op = op
         self._kinds: Dict[str, str] = {}
+        self._timer_queue: Any = None  # the time mode's TimerQueue, once a timer call made it
 
     def _declare(self, name: str, kind: str) -> None:
         if not isinstance(name, str) or not name or name.startswith("_timer_state/"):
@@ -507,6 +511,9 @@ class _Handle:
     # -- timers ------------------------------------------------------------------------------
 
     def _queue(self, operation: str) -> Any:
+        queue = self._timer_queue
+        if queue is not None:
+            return queue
         op = self._op
         if op.time_mode == "None":
             from pyspark.errors import PySparkValueError
@@ -518,10 +525,13 @@ class _Handle:
                 )
             )
         timers = op.timers()
-        return timers.event if op.time_mode == "EventTime" else timers.processing
+        queue = self._timer_queue = timers.event if op.time_mode == "EventTime" else timers.processing
+        return queue
 
     def registerTimer(self, expiryTimestampMs: int) -> None:
-        queue = self._queue("Timers")
+        queue = self._timer_queue
+        if queue is None:
+            queue = self._queue("Timers")
         op = self._op
         if op.time_mode == "EventTime" and expiryTimestampMs <= op.spark_watermark():
             from pyspark.errors.exceptions.base import IllegalArgumentException
