@@ -21,19 +21,21 @@ the chosen columns of each side and the pair's times (``pyengine.runtime.joins``
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
+from .errors import NonRetryableError
 from .runtime.joins import (
     ArrowIntervalJoinOperator,
     ArrowWindowJoinOperator,
     IntervalJoinOperator,
     JoinContext,
     ProcessJoinFunction,
-    WindowJoinOperator,
+    check_key,
     joined_schema,
 )
-from .runtime.operators import Operator, OutputTag
+from .runtime.operators import Operator, OutputTag, UserFunctionError, rows_of
 from .time.strategy import TimestampAssigner
+from .windows import WindowOperator
 
 if TYPE_CHECKING:
     from .api import DataStream, KeyedStream
@@ -46,6 +48,7 @@ __all__ = [
     "JoinFunction",
     "JoinedStreams",
     "ProcessJoinFunction",
+    "WindowJoinOperator",
     "WithWindow",
 ]
 
@@ -93,12 +96,14 @@ def _key_column(select: Callable[[Any], Any], side: str, what: str) -> str:
 def _two_input(
     left: DataStream, right: DataStream, name: str, factory: Callable[[str, str, bool], Operator]
 ) -> DataStream:
-    """A two-input operator node reading both streams (already keyed: their exchanges)."""
-    from .api import DataStream, _Step
-
-    step = _Step("op", f"{len(left._steps)}-{name}", factory, event_time=True)
-    node = left._new(step, [left._node, right._node])
-    return DataStream(left._env, node)
+    """A two-input operator node reading both streams (already keyed: their exchanges):
+    an operator after ``left``, with ``right`` as its second input (as ``connect`` builds
+    one; this module does not import the job API, which imports it)."""
+    out = left._op(name, factory)
+    node = out._node
+    node.inputs.append(right._node)
+    node.event_time = True
+    return out
 
 
 def _check_pair(left: DataStream, right: DataStream, what: str) -> None:
@@ -115,10 +120,9 @@ class IntervalJoin:
     """``a.key_by(k).interval_join(b.key_by(k))``: say the interval with ``.between(lower_ms, upper_ms)``."""
 
     def __init__(self, left: KeyedStream, right: KeyedStream) -> None:
-        from .api import DataStream, KeyedStream
-
-        if not isinstance(right, KeyedStream):
-            hint = " (key it: other.key_by(k))" if isinstance(right, DataStream) else ""
+        # left is a KeyedStream (KeyedStream.interval_join made this): its type is the API's
+        if not isinstance(right, type(left)):
+            hint = " (key it: other.key_by(k))" if isinstance(right, type(left._stream)) else ""
             raise TypeError(f"interval_join takes a keyed stream{hint}, got {right!r}")
         _check_pair(left._stream, right._stream, "interval_join()")
         self._left = left
@@ -277,6 +281,71 @@ def _check_schema(
     return joined_schema(a._schema, b._schema, keys, columns, right_suffix, extra_types)[2]
 
 
+class WindowJoinOperator(WindowOperator):
+    """The window join with a ``JoinFunction``, per record: Flink's join is a co-group
+    of the two sides' windows, and so is this ``WindowOperator`` (each key's windows
+    and their elements in keyed state, a timer per window) whose elements are kept as
+    ``(side, record)``: at a window's end every pair of a left and a right element of
+    the key goes to the function, and a session window merges both sides' elements."""
+
+    def __init__(
+        self,
+        uid: str,
+        name: str,
+        key_selectors: Tuple[Callable[[Any], Any], Callable[[Any], Any]],
+        timestamps: Tuple[TimestampAssigner, TimestampAssigner],
+        assigner: Any,
+        fn: Callable[[Any, Any], Any],
+    ) -> None:
+        super().__init__(uid, name, key_selectors[0], "key", assigner, 0, timestamps[0], function=self._pairs)
+        self.key_selectors = key_selectors
+        self.side_timestamps = timestamps
+        self.join_fn = fn
+
+    def _pairs(self, key: Any, window: Any, elements: List[Any]) -> List[Any]:
+        lefts = [r for side, r in elements if side == 0]
+        rights = [r for side, r in elements if side == 1]
+        fn = self.join_fn
+        return [fn(left, right) for left in lefts for right in rights]
+
+    def open(self) -> None:
+        opener = getattr(self.join_fn, "open", None)
+        if opener is not None:
+            self._call(opener, self._wctx)
+
+    def close(self) -> None:
+        closer = getattr(self.join_fn, "close", None)
+        if closer is not None:
+            self._call(closer)
+
+    def process(self, records: Any) -> List[Any]:
+        return self._tagged(records, 0)
+
+    def process2(self, records: Any) -> List[Any]:
+        return self._tagged(records, 1)
+
+    def _tagged(self, records: Any, side: int) -> List[Any]:
+        out: List[Any] = []
+        if not len(records):
+            return out
+        try:
+            stamps = self.side_timestamps[side].of_buffer(records).tolist()
+        except NonRetryableError as exc:
+            raise type(exc)(f"{self.where()}: {exc}") from None
+        select, backend = self.key_selectors[side], self.backend
+        try:
+            for record, ts in zip(rows_of(records), stamps, strict=True):
+                key = select(record)
+                check_key(self, key, record)
+                backend.set_current_key(key)
+                self._add(key, (side, record), ts, out)
+        except (NonRetryableError, UserFunctionError):
+            raise
+        except Exception as exc:
+            raise UserFunctionError(f"{self.where()}: {type(exc).__name__}: {exc}") from exc
+        return out
+
+
 # -- the window join -------------------------------------------------------------------------------
 
 
@@ -284,14 +353,13 @@ class JoinedStreams:
     """``a.join(b)``: then ``.where(k1).equal_to(k2).window(assigner).apply(fn)``."""
 
     def __init__(self, left: DataStream, right: DataStream) -> None:
-        from .api import DataStream, KeyedStream
-
-        if isinstance(right, KeyedStream) or isinstance(left, KeyedStream):
+        # left is a DataStream (DataStream.join made this); a KeyedStream has a selector
+        if hasattr(right, "_select"):
             raise TypeError(
                 "join takes streams that are not keyed: the keys are where(k1).equal_to(k2) "
                 "(a.join(b).where(k1).equal_to(k2)...); for keyed streams see interval_join"
             )
-        if not isinstance(right, DataStream):
+        if not isinstance(right, type(left)):
             raise TypeError(f"join takes a DataStream, got {right!r}")
         _check_pair(left, right, "join()")
         self._left, self._right = left, right

@@ -7,11 +7,8 @@ operators, each side keyed by its own selector into one key space.
   timer at its cleanup time drops it once no record of the other side could still
   pair with it. A record behind the watermark is late: dropped and counted (or sent to
   a side output), as in Flink.
-- ``WindowJoinOperator``: the window join with a ``JoinFunction``, per record, on
-  ``WindowOperator`` (each key's windows and their elements in keyed state, a timer per
-  window), elements tagged with their side: at a window's end every pair of a left and
-  a right element of the key goes to the function, as Flink's join is a co-group of
-  the two sides' windows.
+- ``pyengine.joins.WindowJoinOperator`` (there: it is a ``pyengine.windows.WindowOperator``,
+  a layer above the runtime): the window join with a ``JoinFunction``, per record.
 - ``ArrowWindowJoinOperator`` and ``ArrowIntervalJoinOperator``: the same joins on
   Arrow batches with no Python call per row (``.project(...)``): rows wait as
   Arrow batches, probed with one hash join per input batch (interval join) or per
@@ -32,7 +29,6 @@ from ..io.events import MIN_WATERMARK
 from ..state import ListStateDescriptor, ValueStateDescriptor
 from ..state.keygroups import assign_to_key_group, key_groups_of_int64
 from ..time.strategy import TimestampAssigner
-from ..windows import WindowOperator
 from .operators import (
     EventTimeOperatorMixin,
     KeyedOperator,
@@ -50,7 +46,7 @@ __all__ = [
     "IntervalJoinOperator",
     "JoinContext",
     "ProcessJoinFunction",
-    "WindowJoinOperator",
+    "check_key",
     "joined_schema",
 ]
 
@@ -109,7 +105,7 @@ class ProcessJoinFunction:
         pass
 
 
-def _check_key(op: Any, key: Any, record: Any) -> None:
+def check_key(op: Any, key: Any, record: Any) -> None:
     if key.__class__ is float and key != key:
         raise NaNKeyError(f"{op.where()}: the key of record {record!r} is NaN")
 
@@ -219,7 +215,7 @@ class IntervalJoinOperator(_LateCounting):
                     self._late_record(side, [record], 1)
                     continue
                 key = select(record)
-                _check_key(self, key, record)
+                check_key(self, key, record)
                 backend.set_current_key(key)
                 jctx.current_key = key
                 buffer = ours.value() or {}
@@ -261,69 +257,6 @@ class IntervalJoinOperator(_LateCounting):
                 if len(kept) != len(buffer):
                     state.update(kept or None)
         return []
-
-
-class WindowJoinOperator(WindowOperator):
-    """The window join with a ``JoinFunction``; see the module docstring. Elements
-    are kept as ``(side, record)`` in the window's contents, so a session window
-    merges both sides' elements with it."""
-
-    def __init__(
-        self,
-        uid: str,
-        name: str,
-        key_selectors: Tuple[Callable[[Any], Any], Callable[[Any], Any]],
-        timestamps: Tuple[TimestampAssigner, TimestampAssigner],
-        assigner: Any,
-        fn: Callable[[Any, Any], Any],
-    ) -> None:
-        super().__init__(uid, name, key_selectors[0], "key", assigner, 0, timestamps[0], function=self._pairs)
-        self.key_selectors = key_selectors
-        self.side_timestamps = timestamps
-        self.join_fn = fn
-
-    def _pairs(self, key: Any, window: Any, elements: List[Any]) -> List[Any]:
-        lefts = [r for side, r in elements if side == 0]
-        rights = [r for side, r in elements if side == 1]
-        fn = self.join_fn
-        return [fn(left, right) for left in lefts for right in rights]
-
-    def open(self) -> None:
-        opener = getattr(self.join_fn, "open", None)
-        if opener is not None:
-            self._call(opener, self._wctx)
-
-    def close(self) -> None:
-        closer = getattr(self.join_fn, "close", None)
-        if closer is not None:
-            self._call(closer)
-
-    def process(self, records: Any) -> List[Any]:
-        return self._tagged(records, 0)
-
-    def process2(self, records: Any) -> List[Any]:
-        return self._tagged(records, 1)
-
-    def _tagged(self, records: Any, side: int) -> List[Any]:
-        out: List[Any] = []
-        if not len(records):
-            return out
-        try:
-            stamps = self.side_timestamps[side].of_buffer(records).tolist()
-        except NonRetryableError as exc:
-            raise type(exc)(f"{self.where()}: {exc}") from None
-        select, backend = self.key_selectors[side], self.backend
-        try:
-            for record, ts in zip(rows_of(records), stamps, strict=True):
-                key = select(record)
-                _check_key(self, key, record)
-                backend.set_current_key(key)
-                self._add(key, (side, record), ts, out)
-        except (NonRetryableError, UserFunctionError):
-            raise
-        except Exception as exc:
-            raise UserFunctionError(f"{self.where()}: {type(exc).__name__}: {exc}") from exc
-        return out
 
 
 # -- the Arrow joins --------------------------------------------------------------------------------
