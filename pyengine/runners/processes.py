@@ -114,20 +114,22 @@ def _pickler_class() -> Any:
     cloudpickle = _cloudpickle()
 
     class JobPickler(cloudpickle.Pickler):  # type: ignore[misc, name-defined]
-        """cloudpickle, with the driver-memory sinks replaced by references (``persistent_id``)."""
+        """cloudpickle, with the driver-memory sinks replaced by references to the
+        driver's objects (``reducer_override``: called for objects of classes only, never
+        for the lists, tuples and dicts of a collection source, which stay in C)."""
 
         def __init__(self, file: Any, proxied: List[Sink]) -> None:
             super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
             self.proxied = proxied
 
-        def persistent_id(self, obj: Any) -> Any:
+        def reducer_override(self, obj: Any) -> Any:
             if type(obj) in _PROXIED:
                 for i, sink in enumerate(self.proxied):
                     if sink is obj:
-                        return ("pyengine-sink", i, bool(obj.transactional))
+                        return _sink_proxy, (i, bool(obj.transactional))
                 self.proxied.append(obj)
-                return ("pyengine-sink", len(self.proxied) - 1, bool(obj.transactional))
-            return None
+                return _sink_proxy, (len(self.proxied) - 1, bool(obj.transactional))
+            return super().reducer_override(obj)
 
     return JobPickler
 
@@ -140,15 +142,14 @@ def dumps_job(spec: Any) -> Tuple[bytes, List[Sink]]:
     return out.getvalue(), proxied
 
 
-class _WorkerUnpickler(pickle.Unpickler):
-    def __init__(self, file: Any, link: _Link) -> None:
-        super().__init__(file)
-        self.link = link
+_WORKER_LINK: Optional[_Link] = None  # in a worker: its pipe to the driver
 
-    def persistent_load(self, pid: Any) -> Any:
-        if isinstance(pid, tuple) and len(pid) == 3 and pid[0] == "pyengine-sink":
-            return _SinkProxy(self.link, int(pid[1]), bool(pid[2]))
-        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+
+def _sink_proxy(key: int, transactional: bool) -> _SinkProxy:
+    """A driver-memory sink, unpickled in a worker: the proxy over the worker's pipe."""
+    if _WORKER_LINK is None:
+        raise RuntimeError("a sink proxy of the process runner is only made in one of its workers")
+    return _SinkProxy(_WORKER_LINK, key, transactional)
 
 
 class _Link:
@@ -359,9 +360,11 @@ def _worker_main(payload: Tuple[bytes, bytes], index: int, conn: Connection, whe
     os.environ.update(where["environ"])
     link = _Link(conn)
     try:
+        global _WORKER_LINK
+        _WORKER_LINK = link
         job, attempt = payload
-        graph, env = _WorkerUnpickler(io.BytesIO(job), link).load()
-        spec = _WorkerUnpickler(io.BytesIO(attempt), link).load()
+        graph, env = pickle.loads(job)
+        spec = pickle.loads(attempt)
         spec.graph, spec.env = graph, env
     except BaseException as exc:
         link.post(("load-error", f"{type(exc).__name__}: {exc}"))
