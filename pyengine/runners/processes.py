@@ -640,7 +640,10 @@ class _ProcessJob(_SparkJob):
     checkpoints, failover) with ``_ProcessBackend`` starting the tasks."""
 
     _where = "a worker process"
-    _rows = "sockets"  # between workers this process forked: see SocketChannel
+
+    def _transport(self) -> Optional[Tuple[Any, Any]]:
+        """Unix sockets between the workers this process forked: see ``SocketChannel``."""
+        return (SocketChannel, serve_sockets)
 
     def __init__(
         self,

@@ -25,7 +25,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..coordinator import ExecutionAttempt, ThreadTimerService
 from ..errors import NonRetryableError
@@ -62,10 +62,10 @@ class _TaskSpec:
     token: str
     local: bool = True  # Spark in local mode: every task on this machine
     tls: Optional[JobTls] = None  # the run's certificate, off loopback (as secret as the token)
-    # How buffers cross a channel: "safe" (Flight, Python records in msgpack, never code:
-    # Spark's, across machines) or "sockets" (the process runner's, between the workers
-    # it forked on this machine: Unix sockets, buffers pickled; see processes.SocketChannel).
-    rows: str = "safe"
+    # How buffers cross channels: None for Flight (Python records in msgpack, never code:
+    # Spark's, across machines), else (channel class, serve function) of the same shapes
+    # as flight.RemoteChannel and flight.serve (the process runner's sockets).
+    transport: Optional[Tuple[Any, Any]] = None
 
 
 class _CoordinatorProxy:
@@ -89,11 +89,9 @@ class _CoordinatorProxy:
 
 def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
     """The body of one Spark task: subtask ``index`` of the flattened job graph."""
-    from .flight import RemoteChannel, serve
+    from . import flight
 
-    if spec.rows == "sockets":  # the process runner's workers, on this machine
-        from .processes import SocketChannel as RemoteChannel  # type: ignore[assignment]
-        from .processes import serve_sockets as serve  # type: ignore[assignment]
+    RemoteChannel, serve = spec.transport or (flight.RemoteChannel, flight.serve)
 
     env, graph = spec.env, spec.graph
     p = env.parallelism
@@ -601,8 +599,11 @@ class _SparkJob(LocalRunner):
 
     # Where tasks run, as a failure's note names it (``_rebuild_failure``).
     _where = "a Spark executor"
-    # How Python records cross channels (``_TaskSpec.rows``): never pickle between machines.
-    _rows = "safe"
+
+    def _transport(self) -> Optional[Tuple[Any, Any]]:
+        """How the tasks' buffers travel (``_TaskSpec.transport``): Flight, never pickle
+        between machines."""
+        return None
 
     def _check_sinks(self) -> None:
         """Refuses sinks that cannot work where the tasks run (a subclass's may)."""
@@ -811,7 +812,7 @@ class _SparkJob(LocalRunner):
                 token=self._token,
                 tls=self._control.tls,
                 local=backend.local,
-                rows=self._rows,
+                transport=self._transport(),
             )
             self._check_picklable(_TaskSpec(restored={}, attempt=0, **spec_base))
             while True:
