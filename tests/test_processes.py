@@ -258,7 +258,8 @@ def _slow(r: Any) -> Any:
 def counting_job(e: pe.StreamEnvironment, out: str, slow: bool) -> Any:
     sink = pe.sinks.FileSink(out)
     stream = e.from_collection(RECORDS)
-    (stream.map(_slow if slow else (lambda r: r)).uid("step").key_by("user").process(Count()).uid("counter").sink_to(sink))
+    step = stream.map(_slow if slow else (lambda r: r)).uid("step")
+    step.key_by("user").process(Count()).uid("counter").sink_to(sink)
     return sink
 
 
@@ -344,3 +345,17 @@ def test_worker_start_up_is_measured_and_quick() -> None:
         times.append((time.monotonic() - began, sum(job.worker_start_s)))
         assert result.status == "FINISHED" and len(sink.records) == N
     assert min(start for _, start in times) < 0.5, times
+
+
+def test_monitoring_sees_every_worker_s_counters() -> None:
+    e = env("processes", monitoring=pe.Monitoring(sample_interval_s=0.2, progress=False, announce=False))
+    e.from_collection(RECORDS).key_by("user").process(Count()).sink_to(pe.sinks.DiscardSink())
+    client = e.execute_async("monitored")
+    assert client.monitoring_url is not None
+    result = client.wait(60)
+    assert result.status == "FINISHED"
+    last = client._runner.monitor.history.latest
+    by_vertex: Dict[str, int] = {}
+    for (vertex, _), sample in last.subtasks.items():
+        by_vertex[vertex] = by_vertex.get(vertex, 0) + sample.records_in
+    assert by_vertex == {"v0": N, "v1": N}, by_vertex

@@ -489,8 +489,8 @@ class _Stage:
     def _serve(self, conn: Connection, index: int, done: Dict[int, List[str]]) -> bool:
         """One message from worker ``index``: False once its pipe is closed."""
         try:
-            if not conn.poll():
-                return False if conn.closed else True
+            if not conn.poll():  # nothing (more) to read: wait() said so, or a drain is done
+                return False
             message = conn.recv()
         except (EOFError, OSError):
             return False
