@@ -122,6 +122,7 @@ class CheckpointedInputGate(abc.ABC):
         raise NotImplementedError
 
     num_channels: int
+    capacity: int
     is_finished: bool
     latest_checkpoint_id: int
     blocked_channels: List[int]

@@ -6,7 +6,7 @@ this module imports nothing above it (no import cycle)."""
 from __future__ import annotations
 
 from .. import _native
-from ._config import item_nbytes
+from ._config import Callbacks, GateConfig, item_nbytes
 from .errors import ChannelClosedError, ChannelIndexError, CorruptStreamError
 from .events import (
     CancelCheckpointMarker,
@@ -38,7 +38,13 @@ _native.bind(
 class NativeCheckpointedInputGate(_native.InputGate):
     """The C/Cython gate; see ``CheckpointedInputGate`` for the interface."""
 
-    __slots__ = ()
+    # ``capacity`` (buffers per channel) is read by a producer that limits how many it
+    # keeps queued (adaptive buffers, pyengine.runtime.debloat); a slot on this Python
+    # subclass, so push and poll stay the C type's own methods.
+    __slots__ = ("capacity",)
+
+    def __init__(self, config: GateConfig, callbacks: Callbacks) -> None:
+        self.capacity = config.capacity
 
     def __repr__(self) -> str:
         return (

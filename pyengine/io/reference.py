@@ -631,6 +631,11 @@ class ReferenceCheckpointedInputGate:
         return self._n
 
     @property
+    def capacity(self) -> int:
+        """Data buffers per channel (what a producer limiting its in-flight buffers needs)."""
+        return self._capacity
+
+    @property
     def is_finished(self) -> bool:
         with self._lock:
             return self._num_closed == self._n

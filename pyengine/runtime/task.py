@@ -29,6 +29,7 @@ from ..state import ListStateDescriptor, subtask_for_key_group
 from ..state.keygroups import assign_to_key_group, key_groups_of_int64
 from ..storage.filesystem import CheckpointStorage
 from ..storage.metadata import OperatorState, SubtaskState
+from .debloat import MIN_BATCH_BYTES, MIN_RECORDS, ChannelDebloater, summarize
 from .operators import Operator, OperatorContext, rows_of
 from .sources import SourceOperator
 
@@ -154,6 +155,14 @@ def _combined(pieces: List[Any]) -> Any:
     return out
 
 
+def _capacity_of(gate: Any) -> int:
+    """Buffers a channel holds: the gate's (or remote channel's) ``capacity``."""
+    capacity = getattr(gate, "capacity", None)
+    if not isinstance(capacity, int) or capacity < 1:
+        raise TypeError(f"adaptive buffers need the channel's capacity; {gate!r} has none (buffer_debloat=False)")
+    return capacity
+
+
 class Output:
     """A task's output to the next vertex: a partitioner over the downstream gates,
     with one buffer per channel, flushed when full, on timeout, or before a barrier."""
@@ -187,6 +196,15 @@ class Output:
         self.pending: List[Deque[Any]] = [deque() for _ in self.gates]
         self._next = channel % len(self.gates)
         self.last_flush = time.monotonic()
+        # One ChannelDebloater per channel (pyengine.runtime.debloat): it measures how fast
+        # the consumer takes this channel's data and limits records per buffer and buffers
+        # queued to about debloat_target_ms of it. None: the fixed sizes of before, untouched.
+        self._debloat: Optional[List[ChannelDebloater]] = None
+        if debloat_target_ms is not None:
+            self._debloat = [
+                ChannelDebloater(debloat_target_ms, buffer_size, _capacity_of(g), min(MIN_RECORDS, buffer_size))
+                for g in self.gates
+            ]
 
     def emit(self, records: Any) -> None:
         if type(records) is pa.RecordBatch:
@@ -214,9 +232,25 @@ class Output:
                 b.extend(records)
         else:
             raise ValueError(f"unknown exchange {self.exchange!r}")
+        debloat = self._debloat
+        if debloat is None:
+            for i, b in enumerate(self.buffers):
+                if len(b) >= self.buffer_size:
+                    self._send(i)
+            return
         for i, b in enumerate(self.buffers):
-            if len(b) >= self.buffer_size:
-                self._send(i)
+            size = debloat[i].size
+            if size >= self.buffer_size:
+                if len(b) >= self.buffer_size:
+                    self._send(i)
+            elif len(b) >= size:  # debloated: cut to the size, the rest waits for more
+                self.buffers[i] = []
+                for start in range(0, len(b), size):
+                    piece = b[start : start + size]
+                    if len(piece) < size:
+                        self.buffers[i] = piece
+                    else:
+                        self._put(i, piece)
 
     def _emit_batch(self, batch: pa.RecordBatch) -> None:
         """An Arrow batch goes on as one buffer (split by key for a hash exchange),
@@ -237,9 +271,17 @@ class Output:
             pieces = [(i, batch) for i in range(n)]
         else:
             raise ValueError(f"unknown exchange {self.exchange!r}")
+        debloat = self._debloat
         for i, piece in pieces:
             if piece.num_rows:
                 self._send(i)
+                if debloat is not None and debloat[i].shrunk and piece.num_rows > debloat[i].size:
+                    # debloated: slices of the size, but never under MIN_BATCH_BYTES
+                    row_bytes = max(1, piece.nbytes // piece.num_rows)
+                    rows = max(debloat[i].size, -(-MIN_BATCH_BYTES // row_bytes))
+                    for start in range(0, piece.num_rows, rows):
+                        self._put(i, piece.slice(start, rows))
+                    continue
                 self._put(i, piece)
 
     def _send(self, i: int) -> None:
@@ -252,8 +294,30 @@ class Output:
         # the task stops taking input until it has drained (see ``available``), and
         # meanwhile it still handles its mailbox and overtaking barriers.
         waiting = self.pending[i]
-        if waiting or not self.gates[i].push(self.channel, item):
+        if self._debloat is None:
+            if waiting or not self.gates[i].push(self.channel, item):
+                waiting.append(item)
+        elif waiting or not self._push_debloated(i, item):
             waiting.append(item)
+
+    def _push_debloated(self, i: int, item: Any) -> bool:
+        """``push`` within the channel's adaptive limit of buffers in flight: False
+        (backpressure, as a full channel) when that many are queued. The queue is
+        looked at before the push: an empty one means the consumer waited for data."""
+        c = self._debloat[i]  # type: ignore[index]
+        gate, ch = self.gates[i], self.channel
+        data = type(item) is list or type(item) is pa.RecordBatch
+        limited = data and c.in_flight < c.capacity
+        now = time.monotonic()
+        if limited or c.due(now):
+            queued = gate.queued(ch)
+            c.observe(queued, now)
+            if limited and queued >= c.in_flight:
+                return False
+        if not gate.push(ch, item):
+            return False
+        c.pushed(len(item) if data else 0)
+        return True
 
     @property
     def available(self) -> bool:
@@ -262,6 +326,11 @@ class Output:
 
     def drain(self) -> bool:
         """Pushes what waits, as far as there is room; True when nothing is left."""
+        if self._debloat is not None:
+            for i, waiting in enumerate(self.pending):
+                while waiting and self._push_debloated(i, waiting[0]):
+                    waiting.popleft()
+            return self.available
         for i, waiting in enumerate(self.pending):
             gate, channel = self.gates[i], self.channel
             while waiting and gate.push(channel, waiting[0]):
@@ -272,9 +341,36 @@ class Output:
         """Waits (GIL released) up to ``timeout_s`` for room on a backpressured channel."""
         for i, waiting in enumerate(self.pending):
             if waiting:
-                if self.gates[i].put(self.channel, waiting[0], timeout=timeout_s):
+                if self._debloat is not None:
+                    self._wait_debloated(i, waiting, timeout_s)
+                elif self.gates[i].put(self.channel, waiting[0], timeout=timeout_s):
                     waiting.popleft()
                 return
+
+    def _wait_debloated(self, i: int, waiting: Deque[Any], timeout_s: float) -> None:
+        """``wait_for_room`` under an adaptive limit: the gate's own wait knows only its
+        capacity, so below it the queue is looked at every millisecond (GIL released
+        in between) until the item fits or ``timeout_s`` has passed."""
+        c = self._debloat[i]  # type: ignore[index]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if c.in_flight >= c.capacity:
+                if self.gates[i].put(self.channel, waiting[0], timeout=max(0.0, deadline - time.monotonic())):
+                    item = waiting.popleft()
+                    data = type(item) is list or type(item) is pa.RecordBatch
+                    c.pushed(len(item) if data else 0)
+                return
+            if self._push_debloated(i, waiting[0]):
+                waiting.popleft()
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(0.001, left))
+
+    def debloat_stats(self) -> Optional[Dict[str, Any]]:
+        """The adaptive buffers' current limits (None with ``buffer_debloat=False``)."""
+        return None if self._debloat is None else summarize(self._debloat)
 
     def flush(self) -> None:
         for i in range(len(self.gates)):
@@ -303,8 +399,12 @@ class Output:
             jump = getattr(gate, "push_overtaking", None)
             if jump is not None:  # a network channel: the barrier also jumps its send queue
                 overtaken.extend(jump(barrier))
+                if self._debloat is not None:
+                    self._debloat[i].jumped()
             elif not gate.push(self.channel, barrier):  # events have their own, larger limit
                 self.pending[i].appendleft(barrier)
+            elif self._debloat is not None:
+                self._debloat[i].jumped()
             overtaken.extend(waiting)
         return overtaken
 
@@ -376,6 +476,17 @@ class Outputs:
 
     def broadcast_overtaking(self, barrier: Any) -> List[Any]:
         return [b for _, b in self.overtaking_by_edge(barrier)]
+
+    def debloat_stats(self) -> Optional[Dict[str, Any]]:
+        """The adaptive buffers' limits over every edge (None when off)."""
+        stats = [s for s in (o.debloat_stats() for o in self.outputs) if s is not None]
+        if not stats:
+            return None
+        return {
+            "buffer_size": min(s["buffer_size"] for s in stats),
+            "buffers_in_flight": min(s["buffers_in_flight"] for s in stats),
+            "channels": [c for s in stats for c in s["channels"]],
+        }
 
     def overtaking_by_edge(self, barrier: Any) -> List[Tuple[int, Any]]:
         """``broadcast_overtaking`` on every edge: the overtaken buffers with their edge."""
@@ -814,6 +925,13 @@ class StreamTask:
                     produced = op.on_processing_time(wall)
                     if produced:
                         self._emit(produced, start=i + 1)
+
+    def debloat_metrics(self) -> Optional[Dict[str, Any]]:
+        """The adaptive buffers' current limits of this subtask's output: the smallest
+        buffer size and in-flight limit over its channels, and each channel's (with the
+        consumer's measured records/s); None for a sink or with ``buffer_debloat=False``."""
+        output = self.output
+        return None if output is None else output.debloat_stats()
 
     def time_metrics(self) -> Dict[str, Any]:
         """This subtask's event-time figures (Flink's metric names)."""

@@ -1,0 +1,202 @@
+"""Adaptive buffers (Flink's buffer debloating, FLIP-183, on by default here).
+
+Each output channel keeps about ``target_ms`` of its consumer's time in flight: the
+data queued in the channel is what an aligned barrier waits behind and what an
+unaligned checkpoint persists, so bounding it in *time* bounds both, whatever the
+consumer's speed. The producer measures, per channel, how fast the consumer takes
+what it was sent (from ``gate.queued(channel)``: what left the queue since the last
+look was consumed; the same for an in-process gate and for the Spark runner's remote
+channel, whose send queue drains as the receiver takes data), and every
+``PERIOD_S`` re-plans two limits from the records per second over the last
+``WINDOW`` periods:
+
+* **buffers in flight** first: ``budget = records/s * target`` records may be queued,
+  so ``budget // buffer_size`` buffers, between ``MIN_IN_FLIGHT`` and the channel's
+  capacity. Fewer buffers cut in-flight time without changing what each buffer
+  costs, which is where Flink went wrong: it shrinks the buffer *size* first, and a
+  consumer with a cost per buffer then gets slower with each shrink, measures slower,
+  and shrinks further (FLINK-33077: 256-byte buffers, checkpoints taking minutes).
+* **records per buffer** only when ``MIN_IN_FLIGHT`` buffers of the configured size
+  are still more than the budget, and never below ``min_records`` (``MIN_RECORDS``
+  Python records, or rows worth ``MIN_BATCH_BYTES`` of an Arrow batch), nor above
+  the configured size.
+
+Nothing is limited while the consumer is not the bottleneck: a channel that was
+found empty during the window (the consumer waited for data) plans the configured
+size and capacity, so a job without backpressure runs exactly as with debloating off.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+__all__ = ["MIN_BATCH_BYTES", "MIN_IN_FLIGHT", "MIN_RECORDS", "ChannelDebloater", "Plan", "plan"]
+
+PERIOD_S = 0.1  # how often a channel's limits are re-planned (Flink: 200 ms)
+WINDOW = 20  # periods the consumer's rate is measured over (Flink: 20 samples)
+SAMPLE_S = 0.005  # how often, at most, the channel's queue is looked at
+STARVED_SHARE = 0.25  # a period is busy when at most this share of looks found the queue empty
+MIN_IN_FLIGHT = 2  # buffers: one being taken by the consumer while the next is ready
+MIN_RECORDS = 32  # Python records per buffer, at least (a buffer costs tens of us in Python)
+MIN_BATCH_BYTES = 32 * 1024  # an Arrow slice, at least (Flink's default buffer; 256 B was FLINK-33077)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A channel's limits: ``size`` records per buffer and ``in_flight`` buffers queued."""
+
+    size: int
+    in_flight: int
+
+
+def plan(
+    records_per_s: float,
+    target_ms: float,
+    *,
+    max_size: int,
+    capacity: int,
+    min_size: int = MIN_RECORDS,
+    busy: bool = True,
+) -> Plan:
+    """The limits that keep about ``target_ms`` of a consumer taking ``records_per_s``
+    in flight (see the module's docstring): fewer buffers first, smaller ones only
+    once ``MIN_IN_FLIGHT`` full buffers are too many, within the floors and the
+    configured ``max_size`` / ``capacity``. ``busy=False`` (the consumer waited for
+    data during the window): the configured limits."""
+    min_size = max(1, min(min_size, max_size))
+    floor_buffers = min(MIN_IN_FLIGHT, capacity)
+    if not busy or records_per_s <= 0 or records_per_s != records_per_s:
+        return Plan(max_size, capacity)
+    budget = records_per_s * target_ms / 1000.0  # records the consumer takes in the target time
+    buffers = int(budget // max_size)
+    if buffers >= floor_buffers:
+        return Plan(max_size, min(buffers, capacity))
+    size = int(budget // floor_buffers)
+    return Plan(max(min_size, min(size, max_size)), floor_buffers)
+
+
+class ChannelDebloater:
+    """One output channel's measurement and limits; called from the producing task's
+    thread only (the statistics read ``size``/``in_flight``/``rate`` from others:
+    plain attributes, each written whole).
+
+    The rate is taken over the *busy* periods of the window only, those in which the
+    queue was seen empty in at most ``STARVED_SHARE`` of the looks: in the others the
+    consumer waited for data, so what it took says how fast the producer was, not how
+    fast the consumer can go. A period in which it waited also loosens the limits a
+    step (one buffer more, or larger buffers), since a limit too tight is one reason a
+    consumer waits; planning from its slower rate instead would tighten them further
+    (the spiral of FLINK-33077)."""
+
+    __slots__ = (
+        "_busy",
+        "_consumed",
+        "_consumed_buffers",
+        "_empty",
+        "_looks",
+        "_next_sample",
+        "_period_consumed",
+        "_period_start",
+        "_queued_sizes",
+        "capacity",
+        "in_flight",
+        "max_size",
+        "min_size",
+        "rate",
+        "shrunk",
+        "size",
+        "target_ms",
+    )
+
+    def __init__(self, target_ms: float, max_size: int, capacity: int, min_size: int = MIN_RECORDS) -> None:
+        self.target_ms = target_ms
+        self.max_size = max_size
+        self.capacity = capacity
+        self.min_size = min_size
+        self.size = max_size  # records per buffer now
+        self.shrunk = False  # size is below the ceiling: buffers are cut to it
+        self.in_flight = capacity  # buffers queued at most now
+        self.rate = 0.0  # the consumer's records/s over the window's busy periods
+        # sizes (records; 0 for an event) of what was pushed and may still be queued, oldest first
+        self._queued_sizes: Deque[int] = deque()
+        self._consumed = 0  # records the consumer took so far
+        self._consumed_buffers = 0  # data buffers among them
+        self._busy: Deque[Tuple[float, int]] = deque(maxlen=WINDOW)  # (seconds, records) per busy period
+        now = time.monotonic()
+        self._period_start = now
+        self._period_consumed = 0
+        self._looks = 0
+        self._empty = 0
+        self._next_sample = now
+
+    def pushed(self, records: int) -> None:
+        """An item went into the channel (``records`` 0 for an event)."""
+        self._queued_sizes.append(records)
+
+    def jumped(self) -> None:
+        """A barrier went in ahead of the queued data (unaligned): it leaves first."""
+        self._queued_sizes.appendleft(0)
+
+    def due(self, now: float) -> bool:
+        """Whether to look at the queue now (at most every ``SAMPLE_S``)."""
+        if now >= self._next_sample:
+            self._next_sample = now + SAMPLE_S
+            return True
+        return False
+
+    def observe(self, queued: int, now: float) -> None:
+        """The channel holds ``queued`` items now (looked at before a push): what left
+        was consumed, and an empty queue means the consumer waited for it."""
+        sizes = self._queued_sizes
+        while len(sizes) > queued:
+            n = sizes.popleft()
+            if n:
+                self._consumed += n
+                self._consumed_buffers += 1
+        self._looks += 1
+        if queued == 0:
+            self._empty += 1
+        if now - self._period_start >= PERIOD_S:
+            self._replan(now)
+
+    def _replan(self, now: float) -> None:
+        seconds = now - self._period_start
+        consumed = self._consumed - self._period_consumed
+        busy = self._empty <= STARVED_SHARE * self._looks
+        self._period_start, self._period_consumed, self._looks, self._empty = now, self._consumed, 0, 0
+        # the ceiling is the configured size, or what the buffers hold when they come
+        # larger (Arrow batches go on as they come: their rows are the size then)
+        ceiling = self.max_size
+        if self._consumed_buffers:
+            ceiling = max(ceiling, self._consumed // self._consumed_buffers)
+        if not busy:
+            if self.size < ceiling:
+                self.size = min(ceiling, self.size * 2)
+            else:
+                self.size = ceiling
+                self.in_flight = min(self.capacity, self.in_flight + 1)
+            self.shrunk = self.size < ceiling
+            return
+        self._busy.append((seconds, consumed))
+        self.rate = sum(c for _, c in self._busy) / max(1e-9, sum(t for t, _ in self._busy))
+        p = plan(self.rate, self.target_ms, max_size=ceiling, capacity=self.capacity, min_size=self.min_size)
+        self.size, self.in_flight = p.size, p.in_flight
+        self.shrunk = p.size < ceiling
+
+    def stats(self) -> Dict[str, Any]:
+        return {"buffer_size": self.size, "buffers_in_flight": self.in_flight, "consumer_records_per_s": self.rate}
+
+
+def summarize(channels: List[ChannelDebloater]) -> Optional[Dict[str, Any]]:
+    """An output's channels in one line for the statistics: the smallest buffer size
+    and in-flight limit among them (the most debloated channel), and each channel's."""
+    if not channels:
+        return None
+    return {
+        "buffer_size": min(c.size for c in channels),
+        "buffers_in_flight": min(c.in_flight for c in channels),
+        "channels": [c.stats() for c in channels],
+    }
