@@ -1,5 +1,6 @@
-"""Runners: ``local`` (embedded, every subtask a thread) and ``spark`` (every subtask a
-task of one barrier-mode Spark stage; imports pyspark only when used)."""
+"""Runners: ``local`` (embedded, every subtask a thread), ``processes`` (embedded, every
+subtask a worker process of this machine) and ``spark`` (every subtask a task of one
+barrier-mode Spark stage; imports pyspark only when used)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 from .local import LocalRunner
 from .result import JobResult
 
-__all__ = ["JobResult", "LocalRunner", "SparkRunner"]
+__all__ = ["JobResult", "LocalRunner", "ProcessRunner", "SparkRunner"]
 
 
 def __getattr__(name: str) -> Any:
@@ -16,4 +17,8 @@ def __getattr__(name: str) -> Any:
         from .spark import SparkRunner
 
         return SparkRunner
+    if name == "ProcessRunner":
+        from .processes import ProcessRunner
+
+        return ProcessRunner
     raise AttributeError(f"module 'pyengine.runners' has no attribute {name!r}")
