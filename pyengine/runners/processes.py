@@ -215,6 +215,10 @@ class _SinkProxy(Sink):
 # record. Events (barriers, watermarks, end of data) travel as the channels' JSON
 # (``flight.encode_event``), so a sentinel keeps its identity.
 _DATA, _EVENT = b"D", b"E"
+# A worker's output queue holds this many times ``channel_capacity`` buffers: every buffer
+# crosses three threads in two processes (task, sender, receiver), each a wake-up that waits
+# for a core when the machine is busy; a deeper queue keeps the pipeline fed meanwhile.
+SOCKET_QUEUE_FACTOR = 4
 
 
 class SocketChannel(RemoteChannel):
@@ -233,7 +237,7 @@ class SocketChannel(RemoteChannel):
 
         self.location = location
         self.channel = channel
-        self.capacity = capacity
+        self.capacity = capacity * SOCKET_QUEUE_FACTOR
         self.split_batch_bytes = 0
         try:
             self._conn = Client(_address(location), family="AF_UNIX", authkey=token.encode())
