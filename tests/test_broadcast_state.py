@@ -133,7 +133,11 @@ class Writes(pe.KeyedBroadcastProcessFunction):
     def __init__(self, what: str) -> None:
         self.what = what
 
+    def open(self, ctx: Any) -> None:
+        self.seen = ctx.get_state(SEEN)
+
     def process_element(self, value: Any, ctx: Any) -> Any:
+        self.seen.update(self.seen.value() + 1)
         if self.what == "put":
             ctx.get_broadcast_state(RULES).put("x", 1)
         if self.what == "unknown":
@@ -145,6 +149,8 @@ class Writes(pe.KeyedBroadcastProcessFunction):
             ctx.get_state(SEEN)
         if self.what == "timer":
             ctx.timer_service()
+        if self.what == "stray":  # keyed state from open(), outside apply_to_keyed_state
+            self.seen.value()
         return None
 
 
@@ -155,6 +161,7 @@ class Writes(pe.KeyedBroadcastProcessFunction):
         ("unknown", r"'other'.* is not a broadcast state of this stream \(known: 'rules'\)"),
         ("keyed", r"ctx.get_state in process_broadcast_element: a broadcast record belongs to no key.*apply_to_keyed"),
         ("timer", r"ctx.timer_service\(\) in process_broadcast_element"),
+        ("stray", r"keyed state used in process_broadcast_element .*'seen'.*apply_to_keyed_state"),
     ],
 )
 def test_misuse_inside_the_functions_fails_the_job_at_once_naming_the_way_out(what: str, message: str) -> None:

@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable, Dict, Generic, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeAlias
 
 from ..errors import NonRetryableError
+from ..state.columnar import NoCurrentKeyError
 from ..state.descriptors import K, MapStateDescriptor, StateDescriptor, V
 from ..state.operator import BroadcastState
 from .operators import (
@@ -328,14 +329,12 @@ class KeyedBroadcastContext:
             raise TypeError(f"apply_to_keyed_state takes a state descriptor, got {descriptor!r}")
         backend = self._op.backend
         state = backend.get_state(descriptor)
-        previous = backend.current_key
         try:
             for key in list(backend.keys(descriptor.name)):
                 backend.set_current_key(key)
                 function(key, state)
         finally:
-            if previous is not None:
-                backend.set_current_key(previous)
+            _unset_key(backend)  # key-less again for the rest of process_broadcast_element
 
     def timestamp(self) -> Optional[int]:
         """The event time of the broadcast record (None when its stream has none)."""
@@ -408,6 +407,16 @@ class KeyedBroadcastProcessFunction:
         pass
 
 
+def _unset_key(backend: Any) -> None:
+    """No current key (the backend's state before its first ``set_current_key``): every
+    keyed state call raises ``NoCurrentKeyError`` until a key is set again. So keyed
+    state kept from ``open`` and used in ``process_broadcast_element`` fails, naming
+    ``apply_to_keyed_state``, instead of reading whichever key came last."""
+    backend._key = None
+    backend._key_group = -1
+    backend._key_index = -1
+
+
 def overrides_broadcast_on_timer(fn: Any) -> bool:
     """Whether a ``KeyedBroadcastProcessFunction`` has timers to fire."""
     return type(fn).on_timer is not KeyedBroadcastProcessFunction.on_timer
@@ -448,6 +457,7 @@ class KeyedBroadcastProcessOperator(KeyedProcessOperator):
         backend = self.backend
         rows = rows_of(records)
         backend.begin_ttl_step(records=len(rows))
+        _unset_key(backend)
         try:
             for r in rows:
                 bctx._record = r
@@ -456,6 +466,11 @@ class KeyedBroadcastProcessOperator(KeyedProcessOperator):
                     out.extend(produced)
         except NonRetryableError:
             raise
+        except NoCurrentKeyError as exc:
+            raise BroadcastStateError(
+                f"{self.where()}: keyed state used in process_broadcast_element ({exc}): a broadcast record "
+                "belongs to no key; reach keyed state with ctx.apply_to_keyed_state(descriptor, fn)"
+            ) from None  # this message is the one to report (a JobFailedError names the innermost cause)
         except Exception as exc:
             raise _user_error(self, exc) from exc
         finally:
