@@ -24,7 +24,14 @@ TaskKey = Tuple[str, int]  # (vertex, subtask)
 # What a counters dict may carry, and of which type: reports from Spark tasks are
 # JSON from another process, so the driver keeps only these, as these types.
 _INT_FIELDS = ("subtask", "attempt", "records_in", "records_out", "idle_ns", "backpressured_ns", "uptime_ns")
-_OPTIONAL_INT_FIELDS = ("state_rows", "watermark", "input_watermark", "late_records_dropped")
+_OPTIONAL_INT_FIELDS = (
+    "state_rows",
+    "watermark",
+    "input_watermark",
+    "late_records_dropped",
+    "buffer_size",
+    "buffers_in_flight",
+)
 _MAX_OPERATORS = 64
 
 
@@ -88,6 +95,9 @@ def task_counters(task: Any, now_ns: Optional[int] = None) -> Dict[str, Any]:
     finished = task.finished.is_set() if hasattr(task, "finished") else False
     running = task.running.is_set() if hasattr(task, "running") else False
     ended_ns = getattr(task, "ended_ns", 0) or 0
+    # adaptive buffers (StreamEnvironment(buffer_debloat=True)): the output's current
+    # limits, the smallest over its channels; None for a sink or with debloating off
+    debloat = task.debloat_metrics() if hasattr(task, "debloat_metrics") else None
     return {
         "vertex": str(attempt.vertex),
         "subtask": int(attempt.subtask),
@@ -105,6 +115,8 @@ def task_counters(task: Any, now_ns: Optional[int] = None) -> Dict[str, Any]:
         # idle), so, as in Flink, its watermark holds nothing back
         "idle": bool(getattr(task, "output_idle", False)),
         "late_records_dropped": late_total,
+        "buffer_size": None if debloat is None else int(debloat["buffer_size"]),
+        "buffers_in_flight": None if debloat is None else int(debloat["buffers_in_flight"]),
         "operators": operators,
     }
 
@@ -174,6 +186,10 @@ class SubtaskSample:
     # records dropped as too late, over the chain's operators: checkpointed with
     # them, so the latest attempt's count is the run's (never carried across restarts)
     late_records_dropped: Optional[int] = None
+    # adaptive buffers: records per buffer and buffers queued per output channel now
+    # (the smallest over the subtask's channels); None for a sink or with debloating off
+    buffer_size: Optional[int] = None
+    buffers_in_flight: Optional[int] = None
     operators: List[Dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -282,6 +298,8 @@ class MetricsHistory:
                     input_watermark=c.get("input_watermark"),
                     idle=bool(c.get("idle", False)),
                     late_records_dropped=c.get("late_records_dropped"),
+                    buffer_size=c.get("buffer_size"),
+                    buffers_in_flight=c.get("buffers_in_flight"),
                     operators=[{**o, "late_in_interval": _late_delta(o, late_before)} for o in c.get("operators", [])],
                 )
                 up = self._total(key, c, "uptime_ns")

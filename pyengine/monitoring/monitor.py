@@ -508,6 +508,10 @@ class JobMonitor:
                     "ratio": round(ratio, 4),
                     "idleRatio": round((s.idle_ms_per_s if s else 0.0) / 1000, 4),
                     "busyRatio": round((s.busy_ms_per_s if s else 0.0) / 1000, 4),
+                    # pyengine's own: the adaptive buffers' current limits on its output
+                    # (None for a sink, or with buffer_debloat=False)
+                    "debloatedBufferSize": s.buffer_size if s is not None else None,
+                    "debloatedBuffersInFlight": s.buffers_in_flight if s is not None else None,
                     "other-concurrent-attempts": [],
                 }
             )

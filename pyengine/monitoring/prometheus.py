@@ -178,6 +178,14 @@ class JobCollector:
                 task_gauge(
                     "checkpointedStateSize", "This subtask's state in the latest completed checkpoint (bytes)."
                 ).add_metric(labels, int(ack.full_size))
+            if s.buffer_size is not None:
+                task_gauge(
+                    "debloatedBufferSize", "Adaptive buffers: records per output buffer now (smallest channel)."
+                ).add_metric(labels, s.buffer_size)
+            if s.buffers_in_flight is not None:
+                task_gauge(
+                    "debloatedBuffersInFlight", "Adaptive buffers: buffers queued per output channel at most now."
+                ).add_metric(labels, s.buffers_in_flight)
             if s.input_watermark is not None:
                 task_gauge("currentInputWatermark", "The subtask's input watermark (ms since the epoch).").add_metric(
                     labels, s.input_watermark
