@@ -383,7 +383,9 @@ class KeyedBroadcastProcessFunction:
     broadcast state read-only (``ctx.get_broadcast_state(desc)``);
     ``process_broadcast_element(value, ctx)`` gets every broadcast record on every
     subtask, writes broadcast state and reaches keyed state through
-    ``ctx.apply_to_keyed_state(desc, fn(key, state))``; ``on_timer(timestamp, ctx)``
+    ``ctx.apply_to_keyed_state(desc, fn(key, state))`` only (it runs with no current
+    key: a keyed state object used there directly raises ``BroadcastStateError``
+    rather than read some other record's key); ``on_timer(timestamp, ctx)``
     runs when a timer fires, as in a ``KeyedProcessFunction``."""
 
     ReadOnlyContext: TypeAlias = KeyedBroadcastReadOnlyContext
