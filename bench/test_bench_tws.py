@@ -4,22 +4,28 @@
    row per key per micro-batch), through ``KeyedStream.transform_with_state``,
    against the same count as a ``KeyedProcessFunction`` (its natural form: one
    output per record), in one run, interleaved: the issue's target is the adapter
-   at >= 60% of the function's rows/s.
+   at >= 60% of the function's rows/s. The same with a processing-time timer per
+   key (the count reset every hour).
 2. One state call through the adapter (``ValueState.get`` / ``update`` of a
    one-field schema): the issue's target is <= 2 us at p50 (Spark: 65-78 us, a
    round trip to the JVM state server).
+3. Opt-in (``PYENGINE_BENCH_SPARK_TWS=1``, minutes: Spark runs 1,000-3,300 rows/s
+   here): the same two processors through Spark's own ``transformWithState`` and
+   ``transformWithStateInPandas`` (``local[2]``, RocksDB state store, micro-batches
+   of 20,000 rows over 10,000 keys): the issue's target is the adapter at >= 100x
+   Spark's best rows/s.
 
 Every row times the real work in pytest-benchmark's rounds, one row per variant:
 whole jobs (in CPU seconds of this process, the benchmark's timer) and batches of
 ``PER_SAMPLE`` state calls (the table's times are per batch; per call in
-``extra_info`` and the summary).
-
-The comparison with Spark's own ``transformWithState`` (local[2], RocksDB) is not
-run here: it needs a Spark session and costs minutes of CI for 3,300 rows/s."""
+``extra_info`` and the summary)."""
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
+import tempfile
 import time
 from typing import Any, Callable, Dict, Iterator, List
 
@@ -54,6 +60,36 @@ class RunningCount(StatefulProcessor):
         yield Row(user=key[0], count=total)
 
 
+HOUR_MS = 3_600_000
+
+
+def _next_hour(now_ms: int) -> int:
+    return (now_ms // HOUR_MS + 1) * HOUR_MS
+
+
+class RunningCountWithTimer(RunningCount):
+    """The running count reset every hour of processing time: a timer per key (the
+    same one, at the next full hour, registered again at every batch of the key)."""
+
+    def init(self, handle: Any) -> None:
+        super().init(handle)
+        self.handle = handle
+
+    def handleInputRows(self, key: Any, rows: Iterator[Any], timerValues: Any) -> Iterator[Any]:
+        n = 0
+        for _ in rows:
+            n += 1
+        old = self.count.get()
+        total = (old[0] if old else 0) + n
+        self.count.update((total,))
+        self.handle.registerTimer(_next_hour(timerValues.getCurrentProcessingTimeInMs()))
+        yield Row(user=key[0], count=total)
+
+    def handleExpiredTimer(self, key: Any, timerValues: Any, expiredTimerInfo: Any) -> Iterator[Any]:
+        self.count.clear()
+        return iter([])
+
+
 COUNT = ValueStateDescriptor("count", 0, pa.int64())
 
 
@@ -77,6 +113,19 @@ class RunningCountRowsFunction(RunningCountFunction):
         yield Row(user=ctx.current_key, count=n)
 
 
+class RunningCountWithTimerFunction(RunningCountFunction):
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        n = self.count.value() + 1
+        self.count.update(n)
+        timers = ctx.timer_service()
+        timers.register_processing_time_timer(_next_hour(timers.current_processing_time()))
+        yield {"user": ctx.current_key, "count": n}
+
+    def on_timer(self, timestamp: int, ctx: Any) -> Any:
+        self.count.clear()
+        return []
+
+
 def _run(records: List[Dict[str, Any]], kind: str) -> None:
     """One job, timed by the caller in CPU seconds of this process (its subtasks are
     threads here): on a 2-core machine shared with other builds, wall time swings
@@ -86,16 +135,30 @@ def _run(records: List[Dict[str, Any]], kind: str) -> None:
     keyed = env.from_collection(records).key_by("user")
     if kind == "adapter":
         stream = keyed.transform_with_state(RunningCount(), "user bigint, count bigint")
+    elif kind == "adapter_timer":
+        stream = keyed.transform_with_state(
+            RunningCountWithTimer(), "user bigint, count bigint", time_mode="ProcessingTime"
+        )
     else:
-        stream = keyed.process(RunningCountFunction() if kind == "function" else RunningCountRowsFunction())
+        stream = keyed.process(
+            {
+                "function": RunningCountFunction,
+                "function_rows": RunningCountRowsFunction,
+                "function_timer": RunningCountWithTimerFunction,
+            }[kind]()
+        )
     stream.sink_to(pe.sinks.DiscardSink())
     result = env.execute(f"tws-bench-{kind}")
     assert result.status == "FINISHED"
 
 
-def _cpu_seconds(run: Callable[[], Any]) -> float:
-    start = time.process_time()
+_WALL: Dict[str, List[float]] = {}  # wall seconds of each run, for the comparison with Spark's
+
+
+def _cpu_seconds(kind: str, run: Callable[[], Any]) -> float:
+    start, wall = time.process_time(), time.perf_counter()
     run()
+    _WALL.setdefault(kind, []).append(time.perf_counter() - wall)
     return time.process_time() - start
 
 
@@ -105,12 +168,44 @@ def records() -> List[Dict[str, Any]]:
     return [{"user": u, "v": i} for i, u in enumerate(users)]
 
 
-_CPU: Dict[str, List[float]] = {"function": [], "function_rows": [], "adapter": []}  # CPU s of each run
+# CPU seconds of each run, per variant
+_CPU: Dict[str, List[float]] = {
+    k: [] for k in ("function", "function_rows", "adapter", "function_timer", "adapter_timer")
+}
 KINDS = [
     pytest.param("function", id="keyed-process-function"),
     pytest.param("function_rows", id="keyed-process-function-yielding-rows"),
     pytest.param("adapter", id="stateful-processor-adapter"),
 ]
+TIMER_KINDS = [
+    pytest.param("function_timer", id="keyed-process-function"),
+    pytest.param("adapter_timer", id="stateful-processor-adapter"),
+]
+TARGET = 0.6  # the issue's: the adapter at >= 60% of the function's rows/s
+# Guards (asserted; the target is reported while not met): the adapter at >= GUARD of
+# the function. Measured (CPU time, 2 cores shared with other builds, load 3-8): 43-61%
+# for the count (27-30% before the adapter kept its objects out of the garbage
+# collector's way), 48-61% with a timer per key. The guard holds a regression from there.
+GUARD = 0.35
+
+
+def _compare(benchmark: Any, records: List[Dict[str, Any]], kind: str, adapter: str, baselines: List[str]) -> bool:
+    """A baseline's row: one round. The adapter's row: three rounds, each but the first
+    after an untimed run of every baseline (interleaved: the best of three each).
+    True for the adapter's row, once every figure is in ``_CPU``."""
+    if kind != adapter:
+        benchmark.pedantic(lambda: _CPU[kind].append(_cpu_seconds(kind, lambda: _run(records, kind))), rounds=1)
+        return False
+
+    def between() -> None:
+        for baseline in baselines:
+            if _CPU[adapter] or not _CPU[baseline]:
+                _CPU[baseline].append(_cpu_seconds(baseline, lambda b=baseline: _run(records, b)))
+
+    benchmark.pedantic(
+        lambda: _CPU[adapter].append(_cpu_seconds(adapter, lambda: _run(records, adapter))), setup=between, rounds=3
+    )
+    return True
 
 
 @pytest.mark.benchmark(timer=time.process_time)
@@ -118,29 +213,17 @@ KINDS = [
 def test_running_count_through_the_adapter_against_a_keyed_process_function(
     benchmark: Any, records: List[Dict[str, Any]], kind: str
 ) -> None:
-    """A row per variant; the two functions' rows take one round, the adapter's three,
-    each but the first after an untimed run of both functions (interleaved: the best of
-    three each, as before rows)."""
+    """A row per variant, whole jobs in CPU seconds (``_compare``)."""
     benchmark.group = "tws: running count"
-    if kind != "adapter":
-        benchmark.pedantic(lambda: _CPU[kind].append(_cpu_seconds(lambda: _run(records, kind))), rounds=1)
+    if not _compare(benchmark, records, kind, "adapter", ["function", "function_rows"]):
         return
-
-    def between() -> None:
-        for baseline in ("function", "function_rows"):
-            if _CPU["adapter"] or not _CPU[baseline]:
-                _CPU[baseline].append(_cpu_seconds(lambda b=baseline: _run(records, b)))
-
-    benchmark.pedantic(
-        lambda: _CPU["adapter"].append(_cpu_seconds(lambda: _run(records, "adapter"))), setup=between, rounds=3
-    )
-    best = {k: min(v) for k, v in _CPU.items()}
+    best = {k: min(v) for k, v in _CPU.items() if v}
     ratio = best["function"] / best["adapter"]
     ratio_rows = best["function_rows"] / best["adapter"]
     benchmark.extra_info.update(
         adapter_rows_per_cpu_s=RECORDS / best["adapter"], ratio_to_function=ratio, ratio_to_row_function=ratio_rows
     )
-    met = "met" if ratio >= 0.6 else "NOT MET, reported only"
+    met = "met" if ratio >= TARGET else "NOT MET, reported only"
     SUMMARY.append(
         f"StatefulProcessor running count via transform_with_state, {RECORDS:,} records / {KEYS:,} keys, p=2, "
         f"per CPU second: {RECORDS / best['adapter'] / 1e3:.0f} k rows/s; the same as a KeyedProcessFunction "
@@ -148,14 +231,37 @@ def test_running_count_through_the_adapter_against_a_keyed_process_function(
         f"a KeyedProcessFunction yielding pyspark Rows as the processor does "
         f"{RECORDS / best['function_rows'] / 1e3:.0f} k rows/s -> {ratio_rows:.0%}"
     )
-    # The target is 60% of the function. Not met: measured 27-30% (CPU time,
-    # 2 cores under load 8-18). The ceiling is the processor's own code, not the
-    # adapter: the same function made to yield a pyspark Row per output, as the
-    # processor does, drops to about 40% of its dict-yielding self (a Row costs
-    # 1.4-4 us: a Python-level __setattr__ and a __dict__ per Row), and the
-    # adapter runs at 57-66% of that one. Guards hold a regression from there.
-    assert ratio >= 0.15, f"the adapter at {ratio:.0%} of the KeyedProcessFunction"
-    assert ratio_rows >= 0.35, f"the adapter at {ratio_rows:.0%} of the Row-yielding KeyedProcessFunction"
+    # What keeps the adapter under 60%: the processor's own code. Its pyspark Row
+    # costs 1-2.4 us (a Python-level __new__ and __setattr__, a __dict__ per Row),
+    # the function yielding one as the processor does runs at 37-45% of its
+    # dict-yielding self, and the adapter now outruns that one (106-126%): grouping
+    # a buffer per key (~0.3 us a record) and the per-key call are what is left.
+    assert ratio >= GUARD, f"the adapter at {ratio:.0%} of the KeyedProcessFunction"
+    assert ratio_rows >= 0.7, f"the adapter at {ratio_rows:.0%} of the Row-yielding KeyedProcessFunction"
+
+
+@pytest.mark.benchmark(timer=time.process_time)
+@pytest.mark.parametrize("kind", TIMER_KINDS)
+def test_running_count_with_a_timer_per_key_against_a_keyed_process_function(
+    benchmark: Any, records: List[Dict[str, Any]], kind: str
+) -> None:
+    """The count reset every hour: a processing-time timer per key (``RunningCountWithTimer``
+    and its function), registered again at every batch of the key (every record of the
+    function's); a row per variant, as above."""
+    benchmark.group = "tws: running count, a timer per key"
+    if not _compare(benchmark, records, kind, "adapter_timer", ["function_timer"]):
+        return
+    best = {k: min(v) for k, v in _CPU.items() if v}
+    ratio = best["function_timer"] / best["adapter_timer"]
+    benchmark.extra_info.update(adapter_rows_per_cpu_s=RECORDS / best["adapter_timer"], ratio_to_function=ratio)
+    met = "met" if ratio >= TARGET else "NOT MET, reported only"
+    SUMMARY.append(
+        f"StatefulProcessor running count with a timer per key via transform_with_state (ProcessingTime), "
+        f"{RECORDS:,} records / {KEYS:,} keys, p=2, per CPU second: {RECORDS / best['adapter_timer'] / 1e3:.0f} k "
+        f"rows/s; the same as a KeyedProcessFunction {RECORDS / best['function_timer'] / 1e3:.0f} k rows/s -> "
+        f"{ratio:.0%} (target >= 60%: {met})"
+    )
+    assert ratio >= GUARD, f"the adapter with timers at {ratio:.0%} of the KeyedProcessFunction"
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +336,153 @@ def test_one_state_call_through_the_adapter(benchmark: Any, adapter_state: Any, 
         f"update {update_us:.2f} us (update through a lambda) (target <= 2 us: {met}; Spark 65-78 us)"
     )
     assert get_us <= 2 and update_us <= 2, f"get {get_us:.2f} us, update {update_us:.2f} us at p50"
+
+
+# -- 3. against Spark's own transformWithState (opt-in) ------------------------------------------
+
+SPARK_BATCHES = 3  # micro-batches per Spark query; the first (state store set-up, workers starting) is left out
+SPARK_ROWS = 20_000  # per micro-batch, over KEYS keys: issue 14's measurement
+_SPARK_ROWS_PER_S: Dict[str, float] = {}
+
+
+class RunningCountPandas(StatefulProcessor):
+    """``RunningCount`` for ``transformWithStateInPandas``: DataFrames in and out."""
+
+    def init(self, handle: Any) -> None:
+        self.count = handle.getValueState("count", "count bigint")
+
+    def handleInputRows(self, key: Any, rows: Iterator[Any], timerValues: Any) -> Iterator[Any]:
+        import pandas as pd
+
+        n = sum(len(df) for df in rows)
+        old = self.count.get()
+        total = (old[0] if old else 0) + n
+        self.count.update((total,))
+        yield pd.DataFrame({"user": [key[0]], "count": [total]})
+
+
+class RunningCountWithTimerPandas(RunningCountPandas):
+    def init(self, handle: Any) -> None:
+        super().init(handle)
+        self.handle = handle
+
+    def handleInputRows(self, key: Any, rows: Iterator[Any], timerValues: Any) -> Iterator[Any]:
+        self.handle.registerTimer(_next_hour(timerValues.getCurrentProcessingTimeInMs()))
+        yield from super().handleInputRows(key, rows, timerValues)
+
+    def handleExpiredTimer(self, key: Any, timerValues: Any, expiredTimerInfo: Any) -> Iterator[Any]:
+        self.count.clear()
+        return iter([])
+
+
+@pytest.fixture(scope="module")
+def spark() -> Any:
+    from pyspark.sql import SparkSession
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("pyengine-bench-tws")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config(
+            "spark.sql.streaming.stateStore.providerClass",
+            "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider",
+        )
+        .config("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled", "true")
+        # No batches without data: with processing-time timers pending, Spark runs them
+        # back to back, and an availableNow query never ends (none fire within the hour).
+        .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="module")
+def spark_inputs() -> str:
+    """The micro-batches as Spark reads them: one parquet file each."""
+    import pyarrow.parquet as pq
+
+    folder = tempfile.mkdtemp(prefix="pyengine-bench-tws-in-")
+    rng = np.random.default_rng(5)
+    for b in range(SPARK_BATCHES):
+        users = rng.integers(0, KEYS, SPARK_ROWS)
+        table = pa.table({"user": users, "v": np.arange(b * SPARK_ROWS, (b + 1) * SPARK_ROWS)})
+        pq.write_table(table, os.path.join(folder, f"batch-{b:03d}.parquet"))
+    return folder
+
+
+def _spark_rows_per_s(spark: Any, inputs: str, flavour: str, timer: bool) -> float:
+    """Spark's best batch of a streaming query of the processor (rows over Spark's own
+    ``triggerExecution``, first batch left out): its best, as the target says."""
+    from pyspark import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the bench is not installed on the workers
+    grouped = (
+        spark.readStream.schema("user long, v long").option("maxFilesPerTrigger", 1).parquet(inputs).groupBy("user")
+    )
+    mode = "ProcessingTime" if timer else "None"
+    if flavour == "row":
+        processor: Any = RunningCountWithTimer() if timer else RunningCount()
+        df = grouped.transformWithState(processor, "user long, count long", "Update", mode)
+    else:
+        processor = RunningCountWithTimerPandas() if timer else RunningCountPandas()
+        df = grouped.transformWithStateInPandas(processor, "user long, count long", "Update", mode)
+    query = (
+        df.writeStream.format("noop")
+        .option("checkpointLocation", tempfile.mkdtemp(prefix="pyengine-bench-tws-"))
+        .outputMode("update")
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    assert query.exception() is None
+    durations = [p["durationMs"]["triggerExecution"] for p in query.recentProgress if p["numInputRows"] > 0]
+    assert len(durations) == SPARK_BATCHES, durations
+    return SPARK_ROWS / (min(durations[1:]) / 1e3)
+
+
+@pytest.mark.skipif(
+    os.environ.get("PYENGINE_BENCH_SPARK_TWS") != "1",
+    reason="opt-in (PYENGINE_BENCH_SPARK_TWS=1): Spark's transformWithState runs 1,000-3,300 rows/s here, minutes",
+)
+@pytest.mark.parametrize("timer", [False, True], ids=["running-count", "a-timer-per-key"])
+@pytest.mark.parametrize("flavour", ["row", "pandas"], ids=["transformWithState", "transformWithStateInPandas"])
+def test_sparks_own_transform_with_state(
+    benchmark: Any, spark: Any, spark_inputs: str, records: List[Dict[str, Any]], flavour: str, timer: bool
+) -> None:
+    """A row per Spark query (one round: one streaming query of ``SPARK_BATCHES``
+    micro-batches); the last of the four compares the adapter's rows/s, in wall time
+    as Spark's (its best run of the rows above; run here if they were not selected),
+    with Spark's best of the two flavours for the same processor."""
+    benchmark.group = "tws: Spark's own transformWithState"
+    benchmark.pedantic(
+        lambda: _SPARK_ROWS_PER_S.__setitem__(
+            f"{flavour}/{timer}", _spark_rows_per_s(spark, spark_inputs, flavour, timer)
+        ),
+        rounds=1,
+    )
+    if (flavour, timer) != ("pandas", True):
+        return
+    lines, worst = [], float("inf")
+    for timed, adapter in ((False, "adapter"), (True, "adapter_timer")):
+        if not _WALL.get(adapter):
+            _cpu_seconds(adapter, lambda a=adapter: _run(records, a))
+        ours = RECORDS / min(_WALL[adapter])
+        row, pandas_ = _SPARK_ROWS_PER_S.get(f"row/{timed}"), _SPARK_ROWS_PER_S.get(f"pandas/{timed}")
+        best = max(x for x in (row, pandas_) if x is not None)
+        worst = min(worst, ours / best)
+        lines.append(
+            f"{'a timer per key' if timed else 'running count'}: adapter {ours / 1e3:.0f} k rows/s (wall), Spark "
+            f"transformWithState {row or 0:,.0f} rows/s, transformWithStateInPandas {pandas_ or 0:,.0f} rows/s -> "
+            f"{ours / best:.0f}x Spark's best"
+        )
+    met = "met" if worst >= 100 else "NOT MET"
+    SUMMARY.append(
+        f"StatefulProcessor adapter vs Spark's own (local[2], RocksDB, {SPARK_ROWS:,}-row micro-batches over "
+        f"{KEYS:,} keys): " + "; ".join(lines) + f" (target >= 100x: {met})"
+    )
+    assert worst >= 100, lines
