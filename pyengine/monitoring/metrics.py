@@ -24,14 +24,9 @@ TaskKey = Tuple[str, int]  # (vertex, subtask)
 # What a counters dict may carry, and of which type: reports from Spark tasks are
 # JSON from another process, so the driver keeps only these, as these types.
 _INT_FIELDS = ("subtask", "attempt", "records_in", "records_out", "idle_ns", "backpressured_ns", "uptime_ns")
-_OPTIONAL_INT_FIELDS = (
-    "state_rows",
-    "watermark",
-    "input_watermark",
-    "late_records_dropped",
-    "buffer_size",
-    "buffers_in_flight",
-)
+_OPTIONAL_INT_FIELDS = ("state_rows", "watermark", "input_watermark", "late_records_dropped")
+# present only for a subtask whose output has adaptive buffers (buffer_debloat=True)
+_DEBLOAT_FIELDS = ("buffer_size", "buffers_in_flight")
 _MAX_OPERATORS = 64
 
 
@@ -98,7 +93,7 @@ def task_counters(task: Any, now_ns: Optional[int] = None) -> Dict[str, Any]:
     # adaptive buffers (StreamEnvironment(buffer_debloat=True)): the output's current
     # limits, the smallest over its channels; None for a sink or with debloating off
     debloat = task.debloat_metrics() if hasattr(task, "debloat_metrics") else None
-    return {
+    counters: Dict[str, Any] = {
         "vertex": str(attempt.vertex),
         "subtask": int(attempt.subtask),
         "attempt": int(attempt.attempt),
@@ -115,10 +110,12 @@ def task_counters(task: Any, now_ns: Optional[int] = None) -> Dict[str, Any]:
         # idle), so, as in Flink, its watermark holds nothing back
         "idle": bool(getattr(task, "output_idle", False)),
         "late_records_dropped": late_total,
-        "buffer_size": None if debloat is None else int(debloat["buffer_size"]),
-        "buffers_in_flight": None if debloat is None else int(debloat["buffers_in_flight"]),
         "operators": operators,
     }
+    if debloat is not None:
+        counters["buffer_size"] = int(debloat["buffer_size"])
+        counters["buffers_in_flight"] = int(debloat["buffers_in_flight"])
+    return counters
 
 
 def _int_or_none(value: Any) -> Optional[int]:
@@ -140,6 +137,10 @@ def clean_counters(data: Any) -> Optional[Dict[str, Any]]:
         for name in _OPTIONAL_INT_FIELDS:
             value = data.get(name)
             out[name] = _int_or_none(value)
+        for name in _DEBLOAT_FIELDS:
+            value = _int_or_none(data.get(name))
+            if value is not None:
+                out[name] = value
         out["idle"] = data.get("idle") is True
         status = data.get("status", "RUNNING")
         out["status"] = status if status in ("INITIALIZING", "RUNNING", "FINISHED") else "RUNNING"
