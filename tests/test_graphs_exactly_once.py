@@ -5,8 +5,11 @@ user's function, in a sink's commit, or between a checkpoint's completion and it
 notification), restart from the latest checkpoint, and both sinks' committed output
 compared with brute-force answers from the whole inputs. Aligned and unaligned,
 heap and incremental state. Then two-input alignment: barriers first on one input,
-one input ending while aligning, and the in-flight data of both inputs of an
-unaligned checkpoint persisted and restored to the input it came from."""
+one input ending while aligning, a cancellation marker on one input at job level,
+and the in-flight data of both inputs of an unaligned checkpoint persisted and
+restored to the input it came from (the gate-level cases of all three handlers are in
+test_two_input_alignment.py). Last, the randomized soak: a keyed join, broadcast
+rules, a side output and two sinks under seeded random failures."""
 
 from __future__ import annotations
 
@@ -550,3 +553,46 @@ def test_randomized_soak_over_a_graph_is_exactly_once(
     got = Counter((r["user"], r["o"], r["p"], r["x"]) for r in pairs_sink.read_committed())
     assert got == pairs, f"seed {seed}, plan {plan}: the joined sink lost or repeated pairs"
     assert Counter(r["v"] for r in side_sink.read_committed()) == side, f"seed {seed}: the side output is not exact"
+
+
+def test_a_cancellation_marker_on_one_input_aborts_the_checkpoint_at_the_two_input_task(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    """Job level: the source of the connect's second input declines checkpoint 2
+    (its task sends a cancellation marker downstream, as a task whose own alignment
+    failed does); the keyed connect, which may have input 1's barriers already, aborts
+    checkpoint 2 on the marker and releases input 1; later checkpoints complete across
+    both inputs and the output is exact."""
+    from pyengine.io import CheckpointFailureReason as Reason
+
+    aborted_at_connect: List[Tuple[int, Any]] = []
+    perform, abort = StreamTask.perform_checkpoint, StreamTask.abort_checkpoint_on_barrier
+
+    def perform_or_decline(self: Any, checkpoint_id: int, timestamp: int, options: Any, metrics: Any) -> None:
+        if self.chain[0].name == "third" and checkpoint_id == 2:
+            self.abort_checkpoint_on_barrier(checkpoint_id, Reason.CHECKPOINT_DECLINED)
+            return
+        perform(self, checkpoint_id, timestamp, options, metrics)
+
+    def spy_abort(self: Any, checkpoint_id: int, reason: Any) -> None:
+        if self.chain[0].name.endswith("co_process"):
+            aborted_at_connect.append((checkpoint_id, reason))
+        abort(self, checkpoint_id, reason)
+
+    monkeypatch.setattr(StreamTask, "perform_checkpoint", perform_or_decline)
+    monkeypatch.setattr(StreamTask, "abort_checkpoint_on_barrier", spy_abort)
+    env = pe.StreamEnvironment(
+        parallelism=2,
+        checkpointing=pe.CheckpointConfig(interval_ms=5, tolerable_failures=10),
+        checkpoint_storage=str(tmp_path / "ckpt"),
+        buffer_size=16,
+        buffer_timeout_ms=1,
+        monitoring=None,
+    )
+    counts, sevens = build(env, Chaos("none", 1), tmp_path, delay_s=0.0002)
+    result = env.execute("graph-cancel-one-input")
+    assert result.status == "FINISHED" and result.restarts == 0
+    assert (2, Reason.CHECKPOINT_DECLINED_ON_CANCELLATION_BARRIER) in aborted_at_connect, aborted_at_connect
+    assert result.checkpoints.counts["completed"] >= 2, "checkpoints after the cancelled one complete"
+    assert Counter((r["user"], r["n"]) for r in counts.read_committed()) == expected_counts()
+    assert Counter(r["v"] for r in sevens.read_committed()) == EXPECTED_SEVENS
