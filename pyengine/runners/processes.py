@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import io
 import logging
 import multiprocessing
@@ -370,6 +371,10 @@ def _worker_main(payload: Tuple[bytes, bytes], index: int, conn: Connection, whe
         graph, env = pickle.loads(job)
         spec = pickle.loads(attempt)
         spec.graph, spec.env = graph, env
+        # What the fork server imported and the job just unpickled stays: out of the cyclic
+        # collector's sight, a collection of the oldest generation does not walk it again
+        # (nor touch, and so copy, the fork server's pages).
+        gc.freeze()
     except BaseException as exc:
         link.post(("load-error", f"{type(exc).__name__}: {exc}"))
         conn.close()
