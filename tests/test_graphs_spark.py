@@ -147,13 +147,19 @@ class Enrich(pe.KeyedBroadcastProcessFunction):
         return out
 
 
-def test_broadcast_state_on_spark_is_exactly_once_across_a_failure(tmp_path: Any, spark: Any) -> None:
+@pytest.mark.parametrize(
+    ("unaligned", "backend"), [(True, "heap"), (False, "incremental")], ids=["unaligned-heap", "aligned-incremental"]
+)
+def test_broadcast_state_on_spark_is_exactly_once_across_a_failure(
+    tmp_path: Any, spark: Any, unaligned: bool, backend: str
+) -> None:
     """The broadcast state pattern on Spark: the rules reach every subtask (parallelism
     2) over Flight channels, broadcast state is checkpointed and restored with the
     keyed state after the injected failure; the output is exact."""
     env = pe.StreamEnvironment(
         parallelism=2,
-        checkpointing=pe.CheckpointConfig(interval_ms=20, unaligned=True),
+        checkpointing=pe.CheckpointConfig(interval_ms=20, unaligned=unaligned),
+        state_backend=backend,
         checkpoint_storage=str(tmp_path / "ckpt"),
         buffer_size=16,
         buffer_timeout_ms=2,
