@@ -1,4 +1,5 @@
-"""The control plane of the Spark runner: the driver's coordinator, reached over Arrow Flight.
+"""The control plane of the Spark runner and the process runner: the driver's coordinator,
+reached over Arrow Flight (by Spark tasks, or by the process runner's workers on loopback).
 
 The driver runs a ``ControlServer`` beside its ``CheckpointCoordinator``. Each task
 registers (its attempt and the address of its own ``ChannelServer``), then

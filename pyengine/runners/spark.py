@@ -12,6 +12,11 @@ Spark does not retry a failed barrier result stage, so this runner owns failover
 when any task fails it cancels the stage, restores the latest completed checkpoint
 and submits a new stage, up to ``restart_attempts`` — Flink's full restart, with
 Spark as the cluster manager.
+
+The process runner (``processes.py``) is this runner without Spark: ``_SparkJob``'s
+hooks (``_open_backend``, ``_check_picklable``, ``_submit``, ``_check_sinks``,
+``_collected``, ``_transport``) let it start the same task body in worker processes
+and move buffers over local sockets instead of Flight.
 """
 
 from __future__ import annotations
