@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time these load on 
     )
     from .coordinator.config import CheckpointConfig
     from .errors import JobFailedError
+    from .joins import JoinContext, JoinFunction, ProcessJoinFunction
     from .monitoring.config import Monitoring
     from .runtime.broadcast import (
         BroadcastContext,
@@ -104,6 +105,9 @@ __all__ = [
     "StreamEnvironment",
     "__version__",
     "JobFailedError",
+    "JoinContext",
+    "JoinFunction",
+    "ProcessJoinFunction",
     "TimeDomain",
     "WatermarkStrategy",
     "agg",
@@ -166,6 +170,7 @@ _LAZY = {
             "ValueStateDescriptor",
         )
     },
+    **{name: ("pyengine.joins", name) for name in ("JoinContext", "JoinFunction", "ProcessJoinFunction")},
     "Monitoring": ("pyengine.monitoring.config", "Monitoring"),
     "sinks": ("pyengine.sinks", None),
     "errors": ("pyengine.errors", None),
