@@ -185,6 +185,7 @@ def build_task(
         input_key_selector=vertex.key_selector if vertex.exchange == "hash" else None,
         input_edges=[(e.input, e.key_selector if e.exchange == "hash" else None) for e in edges if e is not None],
         channels_per_edge=p,
+        input_exchanges=[e.exchange for e in edges if e is not None],
     )
 
 

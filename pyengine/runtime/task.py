@@ -163,6 +163,20 @@ def _capacity_of(gate: Any) -> int:
     return capacity
 
 
+class OnChannel:
+    """An overtaken buffer of a broadcast exchange, with the channel it was waiting
+    for. Every channel of a broadcast gets the same records, each at its own pace, so
+    what was in flight differs per channel: it is persisted per channel and replayed
+    to that channel alone (through the partitioner it would reach every channel
+    again, and the channels that had it already would get it twice)."""
+
+    __slots__ = ("buffer", "channel")
+
+    def __init__(self, channel: int, buffer: Any) -> None:
+        self.channel = channel
+        self.buffer = buffer
+
+
 class Output:
     """A task's output to the next vertex: a partitioner over the downstream gates,
     with one buffer per channel, flushed when full, on timeout, or before a barrier."""
@@ -394,19 +408,29 @@ class Output:
         (they are still delivered after the barrier, now)."""
         self.flush()
         overtaken: List[Any] = []
+        per_channel = self.exchange == "broadcast" and len(self.gates) > 1
         for i, gate in enumerate(self.gates):
             waiting = [item for item in self.pending[i] if isinstance(item, (list, pa.RecordBatch))]
             jump = getattr(gate, "push_overtaking", None)
+            jumped: List[Any] = []
             if jump is not None:  # a network channel: the barrier also jumps its send queue
-                overtaken.extend(jump(barrier))
+                jumped = list(jump(barrier))
                 if self._debloat is not None:
                     self._debloat[i].jumped()
             elif not gate.push(self.channel, barrier):  # events have their own, larger limit
                 self.pending[i].appendleft(barrier)
             elif self._debloat is not None:
                 self._debloat[i].jumped()
-            overtaken.extend(waiting)
+            for item in jumped + waiting:
+                overtaken.append(OnChannel(i, item) if per_channel else item)
         return overtaken
+
+    def emit_to_channels(self, channels: Sequence[int], records: Any) -> None:
+        """Replayed in-flight output of a broadcast exchange: to these channels only,
+        after what is buffered for them."""
+        for i in channels:
+            self._send(i)
+            self._put(i, records)
 
 
 class Outputs:
@@ -444,6 +468,9 @@ class Outputs:
 
     def emit_to(self, edge: int, records: Any) -> None:
         self.outputs[edge].emit(records)
+
+    def emit_to_channels(self, edge: int, channels: Sequence[int], records: Any) -> None:
+        self.outputs[edge].emit_to_channels(channels, records)
 
     @property
     def available(self) -> bool:
@@ -491,6 +518,17 @@ class Outputs:
     def overtaking_by_edge(self, barrier: Any) -> List[Tuple[int, Any]]:
         """``broadcast_overtaking`` on every edge: the overtaken buffers with their edge."""
         return [(j, b) for j, o in enumerate(self.outputs) for b in o.broadcast_overtaking(barrier)]
+
+
+def _runs(items: List[Tuple[int, List[int], List[Any]]]) -> List[Tuple[int, List[int], List[Any]]]:
+    """Consecutive replayed records for the same edge and channels, as one buffer each."""
+    out: List[Tuple[int, List[int], List[Any]]] = []
+    for edge, channels, records in items:
+        if out and out[-1][0] == edge and out[-1][1] == channels:
+            out[-1][2].extend(records)
+        else:
+            out.append((edge, channels, list(records)))
+    return out
 
 
 def _split_by_key(batch: pa.RecordBatch, column: str, n: int, max_parallelism: int) -> List[pa.RecordBatch]:
@@ -548,6 +586,7 @@ class StreamTask:
         read_bytes: Optional[int] = None,
         input_edges: Optional[Sequence[Tuple[int, Optional[Callable[[Any], Any]]]]] = None,
         channels_per_edge: int = 0,
+        input_exchanges: Optional[Sequence[str]] = None,
     ) -> None:
         self.input_key_selector = input_key_selector
         # The job graph's edges into this task, in the order of their channels at the one
@@ -556,6 +595,10 @@ class StreamTask:
         # selector when it is keyed (in-flight records of a restore go by key).
         self.input_edges = list(input_edges) if input_edges else [(0, input_key_selector)]
         self._channels_per_edge = channels_per_edge
+        # Each input edge's exchange (None: unknown, a line's one edge). A broadcast edge's
+        # restored in-flight input goes with the broadcast state it belongs to: a new
+        # subtask takes both from the same old subtask (``subtask % old parallelism``).
+        self.input_exchanges = list(input_exchanges) if input_exchanges else []
         # A source of Arrow batches is read in slices of about ``read_bytes`` (never fewer
         # rows than ``buffer_size``): a buffer's fixed cost in Python (tens of microseconds
         # per operator) needs batches far larger than Flink's 32 KiB to vanish, and columnar
@@ -593,6 +636,8 @@ class StreamTask:
         self._restored = restored
         self._replay: List[Tuple[int, List[Any]]] = []  # (input, records) of an unaligned restore
         self._replay_output: List[Tuple[int, List[Any]]] = []  # (output edge, records)
+        # (output edge, channels, records): a broadcast exchange's, to those channels only
+        self._replay_channels: List[Tuple[int, List[int], List[Any]]] = []
         self._input_ended = False
         self._drained_reported = False
         # event time (see _setup_time): on when the job uses it
@@ -756,6 +801,13 @@ class StreamTask:
             if isinstance(b, (list, pa.RecordBatch))
             for r in rows_of(b)
         ]
+        # a broadcast exchange's output, per channel: [subtask, kind, record, channel]
+        entries.extend(
+            [me, 2 * edge + _OUTPUT, r, b.channel]
+            for edge, b in outputs
+            if isinstance(b, OnChannel) and isinstance(b.buffer, (list, pa.RecordBatch))
+            for r in rows_of(b.buffer)
+        )
         backend.get_union_list_state(_CHANNEL_STATE).update(entries)
         result = backend.snapshot(checkpoint_id, self.storage.location(checkpoint_id)).run()
         return SubtaskState(operator=list(result.handles))
@@ -824,11 +876,30 @@ class StreamTask:
             entries = backend.get_union_list_state(_CHANNEL_STATE).get()
             inputs: Dict[int, List[Any]] = {}
             outputs: Dict[int, List[Any]] = {}
-            for sub, kind, r in entries:
+            on_channels: Dict[int, List[Any]] = {}  # output edge -> [old subtask, channel, record]
+            for entry in entries:
+                sub, kind, r = entry[0], entry[1], entry[2]
+                if len(entry) > 3:
+                    on_channels.setdefault(int(kind) // 2, []).append([sub, entry[3], r])
+                    continue
                 (outputs if kind % 2 else inputs).setdefault(int(kind) // 2, []).append([sub, r])
             for edge, pairs in sorted(inputs.items()):
                 which, select = self.input_edges[min(edge, len(self.input_edges) - 1)]
+                broadcast = edge < len(self.input_exchanges) and self.input_exchanges[edge] == "broadcast"
+                if broadcast:  # the records of the old subtask whose broadcast state this one restores
+                    old = self.ctx.subtask % channel.parallelism
+                    self._replay.append((which, [r for sub, r in pairs if sub == old]))
+                    continue
                 self._replay.append((which, self._my_share(pairs, channel.parallelism, select)))
+            # A broadcast exchange's in-flight output: each old subtask's is re-sent by one
+            # new subtask, old channel c to every new channel that restores old subtask c.
+            for edge, triples in sorted(on_channels.items()):
+                old_p, me, p = channel.parallelism, self.ctx.subtask, self.ctx.parallelism
+                for sub, old_channel, r in triples:
+                    if sub % p != me:
+                        continue
+                    targets = [c for c in range(p) if c % old_p == old_channel] if old_p != p else [old_channel]
+                    self._replay_channels.append((edge, targets, [r]))
             # output goes through the partitioner again, so any one subtask may re-send it
             same = channel.parallelism == self.ctx.parallelism
             for edge, pairs in sorted(outputs.items()):
@@ -962,6 +1033,13 @@ class StreamTask:
             self.running.set()
             # in-flight data of an unaligned checkpoint comes before new input: first what
             # this task had emitted, then what it had not yet processed
+            if self._replay_channels and self.output is not None:
+                replay_channels, self._replay_channels = self._replay_channels, []
+                for edge, channels, records in _runs(replay_channels):
+                    if isinstance(self.output, Outputs):
+                        self.output.emit_to_channels(edge, channels, records)
+                    else:
+                        self.output.emit_to_channels(channels, records)
             if self._replay_output and self.output is not None:
                 replay_out, self._replay_output = self._replay_output, []
                 for edge, records in replay_out:
