@@ -344,3 +344,51 @@ def test_exactly_once_is_the_same_with_adaptive_buffers_on_and_off(tmp_path, fas
     assert off == expected
     assert on == expected
     assert any(x is not None and x < 16 * 8 for x in shrunk), "the limits never tightened: the test did not test that"
+
+
+# -- pyengine tune ----------------------------------------------------------------------------
+
+
+def test_tune_tries_interval_auto_and_debloat_off() -> None:
+    from pyengine.tune.search import _Search
+    from pyengine.tune.settings import DEFAULT_SPACE, Setting
+
+    assert "auto" in DEFAULT_SPACE["interval_ms"] and set(DEFAULT_SPACE["buffer_debloat"]) == {True, False}
+    search = _Search(
+        lambda s, t, r: None,  # type: ignore[arg-type,return-value]
+        {"interval_ms": (500, "auto"), "buffer_debloat": (True, False)},
+        "throughput",
+        None,
+        5.0,
+        10,
+        1,
+        None,
+    )
+    points = [p for row in search.coordinates(Setting()) for p in row]
+    auto = [p for p in points if p.interval_ms == "auto"]
+    assert auto and all(p.max_recovery_s == 5.0 for p in auto)  # the search's own recovery goal
+    assert auto[0].checkpoint_kwargs() == {
+        "interval_ms": "auto",
+        "unaligned": False,
+        "aligned_timeout_ms": 0,
+        "max_recovery_s": 5.0,
+    }
+    assert "interval=auto" in auto[0].label and "max_recovery_s=5.0" in auto[0].snippet()
+    assert auto[0].nominal_interval_ms == 1000  # a quarter of the goal's budget (80% of 5 s)
+    off = [p for p in points if not p.buffer_debloat]
+    assert off and "buffer_debloat=False" in off[0].snippet() and "debloat=off" in off[0].label
+    with pytest.raises(TypeError, match="interval_ms"):
+        Setting(interval_ms="1s")
+
+
+def test_a_measured_auto_interval_is_the_one_the_coordinator_used() -> None:
+    from pyengine.tune import measure
+    from pyengine.tune.settings import Setting
+
+    def build(env: Any) -> None:
+        env.from_generator(lambda i: {"i": i}, 10_000_000).map(lambda r: r).sink_to(pe.sinks.DiscardSink())
+
+    m = measure(build, Setting(interval_ms="auto", max_recovery_s=1.0), seconds=2.0, parallelism=1)
+    assert m.checkpoints >= 1, "no checkpoint completed: nothing to compare"
+    assert 50 <= m.interval_ms <= 1000  # MIN_INTERVAL_MS .. the goal
+    assert m.replay_s == pytest.approx((m.interval_ms + m.checkpoint_p50_ms) / 1000, rel=0.01)

@@ -73,6 +73,9 @@ class Measurement:
     persisted_max: float = math.nan
     restore_s: float = math.nan
     restore_measured: bool = False
+    # the checkpoint interval the run used: the setting's, or with interval_ms="auto" the
+    # median of what the coordinator chose for its periodic checkpoints
+    interval_ms: float = math.nan
     replay_s: float = math.nan
     status: str = ""
     notes: List[str] = field(default_factory=list)
@@ -194,6 +197,13 @@ def _created(records: Any, name: str) -> np.ndarray:
     return np.asarray(values, dtype=np.float64)
 
 
+def _interval_used(setting: Setting, tracker: Any) -> float:
+    if setting.interval_ms != "auto":
+        return float(setting.interval_ms)
+    used = [s.interval_ms for s in tracker.history if s.status == "COMPLETED" and getattr(s, "interval_ms", None)]
+    return float(np.median(used)) if used else float(setting.nominal_interval_ms)
+
+
 def _percentiles(values: np.ndarray) -> Tuple[float, float]:
     if not len(values):
         return math.nan, math.nan
@@ -219,9 +229,7 @@ def _environment(setting: Setting, parallelism: int, storage: Optional[str], che
         checkpointing=CheckpointConfig(**setting.checkpoint_kwargs()) if checkpointing else None,
         checkpoint_storage=storage if checkpointing else None,
         monitoring=None,  # a server per trial would be measured with the job
-        buffer_size=setting.buffer_size,
-        buffer_timeout_ms=setting.buffer_timeout_ms,
-        channel_capacity=setting.channel_capacity,
+        **setting.environment_kwargs(),
     )
 
 
@@ -301,6 +309,7 @@ def measure(
         m = Measurement(setting, records, elapsed, rate, status=result.status)
         summary = result.checkpoints.summary()
         m.checkpoints = int(result.checkpoints.counts["completed"])
+        m.interval_ms = _interval_used(setting, result.checkpoints)
         if m.checkpoints:
             duration = summary["end_to_end_duration_ms"]
             m.checkpoint_p50_ms, m.checkpoint_p99_ms = float(duration["p50"]), float(duration["p99"])
@@ -321,7 +330,7 @@ def measure(
                 m.notes.append("no output carried the latency field: latency derived from checkpoint completions")
         if checkpointing and rate > 0:
             arriving = input_rate_per_s if input_rate_per_s is not None else rate
-            lost = setting.interval_ms / 1000 + (m.checkpoint_p50_ms / 1000 if m.checkpoints else 0.0)
+            lost = m.interval_ms / 1000 + (m.checkpoint_p50_ms / 1000 if m.checkpoints else 0.0)
             m.replay_s = lost * arriving / rate
             if input_rate_per_s is not None and input_rate_per_s >= rate:
                 m.notes.append(f"input rate {input_rate_per_s:,.0f}/s is at or above the measured {rate:,.0f}/s")

@@ -120,9 +120,11 @@ def _figures(result: TuneResult, directory: str) -> Dict[str, str]:
     ax.legend(fontsize=8)
     save(fig, "frontier.png")
 
+    # by the interval the run used: interval_ms="auto" sits where the coordinator put it
     by_interval: Dict[int, List[Measurement]] = {}
     for m in rows:
-        by_interval.setdefault(m.setting.interval_ms, []).append(m)
+        used = m.interval_ms if not math.isnan(m.interval_ms) else m.setting.nominal_interval_ms
+        by_interval.setdefault(round(used), []).append(m)
     intervals = sorted(by_interval)
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))

@@ -162,7 +162,7 @@ class _Search:
 
     def seconds(self, setting: Setting, rung_s: float) -> float:
         # long enough for a few checkpoints at this interval, or they are not measured
-        return max(rung_s, 2.5 * setting.interval_ms / 1000 + 0.2)
+        return max(rung_s, 2.5 * setting.nominal_interval_ms / 1000 + 0.2)
 
     def measure(self, setting: Setting, rung_s: float, restore: bool = False) -> Measurement:
         key = (setting, self.seconds(setting, rung_s))
@@ -201,10 +201,10 @@ class _Search:
         """The candidates of each coordinate around ``current``; unaligned and its
         aligned timeout are one coordinate (the timeout means nothing without it)."""
         out: List[List[Setting]] = []
-        for name in ("buffer_size", "channel_capacity", "buffer_timeout_ms", "interval_ms"):
+        for name in ("buffer_size", "channel_capacity", "buffer_timeout_ms", "interval_ms", "buffer_debloat"):
             values = self.space.get(name)
             if values and len(values) > 1:
-                out.append([current.with_(**{name: v}) for v in values])
+                out.append([self._point(current, name, v) for v in values])
         modes: List[Setting] = []
         for unaligned in self.space.get("unaligned", (current.unaligned,)):
             timeouts = self.space.get("aligned_timeout_ms", (current.aligned_timeout_ms,)) if unaligned else (0,)
@@ -213,6 +213,13 @@ class _Search:
         if len(modes) > 1:
             out.append(modes)
         return out
+
+    def _point(self, current: Setting, name: str, value: Any) -> Setting:
+        """``current`` with ``name`` set to ``value``; ``interval_ms="auto"`` gets the
+        search's own recovery goal (``max_recovery_s``) when it has one."""
+        if name == "interval_ms" and value == "auto":
+            return current.with_(interval_ms="auto", max_recovery_s=self.max_recovery_s)
+        return current.with_(**{name: value})
 
     def search(self, start: Setting) -> Setting:
         self.base = self.measure(start, self.trial_s, restore=True)
@@ -238,7 +245,7 @@ def _start(space: Dict[str, Tuple[Any, ...]]) -> Setting:
         if name == "buffer_size" and default is None:
             default = 1024  # "auto" moves to the nearest size to its Python-record buffers
         if default not in values:
-            numeric = [v for v in values if v is not None and not isinstance(v, bool)]
+            numeric = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
             changes[name] = min(numeric, key=lambda v: abs(v - default)) if numeric else values[0]
     return base.with_(**changes)
 
