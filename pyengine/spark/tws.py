@@ -830,7 +830,7 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
                 if produced is not None:
                     for row in produced:  # as _take, inline: this runs per key
                         try:
-                            if len(row) == width and row.__fields__ == names:
+                            if len(row) == width and (row.__class__ is tuple or row.__fields__ == names):
                                 add(row)
                                 continue
                         except (AttributeError, TypeError):
@@ -843,13 +843,14 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
 
     def _take(self, produced: Iterable[Any], out: List[Any]) -> None:
         """A processor's output rows into ``out``, flat: a Row whose fields are the
-        output schema's, in its order, gives its values as they are; any other row is
-        matched by name (or by position, a plain tuple) or refused (``_fit_row``)."""
+        output schema's, in its order, or a plain tuple of its width (by position),
+        gives its values as they are; any other row is matched by name or refused
+        (``_fit_row``)."""
         names, width = self.output_names, len(self.output_names)
         add = out.extend
         for row in produced:
             try:
-                if len(row) == width and row.__fields__ == names:
+                if len(row) == width and (row.__class__ is tuple or row.__fields__ == names):
                     add(row)
                     continue
             except (AttributeError, TypeError):
