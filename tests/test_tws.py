@@ -498,6 +498,8 @@ class Shapes(StatefulProcessor):
                 yield {"v": v, "user": key[0]}
             elif self.how == "tuple":
                 yield (key[0], v)
+            elif self.how == "long-tuple":
+                yield (key[0], v, v)
             else:  # a Row of the factory given fewer values than its fields
                 yield Row("user", "v")(key[0])
 
@@ -525,9 +527,12 @@ def test_every_input_and_output_shape_gives_the_same_rows(how: str, given: str) 
     ]  # keys in order of first arrival, each key's rows in arrival order
 
 
-def test_a_row_with_fewer_values_than_fields_is_refused_by_name() -> None:
-    op = make_operator(Shapes("short"), "user bigint, v bigint")
-    with pytest.raises(OutputSchemaError, match="1 values for its 2 fields"):
+@pytest.mark.parametrize(
+    "how, words", [("short", "1 values for its 2 fields"), ("long-tuple", "3 values, the schema 2 columns")]
+)
+def test_a_row_of_the_wrong_width_is_refused(how: str, words: str) -> None:
+    op = make_operator(Shapes(how), "user bigint, v bigint")
+    with pytest.raises(OutputSchemaError, match=words):
         op.process([{"user": 1, "v": 2}])
 
 
