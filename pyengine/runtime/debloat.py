@@ -17,9 +17,18 @@ channel, whose send queue drains as the receiver takes data), and every
   consumer with a cost per buffer then gets slower with each shrink, measures slower,
   and shrinks further (FLINK-33077: 256-byte buffers, checkpoints taking minutes).
 * **records per buffer** only when ``MIN_IN_FLIGHT`` buffers of the configured size
-  are still more than the budget, and never below ``min_records`` (``MIN_RECORDS``
-  Python records, or rows worth ``MIN_BATCH_BYTES`` of an Arrow batch), nor above
-  the configured size.
+  are still more than the budget, and never above the configured size.
+
+Floors, and why they rule out FLINK-33077's pathology: at least ``MIN_IN_FLIGHT`` (2)
+buffers (one being taken while the next is ready), at least ``MIN_RECORDS`` (16)
+Python records per buffer, and Arrow slices of at least ``MIN_BATCH_BYTES`` (32 KiB,
+Flink's default buffer: its pathology was 256 bytes). Buffers only shrink once two
+configured buffers take the consumer longer than the target, that is, for a consumer
+that is slow *per record* (with the default 1 s target and 1,024-record buffers, over
+half a millisecond a record), against which a buffer's fixed cost (tens of
+microseconds in Python) is small even at 16 records. A consumer slow *per buffer*
+would otherwise spiral (smaller buffers, fewer records/s measured, smaller buffers):
+the floor stops it, and its in-flight time is cut by the number of buffers instead.
 
 Nothing is limited while the consumer is not the bottleneck: a channel that was
 found empty during the window (the consumer waited for data) plans the configured
@@ -40,7 +49,7 @@ WINDOW = 20  # periods the consumer's rate is measured over (Flink: 20 samples)
 SAMPLE_S = 0.005  # how often, at most, the channel's queue is looked at
 STARVED_SHARE = 0.25  # a period is busy when at most this share of looks found the queue empty
 MIN_IN_FLIGHT = 2  # buffers: one being taken by the consumer while the next is ready
-MIN_RECORDS = 32  # Python records per buffer, at least (a buffer costs tens of us in Python)
+MIN_RECORDS = 16  # Python records per buffer, at least (see "Floors" in the module docstring)
 MIN_BATCH_BYTES = 32 * 1024  # an Arrow slice, at least (Flink's default buffer; 256 B was FLINK-33077)
 
 
