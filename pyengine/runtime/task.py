@@ -48,6 +48,7 @@ _INPUT, _OUTPUT = 0, 1  # the two kinds of in-flight records of an unaligned che
 
 
 MAX_READ_ROWS = 1 << 20  # a slice of a columnar source holds at most this many rows
+PRIORITY_CHECK_S = 0.002  # within a batch of buffers, how often an unaligned barrier is looked for
 
 
 class _EndOfData:
@@ -632,6 +633,7 @@ class StreamTask:
         if isinstance(output, Outputs) and output.sides:
             chain[-1].side_output = output.emit_side  # only the last operator's side outputs have consumers
         self._channel_states: Dict[int, _ChannelState] = {}
+        self._held: Optional[List[Tuple[int, Any]]] = None  # the rest of a batch, during a priority check
         self._channel_state_uid = channel_state_uid
         self._restored = restored
         self._replay: List[Tuple[int, List[Any]]] = []  # (input, records) of an unaligned restore
@@ -722,6 +724,13 @@ class StreamTask:
         channel_state: Optional[_ChannelState] = None
         if options.unaligned and self.gate is not None:
             channel_state = self._channel_states.setdefault(checkpoint_id, _ChannelState())
+            if self._held:
+                # The rest of a batch taken from the gate, not yet processed (the barrier came
+                # up in a priority check within it: _run_gate): in flight, ahead of whatever
+                # the gate hands over for these channels, so first in the channel state.
+                held = [(c, b) for c, b in self._held if type(b) is list or type(b) is pa.RecordBatch]
+                channel_state.channels[:0] = [c for c, _ in held]
+                channel_state.buffers[:0] = [b for _, b in held]
         sync_ms = (time.perf_counter() - started) * 1000
         alignment_ms = metrics.alignment_duration_ns / 1e6 if metrics is not None else 0.0
         start_delay_ms = metrics.checkpoint_start_delay_ns / 1e6 if metrics is not None else 0.0
@@ -1187,9 +1196,11 @@ class StreamTask:
                     continue
                 batch = [got]
             started = time.perf_counter()
+            checked = started
             buffers = 0
             rows = 0
-            for channel, item in batch:
+            last = len(batch) - 1
+            for i, (channel, item) in enumerate(batch):
                 if type(item) is list or type(item) is pa.RecordBatch:
                     rows += len(item)
                     if channel_input is None or not channel_input[channel]:
@@ -1197,6 +1208,16 @@ class StreamTask:
                     else:
                         self._emit_input(channel_input[channel], item)
                     buffers += 1
+                    if i < last and time.perf_counter() - checked >= PRIORITY_CHECK_S:
+                        # A batch that takes long must not hold back an unaligned barrier: it
+                        # may overtake the rest of the batch too, which the checkpoint then
+                        # persists as in-flight input (perform_checkpoint takes it from _held).
+                        self._held = batch[i + 1 :]
+                        try:
+                            gate.poll_priority()
+                        finally:
+                            self._held = None
+                        checked = time.perf_counter()
                 elif type(item) is Watermark or type(item) is WatermarkStatus:
                     self._on_time_event(channel, item)
                 elif item is END_OF_DATA:
@@ -1205,9 +1226,9 @@ class StreamTask:
                         self._end_of_data()
             self.records_in += rows
             if buffers:
-                # Buffers taken from the gate are past any barrier that could still
-                # overtake them, so a batch that takes long delays checkpoints: size
-                # batches to about 2 ms of work, by what the last one cost per buffer.
+                # Batches of about 2 ms of work, by what the last one cost per buffer: few
+                # gate calls for fast buffers, and a barrier seldom waits for a priority
+                # check within a batch.
                 per_buffer = (time.perf_counter() - started) / buffers
                 limit = max(1, min(64, int(0.002 / per_buffer) if per_buffer > 0 else 64))
             self._maybe_flush()
