@@ -172,12 +172,17 @@ def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if given is not None:
             try:
                 space[setting] = tuple(
-                    None if setting == "buffer_size" and v.strip() == "auto" else int(v)
+                    (None if setting == "buffer_size" else "auto")
+                    if setting in ("buffer_size", "interval_ms") and v.strip() == "auto"
+                    else int(v)
                     for v in given.split(",")
                     if v.strip()
                 )
             except ValueError:
-                parser.error(f"--{option.replace('_', '-')} takes integers separated by commas, got {given!r}")
+                parser.error(
+                    f"--{option.replace('_', '-')} takes integers (or auto, for sizes and intervals) "
+                    f"separated by commas, got {given!r}"
+                )
     if args.aligned_only:
         space["unaligned"] = (False,)
     if os.getcwd() not in sys.path:  # module:function names the user's module, as `python -m` finds it
