@@ -7,8 +7,8 @@ worker process per subtask instead, as Bytewax and Spark do, and is selected wit
 ``StreamEnvironment(executor="processes")`` or ``execute(runner="processes")``.
 
 It is the Spark runner without Spark: the same task body (``spark._run_subtask``:
-a ``StreamTask`` serving its input gate on a Flight ``ChannelServer``, sending over
-``RemoteChannel`` s to its downstream subtasks on loopback), the same driver-side
+a ``StreamTask`` serving its input gate to its upstream subtasks, here on a Unix socket
+rather than a Flight ``ChannelServer``; see "channels between workers" below), the same driver-side
 ``ControlServer`` and ``CheckpointCoordinator``, the same failover (any worker
 failing, or dying, fails the attempt; the driver kills the rest and restores the
 latest completed checkpoint, up to ``restart_attempts``). Only what starts the tasks
@@ -23,9 +23,15 @@ to Spark executors). Sinks that keep their output in the driver's memory
 proxy that forwards their calls to the driver's object over the worker's pipe, a
 transactional sink's ``stage`` answered before the subtask acknowledges the
 checkpoint, so what a completed checkpoint covers is always on the driver for
-``Sink.recover``. Everything over that pipe is between this process and the workers
-it forked (the trust of ``multiprocessing`` itself); nothing from the channels or the
-control plane is ever unpickled."""
+``Sink.recover``.
+
+What is unpickled, and from whom: the job and the sink proxies' calls come over the
+pipes between this process and the workers it forked (the trust of
+``multiprocessing`` itself); data buffers between workers come pickled over Unix
+sockets that only the job's processes can open (``multiprocessing.connection`` with
+the job's secret token as its authkey), because the Flight channels' safe serializer
+cost as much per record as a per-record operator's own work. The control plane stays
+JSON, and checkpoint files never hold pickles."""
 
 from __future__ import annotations
 
