@@ -20,9 +20,9 @@ buffers help least: only fewer buffers in flight shorten the wait, down to the f
 buffer against 1 ms, the same job and target): aligned p50 15 -> 38 ms (2.5x) with
 adaptive buffers, 26 -> 82 ms (3.2x) without. The target is 5 ms, not the default
 1,000: this job's in-flight data is tens of milliseconds of its sink's time even at 4 ms
-(8 buffers of 64 records per channel), so a one-second target would never bind; what matters is the in-flight time against the
-target, and 10 ms puts this job where a production job with seconds of in-flight data
-is against the default. The throughput rows run the defaults (target 1,000 ms).
+(8 buffers of 64 records per channel), so a one-second target would never bind; what
+matters is the in-flight time against the target, and 5 ms puts this job where a
+production job with seconds of in-flight data is against the default. The throughput rows run the defaults (target 1,000 ms).
 """
 
 from __future__ import annotations
