@@ -22,7 +22,8 @@ adaptive buffers, 26 -> 82 ms (3.2x) without. The target is 5 ms, not the defaul
 1,000: this job's in-flight data is tens of milliseconds of its sink's time even at 4 ms
 (8 buffers of 64 records per channel), so a one-second target would never bind; what
 matters is the in-flight time against the target, and 5 ms puts this job where a
-production job with seconds of in-flight data is against the default. The throughput rows run the defaults (target 1,000 ms).
+production job with seconds of in-flight data is against the default. The throughput
+rows run the defaults (target 1,000 ms).
 """
 
 from __future__ import annotations
