@@ -121,6 +121,9 @@ class _Step:
     # False for an operator that never sends to a side output (map, filter, a sink...):
     # get_side_output on it is refused rather than read as an empty stream
     side_outputs: bool = True
+    # Keeps broadcast state (a broadcast_process): an unaligned checkpoint of it restores
+    # only at the parallelism it was taken at (LocalRunner._check_restore says why)
+    broadcast_state: bool = False
 
 
 @dataclass(eq=False)
@@ -1158,7 +1161,7 @@ class BroadcastConnectedStream:
                 return BroadcastProcessOperator(uid, n, copy.deepcopy(fn), descriptors, stamps)
 
             event_time = False
-        step = _Step("op", f"{len(a._steps)}-broadcast_process", factory, event_time=event_time)
+        step = _Step("op", f"{len(a._steps)}-broadcast_process", factory, event_time=event_time, broadcast_state=True)
         node = a._new(step, [first._stream._node if keyed else a._node, b._node])
         return DataStream(a._env, node)
 

@@ -357,6 +357,36 @@ class LocalRunner:
                 f"cannot restore from {path}: it has state for operators {unknown} that this job does not have "
                 f"(operators are matched by uid; this job's: {sorted(known)}); {how}"
             )
+        self._check_broadcast_rescale(metadata, path)
+
+    def _check_broadcast_rescale(self, metadata: CheckpointMetadata, path: str) -> None:
+        """Refuses an unaligned checkpoint of broadcast state at another parallelism.
+
+        Unaligned, each subtask snapshots at its own point of the broadcast input (what
+        it had not reached is its in-flight data). At the same parallelism every subtask
+        gets its own state and in-flight data back: exact. At another, a key's keyed state
+        moves by key group to a subtask whose broadcast copy (and in-flight broadcast
+        input) comes from another old subtask, one that had seen more or fewer broadcast
+        records: updates made through ``apply_to_keyed_state`` would be missed or repeated
+        for that key. Flink 1.11-1.12 refuse every rescale of an unaligned checkpoint;
+        here only this case is refused. A checkpoint holds an operator's in-flight data
+        (``__channel_state__<vertex>``) only when it was taken unaligned."""
+        p = self.env.parallelism
+        for vertex in self.graph.vertices:
+            for step, uid in zip(vertex.steps, vertex.uids(), strict=True):
+                state = metadata.operators.get(uid) if getattr(step, "broadcast_state", False) else None
+                if state is None or state.parallelism in (0, p):
+                    continue
+                if f"__channel_state__{vertex.name}" not in metadata.operators:
+                    continue  # aligned: every subtask's copy is the same
+                raise ValueError(
+                    f"cannot restore from {path} at parallelism {p}: it is an unaligned checkpoint taken at "
+                    f"parallelism {state.parallelism}, and operator {uid!r} keeps broadcast state, which its "
+                    "subtasks checkpointed at different points of the broadcast input (keyed state moved to another "
+                    f"subtask would miss or repeat broadcast updates). Restore it at parallelism {state.parallelism}, "
+                    f"then take a savepoint (savepoints are aligned) and restore that at {p}; or run the job with "
+                    "aligned checkpoints"
+                )
 
     def run(self) -> JobResult:
         # All subtasks are threads of this process and take turns on the GIL. A thread

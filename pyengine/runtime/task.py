@@ -8,6 +8,7 @@ thread pool and ends in an acknowledgement or a decline."""
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 import time
@@ -243,8 +244,15 @@ class Output:
                 self.buffers[self._next].append(r)
                 self._next = (self._next + 1) % n
         elif self.exchange == "broadcast":
+            # Every consumer gets records of its own, as in Flink, where each subtask
+            # deserializes its copy: in one process the same objects in every channel
+            # would let one subtask's in-place change (a record kept in broadcast state
+            # and updated later) reach the others, from their threads. Arrow batches are
+            # immutable and go as they are.
+            first = True
             for b in self.buffers:
-                b.extend(records)
+                b.extend(records if first else copy.deepcopy(records))
+                first = False
         else:
             raise ValueError(f"unknown exchange {self.exchange!r}")
         debloat = self._debloat
