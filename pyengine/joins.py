@@ -251,6 +251,7 @@ class IntervalJoined:
             )
 
         out = _two_input(a, b, "interval_join", factory)
+        out._node.side_outputs = any(t is not None for t in late)  # only late rows: else get_side_output is refused
         out._timestamps = None
         out._schema = schema
         return out
@@ -423,6 +424,7 @@ class WithWindow:
             return WindowJoinOperator(uid, n, selectors, stamps, assigner, copy.deepcopy(fn))
 
         out = _two_input(self._left._stream, self._right._stream, "window_join", factory)
+        out._node.side_outputs = False  # a window join sends nothing aside: get_side_output is refused
         out._timestamps = None
         return out
 
@@ -456,6 +458,7 @@ class WithWindow:
             return ArrowWindowJoinOperator(uid, n, assigner, keys, stamps, columns, right_suffix)
 
         out = _two_input(a, b, "window_join", factory)
+        out._node.side_outputs = False
         out._timestamps = TimestampAssigner(column="window_end", offset=-1)  # as windows stamp their output
         out._schema = schema
         return out

@@ -582,3 +582,23 @@ def test_a_record_behind_the_joins_watermark_is_dropped_and_counted_or_sent_asid
         assert result.event_time.late_records_dropped == 0
     else:
         assert result.event_time.late_records_dropped == 1
+
+
+def test_get_side_output_is_refused_where_a_join_sends_nothing_aside() -> None:
+    """A window join (apply or project) and an interval join's project without late tags
+    never send to a side output: get_side_output on them is refused, not an empty stream."""
+    strategy = pe.WatermarkStrategy.for_bounded_out_of_orderness(1000).with_timestamp_assigner("ts")
+    env = pe.StreamEnvironment(parallelism=1)
+    rows = pa.table({"user": [1, 2], "ts": [1000, 2000], "v": [1, 2]})
+    a = env.from_collection(rows, watermark_strategy=strategy)
+    b = env.from_collection(rows, watermark_strategy=strategy)
+    tag = pe.OutputTag("late")
+    windowed = a.join(b).where("user").equal_to("user").window(pe.windows.tumbling(5000))
+    for joined in (windowed.apply(lambda x, y: (x, y)), windowed.project()):
+        with pytest.raises(ValueError, match="sends nothing to a side output"):
+            joined.get_side_output(tag)
+    interval = a.key_by("user").interval_join(b.key_by("user")).between(0, 10)
+    with pytest.raises(ValueError, match="sends nothing to a side output"):
+        interval.project().get_side_output(tag)
+    kept = a.key_by("user").interval_join(b.key_by("user")).between(0, 10).side_output_left_late_data(tag)
+    kept.project().get_side_output(tag)  # late rows go there: allowed
