@@ -1107,7 +1107,9 @@ class BroadcastConnectedStream:
     when the stream is not keyed, a ``pe.KeyedBroadcastProcessFunction`` when it is.
     The operator reads both through one input gate, so a checkpoint's barriers align
     across the broadcast input too; its broadcast state is checkpointed by every
-    subtask, and a restore at any parallelism gives each new subtask a copy."""
+    subtask, and a restore at any parallelism gives each new subtask a copy (from an
+    unaligned checkpoint, only at the parallelism it was taken at: see the graphs
+    guide)."""
 
     def __init__(self, first: Union[DataStream, KeyedStream], broadcast: BroadcastStream) -> None:
         self._first: Any = first
