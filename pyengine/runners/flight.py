@@ -94,6 +94,7 @@ MAX_CONTROL_MESSAGE_BYTES = 16 << 20
 # so only a broken or hostile sender meets this.
 MAX_BATCH_BYTES = 256 << 20
 SPLIT_BATCH_BYTES = 64 << 20
+CONNECT_ATTEMPTS = 3  # a RemoteChannel's first call, when the server is "unavailable"
 MAX_EVENT_BYTES = 4096  # an event's JSON is under 200 bytes
 REFUSED = "pyengine: refused: this endpoint takes calls only with the job's token"
 
@@ -602,16 +603,25 @@ class RemoteChannel:
         self.split_batch_bytes = split_batch_bytes
         self._options = call_options(token)
         self._client = connect(location, tls)
-        try:  # refused here, before any data moves, if the token is wrong
-            self._hello()
-        except flight.FlightUnauthenticatedError as exc:
-            self._client.close()
-            raise PermissionError(f"channel {channel} to {location}: {exc}") from None
-        except flight.FlightUnavailableError as exc:
-            self._client.close()
-            raise ConnectionError(
-                f"channel {channel} to {location}: no server there, or it refused our TLS certificate ({exc})"
-            ) from None
+        # Refused here, before any data moves, if the token is wrong. "Unavailable" is
+        # tried CONNECT_ATTEMPTS times, 0.2 s apart: a CI run once saw a just-started
+        # loopback server refuse the first connection (its cause not found); a server
+        # that is not there, or refuses our certificate, is still reported, that much later.
+        for attempt in range(CONNECT_ATTEMPTS):
+            try:
+                self._hello()
+                break
+            except flight.FlightUnauthenticatedError as exc:
+                self._client.close()
+                raise PermissionError(f"channel {channel} to {location}: {exc}") from None
+            except flight.FlightUnavailableError as exc:
+                if attempt + 1 < CONNECT_ATTEMPTS:
+                    time.sleep(0.2)
+                    continue
+                self._client.close()
+                raise ConnectionError(
+                    f"channel {channel} to {location}: no server there, or it refused our TLS certificate ({exc})"
+                ) from None
         self._writer: Any = None
         self._schema: Optional[pa.Schema] = None
         self._queue: Deque[Any] = deque()
