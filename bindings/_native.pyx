@@ -902,3 +902,4 @@ cdef int dispatch(list notes) except -1:
 include "_columnar.pxi"
 include "_keygroups.pxi"
 include "_timers.pxi"
+include "_valuestate.pxi"

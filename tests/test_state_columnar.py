@@ -311,3 +311,41 @@ def test_merge_groups_refuses_what_it_cannot_merge() -> None:
         _native.merge_groups(groups, one, one, np.array([0, 1]), [3], "add")
     with pytest.raises(IndexError, match="key group 0"):
         _native.merge_groups(groups, one, one, np.array([0, 5]), [0], "add")
+
+
+ODD_VALUES = [0, -1, 2**63 - 1, -(2**63), 2**63, -(2**63) - 1, True, 1.5, float("nan"), 7, "7", np.int64(7), None]
+
+
+@pytest.mark.parametrize("arrow_type", [pa.int64(), pa.float64()], ids=str)
+def test_the_native_calls_accept_and_refuse_what_dict_storage_does(arrow_type) -> None:
+    """value/update/clear run in C for int keys (``_native.ColumnarValueCalls``): every
+    value written, in range or not, of the type or not, has the same outcome as with
+    dict storage (stored and read back equal, or the same exception type), and a call
+    before any current key is refused the same way."""
+    d = ValueStateDescriptor("v", -5, arrow_type)
+    col = create_keyed_backend("heap", max_parallelism=8)
+    plain = create_keyed_backend("heap", max_parallelism=8, columnar=False)
+    states = [b.get_state(d) for b in (col, plain)]
+    assert isinstance(states[0], ColumnarValueState)
+    for s in states:
+        with pytest.raises(RuntimeError, match="before set_current_key"):
+            s.value()
+    for i, v in enumerate(ODD_VALUES):
+        outcomes = []
+        for b, s in zip((col, plain), states, strict=True):
+            b.set_current_key(i)
+            try:
+                s.update(v)
+                got = s.value()
+                # a float64 column reads an int back as a float, as it always did
+                outcomes.append(("stored", repr(float(got) if arrow_type == pa.float64() else got)))
+            except Exception as exc:  # the outcome compared is the exception's type
+                outcomes.append(("refused", type(exc).__name__))
+        assert outcomes[0] == outcomes[1], v
+    for b, s in zip((col, plain), states, strict=True):
+        b.set_current_key(len(ODD_VALUES))
+        assert s.value() == -5  # never written: the default
+        b.set_current_key(0)
+        s.clear()
+        assert s.value() == -5
+    assert isinstance(states[0], ColumnarValueState) and states[0]._fallback is None  # still columnar
