@@ -185,8 +185,12 @@ TARGET = 0.6  # the issue's: the adapter at >= 60% of the function's rows/s
 # Guards (asserted; the target is reported while not met): the adapter at >= GUARD of
 # the function. Measured (CPU time, 2 cores shared with other builds, load 3-8): 43-61%
 # for the count (27-30% before the adapter kept its objects out of the garbage
-# collector's way), 48-61% with a timer per key. The guard holds a regression from there.
-GUARD = 0.35
+# collector's way), 48-61% with a timer per key. Then the function's value state calls
+# went to C (ColumnarValueCalls): the function ran 530 -> 768 k rows/s, the adapter
+# 223 -> 261 k, its processor's pyspark Rows costing what they did, and the count fell
+# to 33-34% (the timer variant, 48%). The guard holds a regression from there; the
+# adapter's own cost is held by the Row-yielding function's ratio (>= 70%).
+GUARD = 0.25
 
 
 def _compare(benchmark: Any, records: List[Dict[str, Any]], kind: str, adapter: str, baselines: List[str]) -> bool:
