@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Tuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from chaos import Chaos
 
 import pyengine as pe
 from pyengine.sinks import RunInfo
@@ -25,24 +26,6 @@ COUNT = ValueStateDescriptor("count", 0, pa.int64())
 N = 1500
 RECORDS = [{"user": i % 11, "v": i} for i in range(N)]
 SCHEMA = pa.schema([("user", pa.int64()), ("n", pa.int64()), ("v", pa.int64())])
-
-
-class Chaos:
-    """Fails once, at the n-th call of a chosen point."""
-
-    def __init__(self, point: str, at: int) -> None:
-        self.point, self.at, self.calls, self.fired = point, at, 0, False
-        self.lock = threading.Lock()
-
-    def hit(self, point: str) -> None:
-        if point != self.point:
-            return
-        with self.lock:
-            self.calls += 1
-            if self.fired or self.calls < self.at:
-                return
-            self.fired = True
-        raise RuntimeError(f"injected failure at {point}")
 
 
 class Count(pe.KeyedProcessFunction):

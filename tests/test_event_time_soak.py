@@ -6,10 +6,10 @@ committed output must equal the brute-force reference every time."""
 from __future__ import annotations
 
 import random
-import threading
 from typing import Any, List, Tuple
 
 import pytest
+from chaos import Chaos
 from test_timers import Buckets, buckets_reference
 from test_windows import AGGS, make_records, reference, rows
 
@@ -17,24 +17,6 @@ import pyengine as pe
 from pyengine.state import HeapKeyedStateBackend
 
 SEEDS = range(10)
-
-
-class Chaos:
-    """Fails at the given hits of each point, once each, in whichever attempt reaches them."""
-
-    def __init__(self, plan: List[Tuple[str, int]]) -> None:
-        self.plan = set(plan)
-        self.counts: dict = {}
-        self.fired: List[Tuple[str, int]] = []
-        self.lock = threading.Lock()
-
-    def hit(self, point: str) -> None:
-        with self.lock:
-            n = self.counts[point] = self.counts.get(point, 0) + 1
-            if (point, n) in self.plan:
-                self.plan.discard((point, n))
-                self.fired.append((point, n))
-                raise RuntimeError(f"injected failure at {point} #{n}")
 
 
 class ChaosSink(pe.sinks.CollectSink):

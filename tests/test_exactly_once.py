@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 from collections import Counter
 from typing import Any, List, Tuple
 
 import pyarrow as pa
 import pytest
+from chaos import Chaos
 
 import pyengine as pe
 import pyengine.snapshot.strategies as strategies_module
@@ -57,27 +57,6 @@ def check_latest_checkpoint(result: Any, where: str, *, exact: bool = True) -> N
     assert counts.keys() == FINAL_COUNTS.keys(), f"{where}: checkpoint {metadata.checkpoint_id} lost keys"
     if exact:
         assert counts == FINAL_COUNTS, f"{where}: checkpoint {metadata.checkpoint_id} holds other counts"
-
-
-class Chaos:
-    """Fails once, at the n-th call of a chosen point."""
-
-    def __init__(self, point: str, at: int) -> None:
-        self.point = point
-        self.at = at
-        self.calls = 0
-        self.fired = False
-        self.lock = threading.Lock()
-
-    def hit(self, point: str) -> None:
-        if point != self.point:
-            return
-        with self.lock:
-            self.calls += 1
-            if self.fired or self.calls < self.at:
-                return
-            self.fired = True
-        raise RuntimeError(f"injected failure at {point}")
 
 
 class Count(pe.KeyedProcessFunction):

@@ -19,6 +19,7 @@ from collections import Counter
 from typing import Any, List, Tuple
 
 import pytest
+from chaos import Chaos
 from conftest import barrier, cancel, drain, eop, feed
 
 import pyengine as pe
@@ -30,26 +31,6 @@ FIRST = [{"user": i % 13, "v": i} for i in range(N1)]
 SECOND = [{"user": i % 11, "v": 100_000 + i} for i in range(N2)]
 THIRD = [{"user": i % 13, "v": 200_000 + i} for i in range(N3)]
 SEVENS = pe.OutputTag("sevens")
-
-
-class Chaos:
-    """Fails once, at the n-th call of a chosen point."""
-
-    def __init__(self, point: str, at: int) -> None:
-        self.point, self.at = point, at
-        self.calls = 0
-        self.fired = False
-        self.lock = threading.Lock()
-
-    def hit(self, point: str) -> None:
-        if point != self.point:
-            return
-        with self.lock:
-            self.calls += 1
-            if self.fired or self.calls < self.at:
-                return
-            self.fired = True
-        raise RuntimeError(f"injected failure at {point}")
 
 
 class CoCount(pe.KeyedCoProcessFunction):
@@ -389,34 +370,12 @@ PAYMENTS = [{"user": i % 11, "v": 10_000 + i} for i in range(180)]
 SOAK_SIDE = pe.OutputTag("big-payments")
 
 
-class MultiChaos:
-    """Fails once at each chosen point, at the n-th call of that point (shared by
-    every subtask and attempt)."""
-
-    def __init__(self, plan: dict) -> None:
-        self.plan = dict(plan)
-        self.calls: Counter = Counter()
-        self.fired: List[str] = []
-        self.lock = threading.Lock()
-
-    def hit(self, point: str) -> None:
-        at = self.plan.get(point)
-        if at is None:
-            return
-        with self.lock:
-            self.calls[point] += 1
-            if point in self.fired or self.calls[point] < at:
-                return
-            self.fired.append(point)
-        raise RuntimeError(f"injected failure at {point} (call {at})")
-
-
 class SoakJoin(pe.KeyedCoProcessFunction):
     """An unwindowed inner join by user: each order meets every payment of its user,
     whichever came first (both sides kept in keyed list state). Payments of 10,150
     and more also go to the side output."""
 
-    def __init__(self, chaos: MultiChaos) -> None:
+    def __init__(self, chaos: Chaos) -> None:
         self.chaos = chaos
 
     def __deepcopy__(self, memo: Any) -> SoakJoin:
@@ -443,7 +402,7 @@ class SoakEnrich(pe.KeyedBroadcastProcessFunction):
     """Each joined pair times its rule's factor (broadcast state); a pair whose rule
     has not arrived waits in keyed state until ``apply_to_keyed_state`` releases it."""
 
-    def __init__(self, chaos: MultiChaos) -> None:
+    def __init__(self, chaos: Chaos) -> None:
         self.chaos = chaos
 
     def __deepcopy__(self, memo: Any) -> SoakEnrich:
@@ -519,7 +478,7 @@ def test_randomized_soak_over_a_graph_is_exactly_once(
     for point, top in (("broadcast", 2 * SOAK_N_RULES - 1), ("commit", 4), ("notify", 2)):
         if rng.random() < 0.5:
             plan[point] = rng.randint(1, top)
-    chaos = MultiChaos(plan)
+    chaos = Chaos(plan)
     if "notify" in plan:
         _notify_chaos(monkeypatch, chaos)  # type: ignore[arg-type]
     env = pe.StreamEnvironment(
@@ -544,7 +503,7 @@ def test_randomized_soak_over_a_graph_is_exactly_once(
     joined.get_side_output(SOAK_SIDE).sink_to(side_sink)
     result = env.execute("graph-soak")
     assert result.status == "FINISHED", f"seed {seed}, plan {plan}: {result.cause}"
-    assert "join" in chaos.fired, f"seed {seed}: the join failure never happened"
+    assert chaos.fired_at("join"), f"seed {seed}: the join failure never happened"
     # two failures of one attempt (another subtask fails before the restart) cost one restart
     assert 1 <= result.restarts <= len(chaos.fired), (
         f"seed {seed}, plan {plan}, fired {chaos.fired}, restarts {result.restarts}, calls {dict(chaos.calls)}"

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Tuple
 
 import pyarrow as pa
 import pytest
+from chaos import Chaos
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -298,24 +299,6 @@ def test_the_arrow_interval_join_drops_late_rows_and_trims_its_buffers() -> None
 
 
 # -- exactly once across failures, and a restore at another parallelism ---------------------------
-
-
-class Chaos:
-    """Fails at the given hits of each point, once each, in whichever attempt reaches them."""
-
-    def __init__(self, plan: List[Tuple[str, int]]) -> None:
-        self.plan = set(plan)
-        self.counts: Dict[str, int] = {}
-        self.fired: List[Tuple[str, int]] = []
-        self.lock = threading.Lock()
-
-    def hit(self, point: str) -> None:
-        with self.lock:
-            n = self.counts[point] = self.counts.get(point, 0) + 1
-            if (point, n) in self.plan:
-                self.plan.discard((point, n))
-                self.fired.append((point, n))
-                raise RuntimeError(f"injected failure at {point} #{n}")
 
 
 class ChaosSink(pe.sinks.CollectSink):

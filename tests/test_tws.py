@@ -11,7 +11,6 @@ task drives it: ``process`` per buffer, ``process_watermark``, ``on_processing_t
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from typing import Any, ClassVar, Dict, Iterator, List, Optional, Tuple
@@ -21,6 +20,7 @@ import pytest
 
 pytest.importorskip("pyspark")
 
+from chaos import Chaos
 from pyspark.errors import PySparkValueError
 from pyspark.errors.exceptions.base import IllegalArgumentException
 from pyspark.sql import Row
@@ -679,22 +679,6 @@ def test_delete_if_exists_purges_a_restored_state_for_every_key() -> None:
 # -- end to end: exactly-once through a failure, state readable -----------------------------------
 
 
-class Chaos:
-    def __init__(self, at: int) -> None:
-        self.at = at
-        self.calls = 0
-        self.fired = False
-        self.lock = threading.Lock()
-
-    def hit(self) -> None:
-        with self.lock:
-            self.calls += 1
-            if self.fired or self.calls < self.at:
-                return
-            self.fired = True
-        raise RuntimeError("injected failure")
-
-
 class CountWithTimers(StatefulProcessor):
     """A row out per row in (its running count), and an event-time timer per row
     that fires once (its output names the row)."""
@@ -713,7 +697,7 @@ class CountWithTimers(StatefulProcessor):
         old = self.count.get()
         n = old[0] if old else 0
         for r in rows:
-            self.chaos.hit()
+            self.chaos.hit("row")
             n += 1
             self.handle.registerTimer(r["ts"] + 1)
             yield Row(user=key[0], n=n)
@@ -729,7 +713,7 @@ RECORDS = [{"user": i % 11, "ts": 10 * i + 10} for i in range(N)]  # after Spark
 
 @pytest.mark.parametrize("backend, at", [("heap", 700), ("incremental", 450)])
 def test_exactly_once_with_a_failure_state_and_timers(tmp_path: Any, backend: str, at: int) -> None:
-    chaos = Chaos(at)
+    chaos = Chaos("row", at)
     env = pe.StreamEnvironment(
         parallelism=2,
         checkpointing=pe.CheckpointConfig(interval_ms=5),
@@ -767,7 +751,7 @@ class SlowCountWithTimers(CountWithTimers):
     """CountWithTimers that takes its time, so a savepoint stops it midway."""
 
     def __init__(self) -> None:
-        super().__init__(Chaos(10**9))
+        super().__init__(Chaos("row", 10**9))
 
     def __deepcopy__(self, memo: Any) -> SlowCountWithTimers:
         return SlowCountWithTimers()
