@@ -9,6 +9,8 @@ import threading
 from collections import Counter
 from typing import Iterable, List, Mapping, Optional, Tuple, Union
 
+import pyengine as pe
+
 Plan = Union[str, Mapping[str, int], Iterable[Tuple[str, int]]]
 
 
@@ -48,3 +50,16 @@ class Chaos:
     def fired_at(self, point: str) -> bool:
         """Whether a failure planned at ``point`` happened."""
         return any(p == point for p, _ in self.fired)
+
+
+class ChaosSink(pe.sinks.CollectSink):
+    """A ``CollectSink`` whose every commit hits ``"commit"`` first: a failure between
+    a checkpoint's completion and its output's publication."""
+
+    def __init__(self, chaos: Chaos) -> None:
+        super().__init__()
+        self.chaos = chaos
+
+    def commit(self, subtask: int, checkpoint_id: int) -> None:
+        self.chaos.hit("commit")
+        super().commit(subtask, checkpoint_id)

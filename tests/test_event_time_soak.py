@@ -9,7 +9,7 @@ import random
 from typing import Any, List, Tuple
 
 import pytest
-from chaos import Chaos
+from chaos import Chaos, ChaosSink
 from test_timers import Buckets, buckets_reference
 from test_windows import AGGS, make_records, reference, rows
 
@@ -17,16 +17,6 @@ import pyengine as pe
 from pyengine.state import HeapKeyedStateBackend
 
 SEEDS = range(10)
-
-
-class ChaosSink(pe.sinks.CollectSink):
-    def __init__(self, chaos: Chaos) -> None:
-        super().__init__()
-        self.chaos = chaos
-
-    def commit(self, subtask: int, checkpoint_id: int) -> None:
-        self.chaos.hit("commit")
-        super().commit(subtask, checkpoint_id)
 
 
 def _snapshot_chaos(monkeypatch: Any, chaos: Chaos) -> None:

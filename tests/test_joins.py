@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Tuple
 
 import pyarrow as pa
 import pytest
-from chaos import Chaos
+from chaos import Chaos, ChaosSink
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -299,16 +299,6 @@ def test_the_arrow_interval_join_drops_late_rows_and_trims_its_buffers() -> None
 
 
 # -- exactly once across failures, and a restore at another parallelism ---------------------------
-
-
-class ChaosSink(pe.sinks.CollectSink):
-    def __init__(self, chaos: Chaos) -> None:
-        super().__init__()
-        self.chaos = chaos
-
-    def commit(self, subtask: int, checkpoint_id: int) -> None:
-        self.chaos.hit("commit")
-        super().commit(subtask, checkpoint_id)
 
 
 EO_CASES = [
