@@ -7,11 +7,11 @@ the whole barrier stage restarted."""
 from __future__ import annotations
 
 import os
-import sys
 from collections import Counter
 from typing import Any
 
 import pytest
+from spark_sessions import local_spark
 
 import pyengine as pe
 
@@ -29,19 +29,7 @@ SEVENS = pe.OutputTag("sevens")
 
 @pytest.fixture(scope="module")
 def spark():
-    from pyspark import cloudpickle
-    from pyspark.sql import SparkSession
-
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # not installed on the executors
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    session = (
-        SparkSession.builder.master(f"local[{SLOTS}]")
-        .appName("pyengine-graph-tests")
-        .config("spark.ui.enabled", "false")
-        .getOrCreate()
-    )
-    yield session
-    session.stop()
+    yield from local_spark(__name__, "pyengine-graph-tests", SLOTS)
 
 
 class FailOnce:

@@ -7,9 +7,7 @@ run on the Spark runner, and misuse refused with the way out."""
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 import threading
 import time
 from collections import Counter
@@ -20,6 +18,7 @@ import pytest
 from chaos import Chaos, ChaosSink
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from spark_sessions import local_spark
 
 import pyengine as pe
 from pyengine.errors import ColumnNotFoundError
@@ -409,19 +408,7 @@ def test_savepoint_of_joins_at_2_resumed_at_3_is_exact(tmp_path: Any, arrow: boo
 @pytest.fixture(scope="module")
 def spark() -> Any:
     pytest.importorskip("pyspark", reason="the Spark runner needs pyspark (the test extra installs it)")
-    from pyspark import cloudpickle
-    from pyspark.sql import SparkSession
-
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # not installed on the executors
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    session = (
-        SparkSession.builder.master("local[4]")
-        .appName("pyengine-join-tests")
-        .config("spark.ui.enabled", "false")
-        .getOrCreate()
-    )
-    yield session
-    session.stop()
+    yield from local_spark(__name__, "pyengine-join-tests", 4)
 
 
 @pytest.mark.spark

@@ -10,6 +10,7 @@ from typing import Any, List
 
 import pyarrow as pa
 import pytest
+from spark_sessions import local_spark
 
 import pyengine as pe
 import pyengine.spark
@@ -27,24 +28,7 @@ RECORDS = [{"user": i % 13, "v": i} for i in range(N)]
 
 @pytest.fixture(scope="module")
 def spark():
-    import sys
-
-    from pyspark import cloudpickle
-    from pyspark.sql import SparkSession
-
-    # This module is not installed on the executors: ship its classes by value, as
-    # a job defined in a script (__main__) is.
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    session = (
-        SparkSession.builder.master(f"local[{SLOTS}]")
-        .appName("pyengine-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "4")
-        .getOrCreate()
-    )
-    yield session
-    session.stop()
+    yield from local_spark(__name__, "pyengine-tests", SLOTS, {"spark.sql.shuffle.partitions": "4"})
 
 
 class FailOnce:

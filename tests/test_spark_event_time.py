@@ -13,6 +13,7 @@ from collections import Counter, defaultdict
 from typing import Any, Dict, List, Tuple
 
 import pytest
+from spark_sessions import local_spark
 
 import pyengine as pe
 from pyengine.io import CheckpointBarrier, CheckpointOptions, EndOfPartition
@@ -158,21 +159,7 @@ RECORDS = make_records(13)
 
 @pytest.fixture(scope="module")
 def spark():
-    import sys
-
-    from pyspark import cloudpickle
-    from pyspark.sql import SparkSession
-
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # not installed on the executors
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    session = (
-        SparkSession.builder.master(f"local[{SLOTS}]")
-        .appName("pyengine-event-time-tests")
-        .config("spark.ui.enabled", "false")
-        .getOrCreate()
-    )
-    yield session
-    session.stop()
+    yield from local_spark(__name__, "pyengine-event-time-tests", SLOTS)
 
 
 class FailOnce:

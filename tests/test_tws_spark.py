@@ -5,8 +5,6 @@ queries: every key's rows in one call)."""
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any, Iterator
 
 import pytest
@@ -15,6 +13,7 @@ pytest.importorskip("pyspark")
 
 from pyspark.sql import Row
 from pyspark.sql.streaming import StatefulProcessor
+from spark_sessions import local_spark
 
 import pyengine as pe
 from pyengine.spark.tws_dataframe import transform_with_state, transform_with_state_in_pandas
@@ -24,21 +23,7 @@ N = 400
 
 @pytest.fixture(scope="module")
 def spark():
-    from pyspark import cloudpickle
-    from pyspark.sql import SparkSession
-
-    # Not installed on the executors: this module's processors go by value.
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("pyengine-tws-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .getOrCreate()
-    )
-    yield session
-    session.stop()
+    yield from local_spark(__name__, "pyengine-tws-tests", 2, {"spark.sql.shuffle.partitions": "2"})
 
 
 class CountAndSum(StatefulProcessor):
