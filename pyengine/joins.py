@@ -329,10 +329,7 @@ class WindowJoinOperator(WindowOperator):
         out: List[Any] = []
         if not len(records):
             return out
-        try:
-            stamps = self.side_timestamps[side].of_buffer(records).tolist()
-        except NonRetryableError as exc:
-            raise type(exc)(f"{self.where()}: {exc}") from None
+        stamps = self.side_timestamps[side].of_buffer(records, self.where()).tolist()
         select, backend = self.key_selectors[side], self.backend
         try:
             for record, ts in zip(rows_of(records), stamps, strict=True):

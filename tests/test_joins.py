@@ -562,3 +562,26 @@ def test_get_side_output_is_refused_where_a_join_sends_nothing_aside() -> None:
         interval.project().get_side_output(tag)
     kept = a.key_by("user").interval_join(b.key_by("user")).between(0, 10).side_output_left_late_data(tag)
     kept.project().get_side_output(tag)  # late rows go there: allowed
+
+
+@pytest.mark.parametrize("arrow", [False, True], ids=["python", "arrow"])
+def test_a_record_without_its_timestamp_fails_the_job_naming_the_join(arrow: bool) -> None:
+    """A map between the source and the join that drops the timestamp column: the join
+    meets records it cannot place in time, and the failure names the join."""
+    strategy = pe.WatermarkStrategy.for_bounded_out_of_orderness(1000).with_timestamp_assigner("ts")
+    env = pe.StreamEnvironment(parallelism=1, monitoring=None)
+    rows_a, rows_b = [{"user": 1, "ts": 1000, "v": 1}], [{"user": 1, "ts": 1000, "v": 2}]
+    if arrow:
+        rows_a, rows_b = pa.Table.from_pylist(rows_a), pa.Table.from_pylist(rows_b)
+    a = env.from_collection(rows_a, watermark_strategy=strategy)
+    b = env.from_collection(rows_b, watermark_strategy=strategy)
+    if arrow:
+        a = a.map_batches(lambda batch: batch.drop_columns(["ts"]))
+    else:
+        a = a.map(lambda r: {"user": r["user"], "v": r["v"]})
+    joined = a.key_by("user").interval_join(b.key_by("user")).between(-10, 10)
+    (joined.project() if arrow else joined.process(Pairs())).name("the-join").sink_to(pe.sinks.CollectSink())
+    with pytest.raises(pe.JobFailedError) as info:
+        env.execute("join-without-timestamps")
+    cause = str(info.value.__cause__)
+    assert "'the-join'" in cause and "'ts'" in cause, cause

@@ -197,10 +197,7 @@ class IntervalJoinOperator(_LateCounting):
         out: List[Any] = []
         if not len(records):
             return out
-        try:
-            stamps = self.timestamps[side].of_buffer(records).tolist()
-        except NonRetryableError as exc:
-            raise type(exc)(f"{self.where()}: {exc}") from None
+        stamps = self.timestamps[side].of_buffer(records, self.where()).tolist()
         rows = rows_of(records)
         select = self.key_selectors[side]
         backend, jctx, element = self.backend, self._jctx, self.fn.process_element
@@ -381,10 +378,7 @@ class _ArrowJoinBase(_LateCounting):
                 f"{self.where()}: the {('left', 'right')[side]} records have no column {missing[0]!r} "
                 f"(columns: {batch.schema.names})"
             )
-        try:
-            ts = self.timestamps[side].of_buffer(batch)
-        except NonRetryableError as exc:
-            raise type(exc)(f"{self.where()}: {exc}") from None
+        ts = self.timestamps[side].of_buffer(batch, self.where())
         keys = batch.column(key)
         if keys.null_count:
             raise NonRetryableError(f"{self.where()}: the {('left', 'right')[side]} key column {key!r} has nulls")

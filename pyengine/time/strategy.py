@@ -124,8 +124,18 @@ class TimestampAssigner:
         ms = _ms(value)
         return ms + self.offset if self.offset else ms
 
-    def of_buffer(self, records: Any) -> np.ndarray:
-        """The event times of a buffer (an Arrow batch: vectorised when by column)."""
+    def of_buffer(self, records: Any, where: Optional[str] = None) -> np.ndarray:
+        """The event times of a buffer (an Arrow batch: vectorised when by column).
+        ``where`` (an operator's name) prefixes the message of a refusal, so that the
+        job's failure names the operator that met the bad record."""
+        if where is None:
+            return self._of_buffer(records)
+        try:
+            return self._of_buffer(records)
+        except NonRetryableError as exc:
+            raise type(exc)(f"{where}: {exc}") from None
+
+    def _of_buffer(self, records: Any) -> np.ndarray:
         if type(records) is pa.RecordBatch:
             if self.column is not None:
                 if self.column not in records.schema.names:
