@@ -16,7 +16,7 @@ import pytest
 
 import pyengine as pe
 import pyengine.runtime.debloat as debloat_module
-from pyengine.io import CheckpointedInputGate
+from pyengine.io import CheckpointedInputGate, EndOfPartition
 from pyengine.monitoring.metrics import MetricsHistory, clean_counters
 from pyengine.runtime.debloat import MIN_IN_FLIGHT, MIN_RECORDS, ChannelDebloater, Plan, plan
 from pyengine.runtime.task import Output
@@ -144,6 +144,73 @@ def test_an_output_keeps_to_its_limits(implementation: str) -> None:
     assert out.drain() is False and gate.queued(0) == 2  # room for two more, then the limit again
     out.wait_for_room(0.01)  # below capacity: it waits, the limit holds
     assert gate.queued(0) == 2
+
+
+def _limits_after_a_slowdown(gate: Any, channel: Any, fast_s: float, slow_s: float) -> Any:
+    """A producer at full speed into ``channel`` (``gate`` itself, or a Flight channel
+    to it), whose consumer takes every buffer at once for ``fast_s``, then 0.4 ms a
+    record for ``slow_s``: the channel's debloater after that (the producer waits for
+    room as a task does). The producer ends its output and the consumer, at full speed
+    again, reads it to the end, so a Flight channel closes cleanly."""
+    out = Output([channel], 0, "forward", None, 128, 64, threading.Event(), debloat_target_ms=20)
+    started = time.monotonic()
+    ended = threading.Event()
+
+    def consume() -> None:
+        deadline = started + fast_s + slow_s + 30
+        while time.monotonic() < deadline:
+            got = gate.next(timeout=0.01)  # waits with the GIL released, as a task does
+            if got is None:
+                continue
+            if isinstance(got[1], EndOfPartition):
+                ended.set()
+                return
+            if type(got[1]) is list and fast_s < time.monotonic() - started < fast_s + slow_s:
+                time.sleep(0.0004 * len(got[1]))  # afterwards at full speed again: a backlog drains
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    i = 0
+    while time.monotonic() - started < fast_s + slow_s:
+        out.emit(list(range(i, i + 16)))
+        i += 16
+        if not out.available:
+            out.wait_for_room(0.05)
+    d = out._debloat[0]  # type: ignore[index]
+    limits = (d.size, d.in_flight, d.rate)
+    out.broadcast_event(EndOfPartition())
+    while not out.drain():  # a transport holding a backlog fails here, not by hanging
+        assert time.monotonic() - started < fast_s + slow_s + 30, ("the backlog never drained", limits)
+        out.wait_for_room(0.05)
+    consumer.join(40)
+    assert ended.is_set(), "the consumer never got to the end"
+    return limits
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["in-process-gate", "flight-channel"])
+def test_a_consumer_that_slows_down_later_is_still_measured(fast_periods: None, remote: bool) -> None:
+    """The limits are the configured ones while the consumer keeps up; then it slows
+    down, and the producer's limits follow. Through a Flight channel too (the Spark
+    runner's): there gRPC's own buffers once held the backlog (megabytes, 160 s of this
+    consumer's work), the channel's send queue drained as fast as they took it, and the
+    limits never came down; its credits now keep the transport to a few messages. (The
+    rate is over the last 20 periods with data, which the waiting producer makes ~0.1 s
+    long here: the slow phase outlasts that window.)"""
+    gate = CheckpointedInputGate(1, _Listener(), capacity=8)
+    if not remote:
+        size, in_flight, rate = _limits_after_a_slowdown(gate, gate, 0.2, 2.5)
+    else:
+        from pyengine.runners.flight import RemoteChannel, serve
+
+        server, _ = serve(gate, "debloat-test-token")
+        channel = RemoteChannel(server.location, 0, "debloat-test-token", capacity=8)
+        try:
+            size, in_flight, rate = _limits_after_a_slowdown(gate, channel, 0.2, 2.5)
+        finally:
+            channel.close()
+            server.shutdown()
+    assert (size, in_flight) < (64, 8), (size, in_flight, rate)
+    assert rate < 10_000, f"the consumer takes ~2,500 records/s, measured {rate:.0f}"
 
 
 def test_off_keeps_the_fixed_sizes() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import threading
 import time
 from collections import Counter, defaultdict
 from typing import Any, Dict, List, Tuple
@@ -86,16 +87,21 @@ def test_a_flight_channel_keeps_watermarks_in_order_with_the_data() -> None:
             if i == 10:
                 items += [WATERMARK_IDLE, WATERMARK_ACTIVE, CheckpointBarrier(1, 5, CheckpointOptions())]
         items += [Watermark(MAX_WATERMARK), EndOfPartition()]
+        got: List[Any] = []
+
+        def receive() -> None:  # the channel holds a few items, not all: the gate is read as they come
+            deadline = time.monotonic() + 20
+            while (not got or not isinstance(got[-1], EndOfPartition)) and time.monotonic() < deadline:
+                item = gate.next(timeout=0.1)
+                if item is not None:
+                    got.append(item[1])
+
+        receiver = threading.Thread(target=receive)
+        receiver.start()
         for item in items:
             assert out.put(0, item, timeout=10)
-        got: List[Any] = []
-        deadline = time.monotonic() + 20
-        while not got or not isinstance(got[-1], EndOfPartition):
-            assert time.monotonic() < deadline, f"only {len(got)} of {len(items)} arrived"
-            item = gate.next(timeout=0.1)
-            if item is not None:
-                got.append(item[1])
-        assert got == items
+        receiver.join(30)
+        assert got == items, f"{len(got)} of {len(items)} arrived"
     finally:
         out.close()
         server.shutdown()
