@@ -26,13 +26,18 @@ def _fmt(value: float, spec: str = ",.0f", suffix: str = "") -> str:
 
 
 def _rows(result: TuneResult) -> List[Measurement]:
-    """One row per setting: its latest (longest) measurement, best first."""
+    """One row per setting: its latest (longest) measurement; the finalists first (the
+    recommendation is the best of them, measured on the longest runs), each part best
+    first. Ranked all together, a short trial's lucky figure could sit above the
+    recommendation and make it look wrong."""
     from .ranking import rank
 
     latest: Dict[Any, Measurement] = {}
     for m in result.trials:
         latest[m.setting] = m
-    return rank(list(latest.values()), result.goal, result.max_latency_ms, result.max_recovery_s)
+    ranked = rank(list(latest.values()), result.goal, result.max_latency_ms, result.max_recovery_s)
+    final = set(result.finalists)
+    return [m for m in ranked if m.setting in final] + [m for m in ranked if m.setting not in final]
 
 
 COLUMNS = (
@@ -72,14 +77,27 @@ def print_table(result: TuneResult, console: Any = None, limit: int = 15) -> Non
     table = Table(title=f"pyengine tune: goal {result.goal}, {len(result.trials)} runs in {result.elapsed_s:.0f} s")
     for c in COLUMNS:
         table.add_column(c, justify="left" if c == "setting" else "right")
+    final = set(result.finalists)
     for m in _rows(result)[:limit]:
+        cells = _cells(m)
+        # marked in words too: a table printed to a pipe or a file has no colour
+        if m.setting == result.recommended:
+            cells[0] = f"{cells[0]} (recommended)"
+        elif m.setting in final:
+            cells[0] = f"{cells[0]} (finalist)"
         style = "bold green" if m.setting == result.recommended else None
-        table.add_row(*_cells(m), style=style)
+        table.add_row(*cells, style=style)
     console.print(table)
     console.print(f"[bold]recommended[/bold]: {result.recommended.label}")
     for line in result.messages:
         console.print(f"  {line}")
     console.print(result.snippet(), markup=False, highlight=False)
+
+
+def _legend(ax: Any) -> None:
+    """A legend when the figure has labelled data (matplotlib warns on an empty one)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
 
 
 def _figures(result: TuneResult, directory: str) -> Dict[str, str]:
@@ -117,7 +135,7 @@ def _figures(result: TuneResult, directory: str) -> Dict[str, str]:
     ax.set_xlabel("end-to-end latency p99 (ms)")
     ax.set_ylabel("throughput (records/s)")
     ax.set_title("throughput against latency")
-    ax.legend(fontsize=8)
+    _legend(ax)
     save(fig, "frontier.png")
 
     # by the interval the run used: interval_ms="auto" sits where the coordinator put it
@@ -142,7 +160,7 @@ def _figures(result: TuneResult, directory: str) -> Dict[str, str]:
     ax.set_xlabel("checkpoint interval (ms)")
     ax.set_ylabel("checkpoint duration (ms)")
     ax.set_title("checkpoint duration against interval")
-    ax.legend(fontsize=8)
+    _legend(ax)
     save(fig, "checkpoint_duration.png")
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -157,7 +175,7 @@ def _figures(result: TuneResult, directory: str) -> Dict[str, str]:
     ax.set_xlabel("checkpoint interval (ms)")
     ax.set_ylabel("recovery time (s)")
     ax.set_title("recovery time against interval")
-    ax.legend(fontsize=8)
+    _legend(ax)
     save(fig, "recovery.png")
     return out
 

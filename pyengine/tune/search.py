@@ -29,7 +29,11 @@ class TuneResult:
     """What ``tune`` found: every measurement (``trials``, in the order taken), the
     recommended setting and its measurement, and what the recommendation says about the
     constraints (``honoured``: each one asked for, and whether the recommendation meets
-    it; ``messages``: the same in words, including when no setting could)."""
+    it; ``messages``: the same in words, including when no setting could).
+
+    ``finalists``: the settings measured again at the end, on the longest runs and with
+    their restore, among which the recommendation was chosen. A shorter trial's figure
+    is noisier and may top theirs by chance: the table lists the finalists first."""
 
     goal: str
     recommended: Setting
@@ -43,6 +47,7 @@ class TuneResult:
     elapsed_s: float = 0.0
     restore_base_s: float = math.nan
     files: Dict[str, str] = field(default_factory=dict)
+    finalists: List[Setting] = field(default_factory=list)
 
     def snippet(self) -> str:
         """The recommended settings, as code to paste into the job."""
@@ -59,6 +64,7 @@ class TuneResult:
             "max_recovery_s": self.max_recovery_s,
             "elapsed_s": self.elapsed_s,
             "trials": [m.to_json() for m in self.trials],
+            "finalists": [f.to_json() for f in self.finalists],
         }
 
 
@@ -342,6 +348,7 @@ def tune(
         max_recovery_s,
         time.monotonic() - started,
         search.base.restore_s,
+        finalists=[m.setting for m in final],
     )
     if report_dir is not None:
         from .report import write_report
