@@ -901,5 +901,6 @@ cdef int dispatch(list notes) except -1:
     return 0
 include "_columnar.pxi"
 include "_keygroups.pxi"
+include "_ttl.pxi"
 include "_timers.pxi"
 include "_valuestate.pxi"

@@ -4,7 +4,7 @@ Use the gate through ``pyengine.io.CheckpointedInputGate``; this module is the
 implementation detail behind ``implementation="native"``.
 """
 
-from typing import Any, Callable, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Set, Tuple
 
 def bind(
     barrier_type: type,
@@ -89,6 +89,9 @@ def take_changes(groups: List[ColumnarGroup]) -> Tuple[Any, Any, Any, Any, Any]:
     """What changed in many change-tracking groups since their last take (as gather_changes), and resets them."""
 
 def int_key_group(key: Any, max_parallelism: int) -> int: ...
+def ttl_values(stored: Sequence[Any], n: int, limit: Any) -> List[Any]:
+    """The values of the (value, stamp) entries in ``stored[:n]`` whose stamp is above
+    ``limit`` (not yet expired), in order, as a new list: a TTL list state's read, one C pass."""
 
 class TimerHeap:
     """The index of a keyed operator's timers with int64 keys (``pyengine.state.timers``): a

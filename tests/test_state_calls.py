@@ -457,3 +457,37 @@ def test_reading_a_mutable_value_during_a_snapshot_keeps_its_time_to_live(tmp_pa
     clock.ms += 20  # past the time to live of the write
     backend.set_current_key(1)
     assert v.value() is None
+
+
+_STAMPS = st.one_of(
+    st.integers(-(2**62), 2**62),
+    st.integers(2**63, 2**70),  # beyond int64: compared by Python
+    st.floats(allow_nan=False, allow_infinity=False, min_value=-1e15, max_value=1e15),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    entries=st.lists(st.tuples(st.integers(), _STAMPS), max_size=40),
+    n=st.integers(0, 45),
+    limit=_STAMPS,
+    as_tuple=st.booleans(),
+)
+def test_the_native_ttl_read_equals_the_python_reference(entries, n, limit, as_tuple) -> None:
+    """``_native.ttl_values`` (a TTL list state's ``get()`` and ``view()`` reads, one C
+    pass) against the comprehension it replaced, on random stamps: int64, beyond int64
+    and floats (a custom clock), limits of each kind, ``n`` past the end, a tuple input."""
+    from pyengine._native import ttl_values
+
+    reference = [e[0] for e in entries[:n] if e[1] > limit]
+    stored = tuple(entries) if as_tuple else entries
+    assert ttl_values(stored, n, limit) == reference
+
+
+def test_the_native_ttl_read_refuses_what_is_not_a_stamped_entry() -> None:
+    from pyengine._native import ttl_values
+
+    with pytest.raises(TypeError):
+        ttl_values([[1, 2]], 1, 0)  # a list, not the (value, stamp) tuple every TTL element is
+    with pytest.raises(TypeError, match="stamp"):
+        ttl_values([(1,)], 1, 0)  # bounds are checked by hand: no read past the tuple

@@ -40,6 +40,7 @@ import numpy as np
 import pyarrow as pa
 
 from .._native import int_key_group as _int_key_group
+from .._native import ttl_values as _ttl_values
 from .columnar import NoCurrentKeyError
 from .descriptors import (
     IN,
@@ -399,7 +400,6 @@ class _Ttl:
 
 
 _stamp_of = operator.itemgetter(1)
-_value_of = operator.itemgetter(0)
 
 
 def _no_key(state: Any) -> NoCurrentKeyError:
@@ -647,8 +647,7 @@ class ListView(MutableSequence[T]):
     def _own(self) -> List[Any]:
         if self._n >= 0:
             if self._ttl:
-                limit = self._now - self._ttl
-                self._list = [e[0] for e in itertools.islice(self._list, self._n) if e[1] > limit]
+                self._list = _ttl_values(self._list, self._n, self._now - self._ttl)
             else:
                 self._list = self._list[: self._n]
             self._n = -1
@@ -666,8 +665,7 @@ class ListView(MutableSequence[T]):
         if self._n < 0:
             return iter(self._list)
         if self._ttl:
-            limit = self._now - self._ttl
-            return (e[0] for e in itertools.islice(self._list, self._n) if e[1] > limit)
+            return iter(_ttl_values(self._list, self._n, self._now - self._ttl))
         return itertools.islice(self._list, self._n)
 
     def __getitem__(self, i: Any) -> Any:
@@ -767,13 +765,7 @@ class ListState(_KeyedState, Generic[T]):
         stored = view._list
         if not view._ttl:
             return stored[:n]  # type: ignore[no-any-return]
-        limit = view._now - view._ttl
-        if n == len(stored):
-            # none expired: one C pass, or two when some element of the state may have
-            # (floor: a lower bound of the state's stamps)
-            if self._ttl.floor > limit or min(map(_stamp_of, stored)) > limit:  # type: ignore[union-attr]
-                return list(map(_value_of, stored))
-        return list(view)
+        return _ttl_values(stored, n, view._now - view._ttl)  # one C pass: unwrap, leave out the expired
 
     def view(self) -> ListView[T]:
         """The current key's elements without copying them (see ``ListView``): the
