@@ -609,7 +609,11 @@ def _raise_if_failed(result: JobResult) -> JobResult:
 
     cause = result.cause
     user = cause.__cause__ if cause is not None and cause.__cause__ is not None else cause
+    # the user's exception, with where it was raised when the runner wrapped it
+    # (UserFunctionError, KeySelectorError: their messages name the operator and repeat it)
     what = f"{type(user).__name__}: {user}" if user is not None else "unknown cause"
+    if cause is not None and user is not cause and str(cause):
+        what = str(cause)
     raise JobFailedError(
         f"job {result.name!r} (run {result.job_id}) failed after {result.restarts} restart(s): {what}",
         result,

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["ColumnNotFoundError", "JobFailedError", "NonRetryableError", "OutputInUseError"]
+__all__ = [
+    "ColumnNotFoundError",
+    "JobFailedError",
+    "KeySelectorError",
+    "NonRetryableError",
+    "OutputInUseError",
+    "UnhashableKeyError",
+]
 
 
 class NonRetryableError(Exception):
@@ -21,6 +28,17 @@ class ColumnNotFoundError(NonRetryableError, ValueError):
     """A column a step needs is not in the records. Raised when the job is built if
     the stream's schema is known, else at run time: either way no restart can fix
     it, so the job fails at once."""
+
+
+class UnhashableKeyError(NonRetryableError, TypeError):
+    """A key of a type with no stable hash (a list, a dict, an object): keys must hash
+    the same in every process and run, and a restart would meet the same key again."""
+
+
+class KeySelectorError(RuntimeError):
+    """``key_by``'s function raised on a record: the message names the step it feeds and
+    the record. Retried as a user function's failure is (the function may depend on
+    something outside the record); its cause is the function's exception."""
 
 
 class OutputInUseError(NonRetryableError):

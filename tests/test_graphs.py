@@ -506,11 +506,12 @@ def test_review_misuses_are_refused_naming_the_way_out() -> None:
             ctx.output("odd", value)  # a string, not a pe.OutputTag
             yield value
 
-    e = env()
+    e = env(restart_attempts=3)
     e.from_collection([1, 2]).process(WrongTag()).sink_to(pe.sinks.DiscardSink())
     with pytest.raises(pe.JobFailedError) as failed:
         e.execute("wrong-tag")
-    assert "pe.OutputTag" in str(failed.value.cause)
+    assert "pe.OutputTag" in str(failed.value.cause) and "operator" in str(failed.value.cause)
+    assert failed.value.result.restarts == 0, "a restart cannot make a string a tag"
 
     class KeyedInOpen(pe.ProcessFunction):
         def open(self, ctx: Any) -> None:
@@ -532,3 +533,53 @@ def test_review_misuses_are_refused_naming_the_way_out() -> None:
     s.map(lambda x: x).name("parse").sink_to(pe.sinks.DiscardSink())
     with pytest.raises(ValueError, match=r"takes its \.name\(\.\.\.\) as its state's uid"):
         e.execute("same-names")
+
+
+def test_a_side_output_nobody_reads_is_dropped_and_said_once(caplog: Any) -> None:
+    """A misspelt tag's name (the job reads "unknown-user", the function writes
+    "unknown_user") lost every record it took without a word (a new user's trial): the
+    records are still dropped, as Flink drops them, but a warning names the operator
+    and the tag, once."""
+
+    class Route(pe.ProcessFunction):
+        def process_element(self, value: Any, ctx: Any) -> Any:
+            if value % 2:
+                ctx.output(pe.OutputTag("unknown_user"), value)
+            else:
+                yield value
+
+    e = env(parallelism=1)
+    routed = e.from_collection(list(range(10))).process(Route()).name("route")
+    main, aside = pe.sinks.CollectSink(), pe.sinks.CollectSink()
+    routed.sink_to(main)
+    routed.get_side_output(pe.OutputTag("unknown-user")).sink_to(aside)
+    with caplog.at_level("WARNING", logger="pyengine.runtime.operators"):
+        e.execute("misspelt-tag")
+    assert sorted(main.records) == [0, 2, 4, 6, 8] and aside.records == []
+    warnings = [r.getMessage() for r in caplog.records if "no stream of the job reads" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "'unknown_user'" in warnings[0] and "'route'" in warnings[0]
+
+
+def test_a_failing_key_selector_is_named_with_the_step_and_the_record() -> None:
+    """A key_by lambda raising on one record failed the job with a bare "KeyError:
+    'user_id'"; an unhashable key was retried as if a restart could fix it."""
+    records = [{"user_id": 1}, {"user_id": 2}, {"user": 3}]
+    e = env(parallelism=2, restart_attempts=1)
+    e.from_collection(records).key_by(lambda r: r["user_id"]).process(Count()).name("count").sink_to(
+        pe.sinks.DiscardSink()
+    )
+    with pytest.raises(pe.JobFailedError) as failed:
+        e.execute("bad-key")
+    message = str(failed.value)  # the where; ``cause`` stays the user's own exception
+    assert "key_by into 'count'" in message and "KeyError" in message and "{'user': 3}" in message, message
+    assert isinstance(failed.value.cause, KeyError)
+
+    e = env(parallelism=2, restart_attempts=3)
+    e.from_collection(records).key_by(lambda r: [r.get("user_id")]).process(Count()).name("count").sink_to(
+        pe.sinks.DiscardSink()
+    )
+    with pytest.raises(pe.JobFailedError) as failed:
+        e.execute("list-key")
+    assert failed.value.result.restarts == 0, "the same key comes again after a restart"
+    assert "has no stable hash" in str(failed.value) and "key_by into 'count'" in str(failed.value)

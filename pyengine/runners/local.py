@@ -312,6 +312,7 @@ class LocalRunner:
                             threading.Event(),  # replaced by the task's own below
                             gate_channel=k * p + s,  # after the channels of the consumer's earlier edges
                             debloat_target_ms=env.buffer_debloat_target_ms if env.buffer_debloat else None,
+                            target=_step_name(graph.vertices[c]),
                         ),
                     )
                     for c, k, edge in edges_out
@@ -786,6 +787,13 @@ def _each_sink(graph: Any, call: Callable[[Any], None]) -> None:
 def recover_sinks(graph: Any, covered: Tuple[Tuple[str, int], ...]) -> None:
     """``Sink.recover(covered)`` for every sink of the job."""
     _each_sink(graph, lambda sink: sink.recover(covered))
+
+
+def _step_name(vertex: Any) -> str:
+    """What a vertex is called in errors: its first step's name (``.name(...)``, or the
+    operator's own), the name the user knows it by; the vertex's otherwise."""
+    steps = getattr(vertex, "steps", None)
+    return str(steps[0].name) if steps else str(vertex.name)
 
 
 def out_edges(graph: Any, v_index: int) -> List[Tuple[int, int, Any]]:

@@ -41,7 +41,16 @@ from ..storage import checkpoint_storage
 from ..storage.metadata import OperatorState
 from .control import ControlClient, ControlServer
 from .flight import JobTls
-from .local import GIL_SWITCH_INTERVAL_S, LocalRunner, build_task, covered_by, out_edges, recover_sinks, sinks_of
+from .local import (
+    GIL_SWITCH_INTERVAL_S,
+    LocalRunner,
+    _step_name,
+    build_task,
+    covered_by,
+    out_edges,
+    recover_sinks,
+    sinks_of,
+)
 from .result import JobResult
 
 __all__ = ["SparkRunner"]
@@ -211,7 +220,7 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
         # each over remote channels to the consumer's subtasks, at this subtask's channel of
         # the consumer's one gate (past the channels of its earlier input edges).
         outs: List[Any] = []
-        for (_, k, edge), locations in zip(out_edges(graph, v_index), downstream, strict=True):
+        for (c, k, edge), locations in zip(out_edges(graph, v_index), downstream, strict=True):
             edge_channels: List[Any] = [
                 RemoteChannel(loc, k * p + s, spec.token, capacity=max(1, env.channel_capacity), tls=spec.tls)
                 for loc in locations
@@ -227,6 +236,7 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
                 task.cancelled,
                 gate_channel=k * p + s,
                 debloat_target_ms=env.buffer_debloat_target_ms if env.buffer_debloat else None,
+                target=_step_name(graph.vertices[c]),
             )
             outs.append((edge.tag, output))
         if len(outs) == 1 and outs[0][0] is None:
@@ -235,6 +245,7 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
             task.output = Outputs(outs)
             if task.output.sides:
                 task.chain[-1].side_output = task.output.emit_side
+                task.chain[-1].side_tags = frozenset(task.output.sides)
         task.start()
         task.finished.wait()
         for channel in channels:

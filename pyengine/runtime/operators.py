@@ -7,8 +7,9 @@ of a task call each other through plain lists: no queue, no copy."""
 
 from __future__ import annotations
 
+import logging
 import operator
-from typing import Any, Callable, Iterable, List, Optional, Tuple, TypeAlias, overload
+from typing import Any, Callable, FrozenSet, Iterable, List, Optional, Tuple, TypeAlias, overload
 
 import pyarrow as pa
 
@@ -32,6 +33,8 @@ from ..storage.filesystem import CheckpointStorageLocation
 from ..storage.metadata import OperatorState, SubtaskState
 from ..time.domain import TimeDomain
 from ..time.service import TimerService
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "NaNKeyError",
@@ -91,10 +94,8 @@ class OutputTag:
         return f"OutputTag({self.name!r})"
 
 
-def _check_tag(tag: Any, where: str) -> OutputTag:
-    if not isinstance(tag, OutputTag):
-        raise TypeError(f"{where} takes a pe.OutputTag, got {tag!r}: make one with pe.OutputTag('name')")
-    return tag
+class _NotATag(NonRetryableError, TypeError):
+    """``ctx.output`` given something other than a ``pe.OutputTag``."""
 
 
 class OperatorContext:
@@ -136,6 +137,7 @@ class Operator:
     # consumed: ``side_output(tag_name, records)`` sends them on (else they are dropped,
     # as Flink drops a side output nobody asked for).
     side_output: Optional[Callable[[str, Any], None]] = None
+    side_tags: FrozenSet[str] = frozenset()  # the names of those consumed side outputs
 
     def __init__(self, uid: str, name: str) -> None:
         self.uid = uid
@@ -150,11 +152,30 @@ class Operator:
         return f"operator {self.name!r}{sub}"
 
     def emit_side(self, tag: OutputTag, value: Any) -> None:
-        """One record to the side output ``tag`` (``ctx.output``)."""
-        name = _check_tag(tag, "ctx.output").name  # a wrong tag is refused whether or not a side output is read
+        """One record to the side output ``tag`` (``ctx.output``). A tag no stream reads
+        drops its records, as in Flink, but says so once (a misspelt tag's name would
+        otherwise lose them unnoticed)."""
+        if not isinstance(tag, OutputTag):  # refused whether or not a side output is read; no restart fixes it
+            raise _NotATag(
+                f"{self.where()}: ctx.output takes a pe.OutputTag, got {tag!r}: make one with pe.OutputTag('name')"
+            )
+        name = tag.name
         send = self.side_output
-        if send is not None:
+        if send is not None and name in self.side_tags:
             send(name, [value])
+        else:
+            self._unread_side_output(name)
+
+    def _unread_side_output(self, name: str) -> None:
+        warned = self.__dict__.setdefault("_unread_tags", set())
+        if name not in warned:
+            warned.add(name)
+            log.warning(
+                "%s: ctx.output(OutputTag(%r), ...): no stream of the job reads that side output "
+                "(stream.get_side_output(tag)), so its records are dropped; is the tag's name right?",
+                self.where(),
+                name,
+            )
 
     def process2(self, records: Any) -> List[Any]:
         """A buffer of the second input (two-input operators: ``connect``)."""

@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from .._native import int_key_group
 from ..coordinator import ExecutionAttempt, SubtaskMetrics, TaskStateSnapshot
-from ..errors import ColumnNotFoundError
+from ..errors import ColumnNotFoundError, KeySelectorError, NonRetryableError, UnhashableKeyError
 from ..io import CheckpointBarrier, CheckpointedInputGate, CheckpointOptions, EndOfPartition
 from ..io.events import MAX_WATERMARK, MIN_WATERMARK, Watermark, WatermarkStatus
 from ..sinks import FINAL, Sink
@@ -194,8 +194,10 @@ class Output:
         cancelled: threading.Event,
         gate_channel: Optional[int] = None,
         debloat_target_ms: Optional[int] = None,
+        target: str = "",
     ) -> None:
         self.gates = list(gates)
+        self.target = target  # the step this output feeds, for errors ("" when unknown)
         # Adaptive buffers: None keeps buffer_size fixed (StreamEnvironment(buffer_debloat=False)).
         self.debloat_target_ms = debloat_target_ms
         # This subtask's channel index at every downstream gate: its subtask index, offset
@@ -233,12 +235,15 @@ class Output:
             select, max_p = self.key_selector, self.max_parallelism
             assert select is not None
             buffers = self.buffers
-            for r in records:  # subtask_for_key_group(assign_to_key_group(key)), inlined: per record
-                key = select(r)
-                group = int_key_group(key, max_p)
-                if group < 0:
-                    group = assign_to_key_group(key, max_p)
-                buffers[group * n // max_p].append(r)
+            try:
+                for r in records:  # subtask_for_key_group(assign_to_key_group(key)), inlined: per record
+                    key = select(r)
+                    group = int_key_group(key, max_p)
+                    if group < 0:
+                        group = assign_to_key_group(key, max_p)
+                    buffers[group * n // max_p].append(r)
+            except Exception as exc:
+                raise self._key_failure(exc, r) from exc
         elif self.exchange == "rebalance":
             for r in records:
                 self.buffers[self._next].append(r)
@@ -274,6 +279,21 @@ class Output:
                         self.buffers[i] = piece
                     else:
                         self._put(i, piece)
+
+    def _key_failure(self, exc: Exception, record: Any) -> Exception:
+        """What a failure while keying ``record`` for a hash exchange is reported as:
+        named after key_by and the step it feeds, with the record. A key of no stable
+        hash stays non-retryable (the same record comes again after a restart)."""
+        into = f" into {self.target!r}" if self.target else ""
+        shown = repr(record)
+        shown = shown if len(shown) <= 200 else shown[:200] + "..."
+        if isinstance(exc, UnhashableKeyError):
+            return UnhashableKeyError(f"key_by{into}: {exc}, from the record {shown}")
+        if isinstance(exc, NonRetryableError):
+            return exc  # a field selector's ColumnNotFoundError names key_by, the field and the record
+        return KeySelectorError(
+            f"key_by{into}: the key selector raised {type(exc).__name__}: {exc} on the record {shown}"
+        )
 
     def _emit_batch(self, batch: pa.RecordBatch) -> None:
         """An Arrow batch goes on as one buffer (split by key for a hash exchange),
@@ -640,6 +660,7 @@ class StreamTask:
             self._channel_input = inputs if any(inputs) else None
         if isinstance(output, Outputs) and output.sides:
             chain[-1].side_output = output.emit_side  # only the last operator's side outputs have consumers
+            chain[-1].side_tags = frozenset(output.sides)
         self._channel_states: Dict[int, _ChannelState] = {}
         self._held: Optional[List[Tuple[int, Any]]] = None  # the rest of a batch, during a priority check
         self._channel_state_uid = channel_state_uid

@@ -31,6 +31,7 @@ import numpy as np
 import xxhash
 
 from .._native import int_key_group as _int_key_group
+from ..errors import UnhashableKeyError
 
 __all__ = [
     "DEFAULT_MAX_PARALLELISM",
@@ -89,7 +90,7 @@ def stable_hash(key: Any) -> int:
         for element in key:
             h = _fmix64((h ^ (stable_hash(element) + 0x9E3779B97F4A7C15 + ((h << 6) & _M64) + (h >> 2))) & _M64)
         return h
-    raise TypeError(
+    raise UnhashableKeyError(
         f"a key of type {t.__name__} has no stable hash; keys must be None, bool, int, float, str, bytes "
         f"or tuples of those (got {key!r})"
     )
