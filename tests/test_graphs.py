@@ -583,3 +583,36 @@ def test_a_failing_key_selector_is_named_with_the_step_and_the_record() -> None:
         e.execute("list-key")
     assert failed.value.result.restarts == 0, "the same key comes again after a restart"
     assert "has no stable hash" in str(failed.value) and "key_by into 'count'" in str(failed.value)
+
+
+def test_a_keyed_connect_whose_inputs_key_by_different_types_warns(caplog: Any) -> None:
+    """Orders keyed by an int user id and users by the id as a string ("1", as read from
+    JSON) never met: the job ran on and sent every order down its "no such user" path,
+    without a word (a new user's trial). A warning now names the two types."""
+
+    class Enrich(pe.KeyedCoProcessFunction):
+        def open(self, ctx: Any) -> None:
+            self.name = ctx.get_state(pe.ValueStateDescriptor("name"))
+
+        def process_element1(self, value: Any, ctx: Any) -> Any:
+            yield (value["order"], self.name.value())
+
+        def process_element2(self, value: Any, ctx: Any) -> Any:
+            self.name.update(value["name"])
+
+    def run(user_key: Any) -> List[str]:
+        e = env(parallelism=1)
+        orders = e.from_collection([{"order": "o1", "user": 1}])
+        users = e.from_collection([{"id": 1, "name": "ann"}])
+        orders.key_by(lambda r: r["user"]).connect(users.key_by(user_key)).process(Enrich()).name("enrich").sink_to(
+            pe.sinks.DiscardSink()
+        )
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="pyengine.runtime.operators"):
+            e.execute("enrich")
+        return [r.getMessage() for r in caplog.records if "never meet" in r.getMessage()]
+
+    warnings = run(lambda r: str(r["id"]))
+    assert len(warnings) == 1 and "int" in warnings[0] and "str" in warnings[0] and "'enrich'" in warnings[0]
+    assert run(lambda r: r["id"]) == []
+    assert run(lambda r: float(r["id"])) == [], "1 and 1.0 are one key (the same key group and equal)"

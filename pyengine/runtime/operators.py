@@ -35,6 +35,7 @@ from ..time.domain import TimeDomain
 from ..time.service import TimerService
 
 log = logging.getLogger(__name__)
+_ABSENT_KEY = object()  # no key seen yet (None is a key)
 
 __all__ = [
     "NaNKeyError",
@@ -753,14 +754,50 @@ class KeyedCoProcessOperator(KeyedProcessOperator):
         self.key_selector2 = key_selectors[1]
         self.timestamps1, self.timestamps2 = timestamps
         self.cofn = fn
+        # each input's first key, until both are seen (then None)
+        self._first_keys: Optional[List[Any]] = [_ABSENT_KEY, _ABSENT_KEY]
 
     def process(self, records: List[Any]) -> List[Any]:
         self.timestamps = self.timestamps1  # for ctx.timestamp()
+        if self._first_keys is not None and type(records) is list and records:
+            self._first_key(0, records[0], self.key_selector)
         return self._process_keyed(records, self.key_selector, self.cofn.process_element1)
 
     def process2(self, records: Any) -> List[Any]:
         self.timestamps = self.timestamps2
+        if self._first_keys is not None and type(records) is list and records:
+            self._first_key(1, records[0], self.key_selector2)
         return self._process_keyed(records, self.key_selector2, self.cofn.process_element2)
+
+    def _first_key(self, side: int, record: Any, select: Callable[[Any], Any]) -> None:
+        """Notes an input's first key; once both inputs have one, warns (once) when their
+        types differ: an int key and a str key ("1") never meet in keyed state, and the
+        job would run on as if the other input had no such key (Flink refuses key types
+        that differ when the streams are connected; here types are only known from the
+        data)."""
+        keys = self._first_keys
+        assert keys is not None
+        if keys[side] is not _ABSENT_KEY:
+            return
+        try:
+            keys[side] = select(record)
+        except Exception:
+            return  # the record's own processing reports it
+        a, b = keys
+        if a is _ABSENT_KEY or b is _ABSENT_KEY:
+            return
+        self._first_keys = None  # both seen: nothing more to check
+        numeric = (int, float, bool)
+        if type(a) is not type(b) and not (isinstance(a, numeric) and isinstance(b, numeric)):
+            log.warning(
+                "%s: the first input's keys are %s (the first: %r) and the second input's %s (the first: %r): "
+                "keys of different types never meet in keyed state; make both key_by functions return one type",
+                self.where(),
+                type(a).__name__,
+                a,
+                type(b).__name__,
+                b,
+            )
 
 
 def overrides_co_on_timer(fn: Any) -> bool:
