@@ -602,6 +602,14 @@ class StreamEnvironment:
         return JobClient(self._runner(name, restore_from, resume, runner))
 
 
+def _named(obj: Any) -> str:
+    """An object as a message names it: an instance by its class (a repr with an address
+    says nothing to the user who wrote the class)."""
+    if isinstance(obj, type) or (callable(obj) and hasattr(obj, "__name__")):
+        return repr(obj)
+    return f"a {type(obj).__qualname__} object"
+
+
 def _raise_if_failed(result: JobResult) -> JobResult:
     if result.status != "FAILED":
         return result
@@ -1073,7 +1081,7 @@ class ConnectedStreams:
         else:
             if not isinstance(fn, CoProcessFunction):
                 raise TypeError(
-                    f"process on connected streams takes a pe.CoProcessFunction, got {fn!r}"
+                    f"process on connected streams takes a pe.CoProcessFunction, got {_named(fn)}"
                     + (
                         " (for keyed state, key both: a.key_by(k1).connect(b.key_by(k2)))"
                         if isinstance(fn, KeyedCoProcessFunction)
