@@ -26,6 +26,8 @@ def ttl_values(stored, Py_ssize_t n, limit):
         lim = PyLong_AsLongLongAndOverflow(limit, &overflow)
         c_limit = not overflow
     for i in range(end):
+        if i >= len(entries):  # a custom stamp's __gt__ (Python code) may have shortened it
+            break
         e = <tuple?>entries[i]
         if len(e) != 2:  # the module runs without bounds checks: e[1] must exist
             raise TypeError(f"a TTL list element is a (value, stamp) tuple, got {e!r}")

@@ -605,8 +605,8 @@ class StreamEnvironment:
 def _named(obj: Any) -> str:
     """An object as a message names it: an instance by its class (a repr with an address
     says nothing to the user who wrote the class)."""
-    if isinstance(obj, type) or (callable(obj) and hasattr(obj, "__name__")):
-        return repr(obj)
+    if isinstance(obj, type) or (callable(obj) and hasattr(obj, "__qualname__")):
+        return str(getattr(obj, "__qualname__", obj))
     return f"a {type(obj).__qualname__} object"
 
 
@@ -620,8 +620,13 @@ def _raise_if_failed(result: JobResult) -> JobResult:
     # the user's exception, with where it was raised when the runner wrapped it
     # (UserFunctionError, KeySelectorError: their messages name the operator and repeat it)
     what = f"{type(user).__name__}: {user}" if user is not None else "unknown cause"
-    if cause is not None and user is not cause and str(cause):
-        what = str(cause)
+    from .errors import KeySelectorError, UnhashableKeyError
+    from .runtime.operators import UserFunctionError
+
+    if isinstance(cause, UserFunctionError) and user is not cause and str(cause):
+        what = str(cause)  # "operator 'x' (subtask 0): KeyError: ..."
+    elif isinstance(cause, (KeySelectorError, UnhashableKeyError)) and user is not cause:
+        what = f"{type(cause).__name__}: {cause}"  # "key_by into 'x': ..."
     raise JobFailedError(
         f"job {result.name!r} (run {result.job_id}) failed after {result.restarts} restart(s): {what}",
         result,

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
+import pyengine.runners.flight as flight_module
 from pyengine.io import (
     CancelCheckpointMarker,
     CheckpointBarrier,
@@ -330,3 +331,45 @@ def test_a_channel_waits_for_a_server_that_is_about_to_listen(monkeypatch) -> No
     monkeypatch.setattr(channels, "CONNECT_TIMEOUT_S", 0.3)
     with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}: no server there"):
         RemoteChannel(f"grpc://127.0.0.1:{port}", 0, TOKEN)
+
+
+def _blocked_on_credit(gate: Any, server: Any) -> Any:
+    """A channel whose sender waits for credit: the receiving gate is full and nobody
+    takes from it, so the receiver stops reading and gives no credit back."""
+    out = RemoteChannel(server.location, 0, TOKEN, capacity=2)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # fill the gate, then the credits, then the send queue
+        out.push(0, ["record"])  # refused while the queue is full
+        if gate.queued(0) == 4 and out._uncredited >= flight_module.CREDITS and out.queued(0) == 2:
+            return out
+        time.sleep(0.01)
+    raise AssertionError(f"the sender is not waiting for credit: {gate.queued(0)}, {out._uncredited}")
+
+
+def test_closing_a_channel_whose_receiver_takes_nothing_returns(endpoint, monkeypatch) -> None:
+    """The sender waits for credit from a receiver that never takes: close() gives up
+    after CLOSE_WAIT_S instead of waiting with it (closing the writer from another thread
+    would: Arrow drains the reads under the lock the pending read holds), and raises
+    nothing, so a task's cleanup goes on to its other channels and its server."""
+    gate, server, _ = endpoint
+    monkeypatch.setattr(flight_module, "CLOSE_WAIT_S", 0.5)
+    out = _blocked_on_credit(gate, server)
+    started = time.monotonic()
+    out.close()
+    assert time.monotonic() - started < 5
+
+
+def test_a_receiver_that_ends_the_stream_releases_a_sender_waiting_for_credit(endpoint) -> None:
+    """The receiving task ends (its server shuts down) while the sender waits for credit:
+    the sender fails with the receiver named, the task sees it at its next push, and
+    close() raises nothing."""
+    gate, server, _ = endpoint
+    out = _blocked_on_credit(gate, server)
+    server.shutdown()
+    deadline = time.monotonic() + 10
+    while out.error is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert isinstance(out.error, ConnectionError) and "receiver ended the stream" in str(out.error), out.error
+    with pytest.raises(ConnectionError, match="failed"):
+        out.push(0, [1])
+    out.close()

@@ -56,7 +56,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, NoReturn, Optional, Tuple
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -96,6 +96,7 @@ MAX_BATCH_BYTES = 256 << 20
 SPLIT_BATCH_BYTES = 64 << 20
 CONNECT_ATTEMPTS = 3  # a RemoteChannel's first call, when the server is "unavailable"
 MAX_EVENT_BYTES = 4096  # an event's JSON is under 200 bytes
+CLOSE_WAIT_S = 10.0  # how long RemoteChannel.close() lets the sender finish what is queued
 # Credit-based flow control (Flink's, since 1.5): a channel's sender has at most CREDITS
 # Flight messages written that its receiver has not yet put into the gate; the receiver
 # gives credit back CREDIT_BATCH messages at a time (a message per message it put cost
@@ -707,10 +708,23 @@ class RemoteChannel:
         while self._uncredited >= CREDITS:
             credit = self._credits_in.read()
             if credit is None:
-                raise ConnectionError(f"channel {self.channel} to {self.location}: the receiver ended the stream")
+                self._receiver_ended()
             self._uncredited -= int(credit.to_pybytes())
         self._uncredited += 1
         return self._writer
+
+    def _receiver_ended(self) -> NoReturn:
+        """The receiver ended the stream while we waited for credit (its task failed, or
+        its server refused a message): closing the writer here, on the sender thread with
+        no read pending, gives the server's reason, which the error carries."""
+        writer, self._writer, self._credits_in = self._writer, None, None
+        self._uncredited = 0
+        reason = "the receiver ended the stream"
+        try:
+            writer.close()
+        except Exception as exc:  # the server's status: why it ended
+            reason = f"{reason}: {exc}"
+        raise ConnectionError(f"channel {self.channel} to {self.location}: {reason}")
 
     def _close_stream(self) -> None:
         """Ends the stream: ``close`` returns once the receiver has put all of it into
@@ -774,12 +788,33 @@ class RemoteChannel:
             )
 
     def close(self) -> None:
+        """Sends what is queued (for up to ``CLOSE_WAIT_S``), ends the stream and the connection;
+        never raises: a channel is closed on the way out of a task, failed or not, and
+        what comes after it (the task's own server, its other channels) must still close.
+
+        A sender still busy then waits for credit (or for room in gRPC's window)
+        from a receiver that takes nothing: the stream is left to it, not closed from
+        here. Arrow's ``close`` drains the stream's reads under the lock a pending
+        ``read`` holds, so closing it now would wait as long as the sender does; the
+        receiver's server ending the stream (its task's end) releases both."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(timeout=10)
-        self._close_stream()
-        self._client.close()
+        self._thread.join(timeout=CLOSE_WAIT_S)
+        if self._thread.is_alive():
+            log.warning(
+                "channel %s to %s: the receiver took nothing for %.0f s; closed without waiting for it",
+                self.channel,
+                self.location,
+                CLOSE_WAIT_S,
+            )
+            return
+        try:
+            self._close_stream()
+        except Exception as exc:  # the receiver had ended the stream (failed, or shut down)
+            log.debug("channel %s to %s: closing the stream: %s", self.channel, self.location, exc)
+        finally:
+            self._client.close()
 
 
 def serve(

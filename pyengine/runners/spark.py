@@ -21,6 +21,7 @@ and move buffers over local sockets instead of Flight.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import secrets
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..coordinator import ExecutionAttempt, ThreadTimerService
-from ..errors import NonRetryableError
+from ..errors import KeySelectorError, NonRetryableError
 from ..io import CheckpointOptions, CheckpointType
 from ..runtime.task import EventTimeStatistics, Output, Outputs, event_time_statistics
 from ..sinks import CollectSink
@@ -55,6 +56,8 @@ from .result import JobResult
 
 __all__ = ["SparkRunner"]
 
+
+log = logging.getLogger(__name__)
 
 REGISTRATION_TIMEOUT_S = 120.0
 COUNTERS_INTERVAL_S = 1.0  # how often a task sends its counters to the driver's monitoring
@@ -256,8 +259,11 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
     finally:
         stop.set()
         poller.join(5)
-        for channel in channels:
-            channel.close()
+        for channel in channels:  # each closed whatever another's did: then the server, which upstream waits on
+            try:
+                channel.close()
+            except Exception as exc:
+                log.warning("%s: closing channel %s: %s", attempt, getattr(channel, "channel", "?"), exc)
         if server is not None:
             server.shutdown()
         executor.shutdown(wait=True)
@@ -1014,7 +1020,8 @@ def _describe_failure(exc: BaseException) -> str:
     from ..errors import is_non_retryable
     from ..runtime.operators import UserFunctionError
 
-    user = exc.__cause__ if isinstance(exc, UserFunctionError) and exc.__cause__ is not None else exc
+    wrapped = isinstance(exc, (UserFunctionError, KeySelectorError))  # the engine's wrappers: where, then the cause
+    user = exc.__cause__ if wrapped and exc.__cause__ is not None else exc
     body = {
         "where": str(exc) if user is not exc else "",
         "module": type(user).__module__,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import Any, Callable, FrozenSet, Iterable, List, Optional, Tuple, TypeAlias, overload
+from typing import Any, Callable, FrozenSet, Iterable, List, Optional, Set, Tuple, TypeAlias, overload
 
 import pyarrow as pa
 
@@ -167,8 +167,12 @@ class Operator:
         else:
             self._unread_side_output(name)
 
+    _unread_tags: Optional[Set[str]] = None  # the unread tags warned about (made on the first)
+
     def _unread_side_output(self, name: str) -> None:
-        warned = self.__dict__.setdefault("_unread_tags", set())
+        warned = self._unread_tags
+        if warned is None:
+            warned = self._unread_tags = set()
         if name not in warned:
             warned.add(name)
             log.warning(
@@ -788,6 +792,8 @@ class KeyedCoProcessOperator(KeyedProcessOperator):
             return
         self._first_keys = None  # both seen: nothing more to check
         numeric = (int, float, bool)
+        if a is None or b is None:  # an optional key: says nothing of the other's type
+            return
         if type(a) is not type(b) and not (isinstance(a, numeric) and isinstance(b, numeric)):
             log.warning(
                 "%s: the first input's keys are %s (the first: %r) and the second input's %s (the first: %r): "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import queue
+import reprlib
 import threading
 import time
 from collections import deque
@@ -243,7 +244,10 @@ class Output:
                         group = assign_to_key_group(key, max_p)
                     buffers[group * n // max_p].append(r)
             except Exception as exc:
-                raise self._key_failure(exc, r) from exc
+                failure = self._key_failure(exc, r)
+                if failure is exc:
+                    raise
+                raise failure from exc
         elif self.exchange == "rebalance":
             for r in records:
                 self.buffers[self._next].append(r)
@@ -285,8 +289,10 @@ class Output:
         named after key_by and the step it feeds, with the record. A key of no stable
         hash stays non-retryable (the same record comes again after a restart)."""
         into = f" into {self.target!r}" if self.target else ""
-        shown = repr(record)
-        shown = shown if len(shown) <= 200 else shown[:200] + "..."
+        try:
+            shown = reprlib.repr(record)  # bounded: a huge record is not printed whole
+        except Exception:
+            shown = f"<a {type(record).__name__} whose repr fails>"
         if isinstance(exc, UnhashableKeyError):
             return UnhashableKeyError(f"key_by{into}: {exc}, from the record {shown}")
         if isinstance(exc, NonRetryableError):

@@ -665,7 +665,7 @@ class ListView(MutableSequence[T]):
         if self._n < 0:
             return iter(self._list)
         if self._ttl:
-            return iter(_ttl_values(self._list, self._n, self._now - self._ttl))
+            return iter(self._own())  # one C pass, kept: a second read costs nothing
         return itertools.islice(self._list, self._n)
 
     def __getitem__(self, i: Any) -> Any:
@@ -720,7 +720,11 @@ class ListView(MutableSequence[T]):
     def __bool__(self) -> bool:
         if self._n < 0 or not self._ttl:
             return len(self) > 0
-        return next(iter(self), _ABSENT) is not _ABSENT
+        limit = self._now - self._ttl
+        for e in itertools.islice(self._list, self._n):  # stops at the first live element: usually the first
+            if e[1] > limit:
+                return True
+        return False
 
     def __repr__(self) -> str:
         return repr(list(self))
