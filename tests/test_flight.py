@@ -373,3 +373,32 @@ def test_a_receiver_that_ends_the_stream_releases_a_sender_waiting_for_credit(en
     with pytest.raises(ConnectionError, match="failed"):
         out.push(0, [1])
     out.close()
+
+
+def test_a_server_that_refuses_its_own_port_when_started_is_replaced(monkeypatch, caplog) -> None:
+    """CI runs saw a just-started loopback server refuse connections at the port it
+    reported (once for a whole job's control server). A server is checked at its port
+    when started and made again on a new one if it refuses; one that never answers is
+    an error naming it, not a job that fails three restarts later."""
+    gate = CheckpointedInputGate(1, RecordingListener(), capacity=4)
+    real = ChannelServer.listening
+    answers = iter([False])
+
+    def flaky(self: Any, within_s: float = 1.0) -> bool:
+        return next(answers, None) is not False and real(self, within_s)
+
+    monkeypatch.setattr(ChannelServer, "listening", flaky)
+    with caplog.at_level("WARNING", logger="pyengine.runners.flight"):
+        server, _ = serve(gate, TOKEN)
+    try:
+        assert any("refused connections when started" in r.getMessage() for r in caplog.records)
+        out = RemoteChannel(server.location, 0, TOKEN)
+        out.put(0, [1, 2], timeout=5)
+        out.put(0, EndOfPartition(), timeout=5)
+        assert next(item for _, item in drain(gate)) == [1, 2]
+        out.close()
+    finally:
+        server.shutdown()
+    monkeypatch.setattr(ChannelServer, "listening", lambda self, within_s=1.0: False)
+    with pytest.raises(ConnectionError, match="refused connections at every port"):
+        serve(gate, TOKEN)

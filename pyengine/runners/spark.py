@@ -41,7 +41,7 @@ from ..sinks import CollectSink
 from ..storage import checkpoint_storage
 from ..storage.metadata import OperatorState
 from .control import ControlClient, ControlServer
-from .flight import JobTls
+from .flight import JobTls, listening_server
 from .local import (
     GIL_SWITCH_INTERVAL_S,
     LocalRunner,
@@ -814,13 +814,16 @@ class _SparkJob(LocalRunner):
             with storage.fs.open_output_stream(probe_path) as out:
                 out.write(b"written by the driver; every executor must read it")
             assert self.coordinator is not None
-            self._control = ControlServer(
-                self.coordinator,
-                self._token,
-                on_register=self._on_register,
-                on_drained=self._on_drained,
-                on_failed=self._on_failed,
-                host=backend.driver_host(),
+            coordinator = self.coordinator
+            self._control = listening_server(
+                lambda: ControlServer(
+                    coordinator,
+                    self._token,
+                    on_register=self._on_register,
+                    on_drained=self._on_drained,
+                    on_failed=self._on_failed,
+                    host=backend.driver_host(),
+                )
             )
             self._control.on_counters = self._on_report
             spec_base = dict(
