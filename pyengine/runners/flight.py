@@ -417,32 +417,6 @@ class GuardedServer(flight.FlightServerBase):
                     return False
                 time.sleep(0.05)
 
-
-S = TypeVar("S", bound=GuardedServer)
-
-
-def listening_server(make: Callable[[], S], attempts: int = 3) -> S:
-    """A server from ``make()`` that accepts connections at its port, made again (on a
-    new port) when one does not. CI runs twice saw a just-started loopback gRPC server
-    refuse connections at the port it reported: once for a moment (a channel's first
-    call, retried), once for a whole job (its control server: three restarts, all
-    refused). The cause was not found (gRPC picks port 0 with SO_REUSEPORT, which grpc
-    issue 10755 blames for cross-talk between servers started together); a server that
-    does not answer its own port is replaced before anyone is told of it."""
-    for attempt in range(1, attempts + 1):
-        server = make()
-        if server.listening():
-            return server
-        log.warning(
-            "%s on port %d refused connections when started (attempt %d of %d): starting it again",
-            server.what,
-            server.port,
-            attempt,
-            attempts,
-        )
-        server.shutdown()
-    raise ConnectionError(f"{server.what} refused connections at every port it started on ({attempts} tries)")
-
     def _unserved(self, context: Any, method: str) -> Any:
         authenticated(context)
         raise flight.FlightServerError(f"pyengine: {self.what} does not serve {method}")
@@ -473,6 +447,32 @@ def listening_server(make: Callable[[], S], attempts: int = 3) -> S:
 
     def do_action(self, context: Any, action: Any) -> Any:
         return self._unserved(context, "DoAction")
+
+
+S = TypeVar("S", bound=GuardedServer)
+
+
+def listening_server(make: Callable[[], S], attempts: int = 3) -> S:
+    """A server from ``make()`` that accepts connections at its port, made again (on a
+    new port) when one does not. CI runs twice saw a just-started loopback gRPC server
+    refuse connections at the port it reported: once for a moment (a channel's first
+    call, retried), once for a whole job (its control server: three restarts, all
+    refused). The cause was not found (gRPC picks port 0 with SO_REUSEPORT, which grpc
+    issue 10755 blames for cross-talk between servers started together); a server that
+    does not answer its own port is replaced before anyone is told of it."""
+    for attempt in range(1, attempts + 1):
+        server = make()
+        if server.listening():
+            return server
+        log.warning(
+            "%s on port %d refused connections when started (attempt %d of %d): starting it again",
+            server.what,
+            server.port,
+            attempt,
+            attempts,
+        )
+        server.shutdown()
+    raise ConnectionError(f"{server.what} refused connections at every port it started on ({attempts} tries)")
 
 
 def _row_payloads(rows: List[Any], limit: int) -> Iterator[bytes]:
