@@ -28,7 +28,11 @@ def spark() -> Any:
 
 
 class SlowSink(pe.sinks.DiscardSink):
-    """Staging costs ``per_record_s`` a record: a consumer slower than its producer."""
+    """Staging costs ``per_record_s`` a record: a consumer slower than its producer.
+
+    test_debloat.py's, defined here again on purpose: Spark's Python workers get this
+    module by value (``local_spark``) but cannot import test_debloat (imported from it,
+    the job failed on the executors)."""
 
     def __init__(self, per_record_s: float) -> None:
         super().__init__()
