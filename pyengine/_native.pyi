@@ -4,7 +4,7 @@ Use the gate through ``pyengine.io.CheckpointedInputGate``; this module is the
 implementation detail behind ``implementation="native"``.
 """
 
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 def bind(
     barrier_type: type,
@@ -77,6 +77,51 @@ class ColumnarValueCalls:
     def value(self) -> Any: ...
     def update(self, value: Any) -> None: ...
     def clear(self) -> None: ...
+
+class StateTableBase:
+    """The fields of ``state.heap.StateTable`` (its methods are Python's), read by the C state calls."""
+
+    descriptor: Any
+    groups: List[Dict[Any, Any]]
+    shared: List[bool]
+    tainted: List[bool]
+    owned: List[Set[Any]]
+    changes: Optional[List[Set[Any]]]
+    active_snapshots: int
+    pickled: bool
+
+class StateCalls:
+    """The fields of every dict-backed keyed state object (``state.heap._KeyedState``)."""
+
+    _backend: Any
+    _table: Any
+    _ttl: Any
+    _check: Optional[Callable[[Any], None]]
+    _ttl_ms: Any
+    def _use_fast_ttl(self, ttl_ms: Any) -> None:
+        """The common TTL configuration: the C calls stamp and check with ``ttl_ms``."""
+
+class ValueCalls(StateCalls):
+    """``ValueState.value/update`` in C for the common case; the rest in ``_value_py`` / ``_update_py``."""
+
+    _default: Any
+    def value(self) -> Any: ...
+    def update(self, value: Any) -> None: ...
+
+class ListCalls(StateCalls):
+    """``ListState.add`` in C for the common case; the rest in ``_add_py``."""
+
+    _atomic: bool
+    def add(self, value: Any) -> None: ...
+
+class MapCalls(StateCalls):
+    """``MapState.get/contains/put`` in C for the common case; the rest in the ``_*_py`` methods."""
+
+    _atomic: bool
+    _check_key: Optional[Callable[[Any], None]]
+    def get(self, user_key: Any) -> Any: ...
+    def contains(self, user_key: Any) -> bool: ...
+    def put(self, user_key: Any, value: Any) -> None: ...
 
 def merge_groups(groups: List[ColumnarGroup], keys: Any, values: Any, bounds: Any, active: List[int], how: str) -> Any:
     """ColumnarGroup.merge_many on every active key group g for keys[bounds[g]:bounds[g + 1]], in one call

@@ -466,7 +466,7 @@ _STAMPS = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     entries=st.lists(st.tuples(st.integers(), _STAMPS), max_size=40),
     n=st.integers(0, 45),
@@ -491,3 +491,217 @@ def test_the_native_ttl_read_refuses_what_is_not_a_stamped_entry() -> None:
         ttl_values([[1, 2]], 1, 0)  # a list, not the (value, stamp) tuple every TTL element is
     with pytest.raises(TypeError, match="stamp"):
         ttl_values([(1,)], 1, 0)  # bounds are checked by hand: no read past the tuple
+
+
+# -- the C calls against the Python methods they stand for ---------------------------------------
+
+KEYS6 = st.integers(0, 5)  # six keys in two key groups: writes after a freeze meet copied and uncopied ones
+NATIVE_OPS = st.one_of(
+    st.tuples(st.just("value"), KEYS6),
+    st.tuples(st.just("update"), KEYS6, st.integers(0, 9)),
+    st.tuples(st.just("add"), KEYS6, st.integers(0, 9)),
+    st.tuples(st.just("get"), KEYS6, st.integers(0, 3)),
+    st.tuples(st.just("contains"), KEYS6, st.integers(0, 3)),
+    st.tuples(st.just("put"), KEYS6, KEYS6, st.integers(0, 9)),
+    st.tuples(st.just("mutate"), KEYS6),  # change a value handed out in place
+    st.tuples(st.just("clear"), KEYS6),
+    st.tuples(st.just("freeze")),  # a snapshot's synchronous part ...
+    st.tuples(st.just("release")),  # ... and its end
+    st.tuples(st.just("advance"), st.sampled_from([1, 25, 50, 99, 100])),  # TTL is 100: its edge too
+    st.tuples(st.just("step"), st.booleans()),  # begin (True) or end a step: the clock read once
+)
+
+
+class _PythonCalls:
+    """A state object whose per-record calls are its Python methods, not the C ones."""
+
+    def __init__(self, state):
+        self.s = state
+
+    def value(self):
+        return self.s._value_py()
+
+    def update(self, v):
+        self.s._update_py(v)
+
+    def add(self, v):
+        self.s._add_py(v)
+
+    def get(self, k):
+        return self.s._get_py(k)
+
+    def contains(self, k):
+        return self.s._contains_py(k)
+
+    def put(self, k, v):
+        self.s._put_py(k, v)
+
+    def clear(self):
+        self.s.clear()
+
+
+def _tables(backend):
+    out = {}
+    for name in ("v", "l", "m"):
+        t = backend._tables[name]
+        out[name] = (repr(t.groups), t.shared, t.tainted, [sorted(o) for o in t.owned], t.changes and repr(t.changes))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ttl=TTLS,
+    typed=st.booleans(),
+    mutable=st.booleans(),
+    backend_kind=st.sampled_from(["heap", "incremental"]),
+    stepped=st.booleans(),
+    ops=st.lists(NATIVE_OPS, min_size=20, max_size=80),
+)
+def test_the_native_calls_do_what_the_python_methods_do(ttl, typed, mutable, backend_kind, stepped, ops) -> None:
+    """The same random calls through the C calls (``bindings/_statecalls.pxi``) and
+    through the Python methods they fall back to: the same answers, call by call,
+    and the same tables after each (entries, stamps, copy-on-write flags, owned keys,
+    changed keys), with snapshots pending, mutable values changed in place, TTL
+    expiring, steps and typed descriptors (whose checks the C calls run).
+
+    ``stepped``: every call in a step of its own, as a task runs them (the TTL clock
+    read when the step begins): the C calls stamp and check TTL only then; outside a
+    step with this manual clock the first TTL call of a key reads the clock in Python."""
+    clocks = [Clock(), Clock()]
+    backends = [create_keyed_backend(backend_kind, max_parallelism=2, ttl_clock_ms=c) for c in clocks]
+    typed = typed and not mutable
+    kind = pa.string() if typed else None  # a typed value state of ints would be columnar: not these calls
+    states = []
+    for b in backends:
+        states.append(
+            (
+                b.get_state(ValueStateDescriptor("v", None, kind, ttl)),
+                b.get_state(ListStateDescriptor("l", kind, ttl)),
+                b.get_state(MapStateDescriptor("m", kind, kind, ttl)),
+            )
+        )
+    native = states[0]
+    python = tuple(_PythonCalls(s) for s in states[1])
+    frozen = [0]
+    handed: list = [None, None]  # the last mutable value each side handed out
+
+    def value_of(x):
+        return [x] if mutable else str(x) if typed else x
+
+    for op in ops:
+        name = op[0]
+        if name == "advance":
+            for c in clocks:
+                c.ms += op[1]
+            continue
+        if name == "step":
+            for b in backends:
+                b.begin_ttl_step(records=8) if op[1] else b.end_ttl_step()
+            continue
+        if name == "freeze":
+            for b in backends:
+                for t in ("v", "l", "m"):
+                    b._tables[t].freeze()
+            frozen[0] += 1
+            continue
+        if name == "release":
+            if frozen[0]:
+                for b in backends:
+                    for t in ("v", "l", "m"):
+                        b._tables[t].release()
+                frozen[0] -= 1
+            continue
+        answers = []
+        for i, (b, (v, lst, mp)) in enumerate(zip(backends, (native, python), strict=True)):
+            if stepped and not b._ttl_step:
+                b.begin_ttl_step()
+            b.set_current_key(op[1])
+            if name == "value":
+                got = v.value()
+                if isinstance(got, list):
+                    handed[i] = got
+                answers.append(got)
+            elif name == "update":
+                v.update(value_of(op[2]))
+            elif name == "add":
+                lst.add(value_of(op[2]))
+            elif name == "get":
+                got = mp.get(value_of(op[2]) if typed else op[2])
+                if isinstance(got, list):
+                    handed[i] = got
+                answers.append(got)
+            elif name == "contains":
+                answers.append(mp.contains(str(op[2]) if typed else op[2]))
+            elif name == "put":
+                mp.put(str(op[2]) if typed else op[2], value_of(op[3]))
+            elif name == "mutate":
+                if handed[i] is not None:
+                    handed[i].append(99)  # in place: never into a pending snapshot
+            elif name == "clear":
+                (v if op[1] % 2 else mp).clear()
+            if stepped:
+                b.end_ttl_step()
+        if answers:
+            assert answers[0] == answers[1], (op, answers)
+        assert _tables(backends[0]) == _tables(backends[1]), op
+
+
+@pytest.mark.parametrize("kind", ["value", "list", "map"])
+def test_a_typed_state_refuses_a_bad_value_through_the_native_calls(kind) -> None:
+    backend = create_keyed_backend("heap", max_parallelism=8, ttl_clock_ms=Clock())
+    backend.set_current_key(1)
+    if kind == "value":
+        state = backend.get_state(ValueStateDescriptor("v", None, pa.int32()))
+        state.update(2**31 - 1)
+        with pytest.raises(TypeError, match="int32"):
+            state.update(2**31)
+        with pytest.raises(TypeError, match="int32"):
+            state.update(True)
+        assert state.value() == 2**31 - 1
+    elif kind == "list":
+        state = backend.get_state(ListStateDescriptor("l", pa.float64()))
+        state.add(1)
+        state.add(2.5)
+        with pytest.raises(TypeError, match="double"):
+            state.add("3")
+        assert state.get() == [1, 2.5]
+    else:
+        state = backend.get_state(MapStateDescriptor("m", pa.string(), pa.int64()))
+        state.put("a", 1)
+        with pytest.raises(TypeError, match="string"):
+            state.put(1, 1)
+        with pytest.raises(TypeError, match="int64"):
+            state.put("b", 2**63)
+        with pytest.raises(TypeError, match="unhashable"):
+            state.contains(["a"])
+        assert state.get("a") == 1 and not state.contains("b")
+
+
+@pytest.mark.parametrize("read", ["value", "map-get", "map-contains"])
+@pytest.mark.parametrize("elapsed", [TTL - 1, TTL])
+def test_the_native_calls_expire_an_entry_exactly_at_its_ttl(read, elapsed) -> None:
+    """Inside steps (as a task runs them) the C calls check TTL themselves: an entry
+    written at t is live at t + TTL - 1 and expired at t + TTL, as Flink's."""
+    clock = Clock()
+    backend = create_keyed_backend("heap", max_parallelism=2, ttl_clock_ms=clock)
+    ttl = StateTtlConfig(TTL)
+    v = backend.get_state(ValueStateDescriptor("v", ttl=ttl))
+    mp = backend.get_state(MapStateDescriptor("m", ttl=ttl))
+
+    def step(call):
+        backend.begin_ttl_step()
+        backend.set_current_key(1)
+        try:
+            return call()
+        finally:
+            backend.end_ttl_step()
+
+    step(lambda: (v.update(5), mp.put("a", 5)))
+    clock.ms += elapsed
+    live = elapsed < TTL
+    if read == "value":
+        assert step(v.value) == (5 if live else None)
+    elif read == "map-get":
+        assert step(lambda: mp.get("a")) == (5 if live else None)
+    else:
+        assert step(lambda: mp.contains("a")) is live

@@ -20,6 +20,7 @@ import operator
 import threading
 import time
 from typing import (
+    TYPE_CHECKING,
     Any,
     Callable,
     Dict,
@@ -39,6 +40,11 @@ from typing import (
 import numpy as np
 import pyarrow as pa
 
+from .._native import ListCalls as _ListCalls
+from .._native import MapCalls as _MapCalls
+from .._native import StateCalls as _StateCalls
+from .._native import StateTableBase as _StateTableBase
+from .._native import ValueCalls as _ValueCalls
 from .._native import int_key_group as _int_key_group
 from .._native import ttl_values as _ttl_values
 from .columnar import NoCurrentKeyError
@@ -101,6 +107,7 @@ def _validator(arrow_type: Optional[pa.DataType], what: str) -> Optional[Callabl
             if type(v) is not int or not lo <= v <= hi:
                 raise TypeError(f"{what}: {v!r} is not a {arrow_type} value")
 
+        check_int.pyengine_int_range = (lo, hi)  # type: ignore[attr-defined]  # the C state calls run it
         return check_int
     simple = {
         pa.types.is_floating: (int, float),
@@ -117,6 +124,7 @@ def _validator(arrow_type: Optional[pa.DataType], what: str) -> Optional[Callabl
                 if type(v) not in types:
                     raise TypeError(f"{what}: {v!r} is not a {arrow_type} value")
 
+            check.pyengine_types = types  # type: ignore[attr-defined]  # the C state calls run it
             return check
     return None  # other types are checked when the snapshot converts the column
 
@@ -125,7 +133,7 @@ def _private_copy(value: Any) -> Any:
     return value if _is_immutable(value) else copy.deepcopy(value)
 
 
-class StateTable:
+class StateTable(_StateTableBase):
     """The stored entries of one state: a dict per key group of the backend's range.
 
     Copy-on-write bookkeeping, per key group ``i``:
@@ -140,7 +148,8 @@ class StateTable:
     Both reset when the last unfinished snapshot releases the table.
     """
 
-    __slots__ = ("active_snapshots", "changes", "descriptor", "groups", "owned", "pickled", "shared", "tainted")
+    # Its fields are ``_native.StateTableBase``'s, so the C state calls read them directly.
+    __slots__ = ()
 
     def __init__(self, descriptor: StateDescriptor, num_key_groups: int) -> None:
         self.descriptor = descriptor
@@ -406,10 +415,14 @@ def _no_key(state: Any) -> NoCurrentKeyError:
     return NoCurrentKeyError(f"state {state.name!r} was used before set_current_key()")
 
 
-class _KeyedState:
-    """Base of the state objects handed to user code; they read the backend's current key."""
+class _KeyedState(_StateCalls):
+    """Base of the state objects handed to user code; they read the backend's current key.
 
-    __slots__ = ("_backend", "_check", "_table", "_ttl")
+    Its fields (``_backend``, ``_table``, ``_ttl``, ``_check``) are ``_native.StateCalls``'s:
+    the per-record calls of value, list and map state run in C in the common case
+    (``bindings/_statecalls.pxi``) and come back to the ``_*_py`` methods for the rest."""
+
+    __slots__ = ()
 
     def __init__(self, backend: HeapKeyedStateBackend, table: StateTable, ttl: Optional[_Ttl]) -> None:
         self._backend = backend
@@ -485,11 +498,11 @@ class _KeyedState:
         self._table.delete(index, key)
 
 
-class ValueState(_KeyedState, Generic[T]):
+class ValueState(_ValueCalls, _KeyedState, Generic[T]):
     """One value per key (Flink's ValueState); ``value()`` and ``update()`` touch
     one slot whatever the state holds."""
 
-    __slots__ = ("_default",)
+    __slots__ = ()
 
     def __init__(self, backend: HeapKeyedStateBackend, table: StateTable, ttl: Optional[_Ttl]) -> None:
         super().__init__(backend, table, ttl)
@@ -497,9 +510,16 @@ class ValueState(_KeyedState, Generic[T]):
         assert isinstance(d, ValueStateDescriptor)
         self._default = d.default
 
-    def value(self) -> Optional[T]:
-        """The current key's value, or the descriptor's default when it has none."""
-        # Once per record in most jobs: _load inlined for the common case.
+    if TYPE_CHECKING:  # in C (``_native.ValueCalls``), which comes back to the methods below
+
+        def value(self) -> Optional[T]:
+            """The current key's value, or the descriptor's default when it has none."""
+
+        def update(self, value: Optional[T]) -> None:
+            """Sets the current key's value; ``None`` clears it, as in Flink."""
+
+    def _value_py(self) -> Optional[T]:
+        # What the C value() does not do itself: no key, TTL, copy-on-write.
         b = self._backend
         index = b._key_index
         if index < 0:
@@ -523,8 +543,7 @@ class ValueState(_KeyedState, Generic[T]):
             return stored  # type: ignore[no-any-return]
         return self._readable(index, key, stored)  # type: ignore[no-any-return]
 
-    def update(self, value: Optional[T]) -> None:
-        """Sets the current key's value; ``None`` clears it, as in Flink."""
+    def _update_py(self, value: Optional[T]) -> None:
         if value is None:
             self.clear()
             return
@@ -730,7 +749,7 @@ class ListView(MutableSequence[T]):
         return repr(list(self))
 
 
-class ListState(_KeyedState, Generic[T]):
+class ListState(_ListCalls, _KeyedState, Generic[T]):
     """A list per key (Flink's ListState). With a TTL, each element expires on its own.
 
     ``add`` appends one element and ``get`` returns a view (``ListView``): neither
@@ -738,7 +757,7 @@ class ListState(_KeyedState, Generic[T]):
     stored with its write time; expired ones are left out by reads, and removed by
     the incremental cleanup and snapshots, never by scanning on ``add``."""
 
-    __slots__ = ("_atomic",)
+    __slots__ = ()
 
     def __init__(self, backend: HeapKeyedStateBackend, table: StateTable, ttl: Optional[_Ttl]) -> None:
         super().__init__(backend, table, ttl)
@@ -804,8 +823,12 @@ class ListState(_KeyedState, Generic[T]):
             self._check(value)
         return value
 
-    def add(self, value: T) -> None:
-        """Appends ``value`` to the current key's list."""
+    if TYPE_CHECKING:  # in C (``_native.ListCalls``), which comes back to _add_py
+
+        def add(self, value: T) -> None:
+            """Appends ``value`` to the current key's list."""
+
+    def _add_py(self, value: T) -> None:
         if value is None or self._check is not None:
             self._element(value)
         b = self._backend
@@ -866,14 +889,14 @@ class ListState(_KeyedState, Generic[T]):
         self._put(index, key, elements)
 
 
-class MapState(_KeyedState, Generic[K, V]):
+class MapState(_MapCalls, _KeyedState, Generic[K, V]):
     """A map per key (Flink's MapState). With a TTL, each entry expires on its own.
 
     ``get``, ``put``, ``contains`` and ``remove`` touch one entry: with a TTL,
     only that entry's expiry is checked (and an expired entry is removed then);
     ``items``, ``keys``, ``values`` and ``is_empty`` read (and clean) the map."""
 
-    __slots__ = ("_atomic", "_check_key")
+    __slots__ = ()
 
     def __init__(self, backend: HeapKeyedStateBackend, table: StateTable, ttl: Optional[_Ttl]) -> None:
         super().__init__(backend, table, ttl)
@@ -904,8 +927,18 @@ class MapState(_KeyedState, Generic[K, V]):
         if not stored:
             self._table.delete(index, key)
 
-    def get(self, user_key: K) -> Optional[V]:
-        """The value under ``user_key`` for the current key, or None."""
+    if TYPE_CHECKING:  # in C (``_native.MapCalls``), which comes back to the _*_py methods
+
+        def get(self, user_key: K) -> Optional[V]:
+            """The value under ``user_key`` for the current key, or None."""
+
+        def contains(self, user_key: K) -> bool:
+            """Whether the current key's map has a (live) entry under ``user_key``."""
+
+        def put(self, user_key: K, value: V) -> None:
+            """Sets the value under ``user_key`` for the current key."""
+
+    def _get_py(self, user_key: K) -> Optional[V]:
         b = self._backend
         index = b._key_index
         if index < 0:
@@ -937,8 +970,7 @@ class MapState(_KeyedState, Generic[K, V]):
         entry = self._writable(index, key)[user_key]  # private now, values included
         return entry[0] if ttl is not None else entry  # type: ignore[no-any-return]
 
-    def contains(self, user_key: K) -> bool:
-        """Whether the current key's map has a (live) entry under ``user_key``."""
+    def _contains_py(self, user_key: K) -> bool:
         b = self._backend
         index = b._key_index
         if index < 0:
@@ -957,8 +989,7 @@ class MapState(_KeyedState, Generic[K, V]):
             return False
         return True
 
-    def put(self, user_key: K, value: V) -> None:
-        """Sets the value under ``user_key`` for the current key."""
+    def _put_py(self, user_key: K, value: V) -> None:
         if self._check_key is not None:
             self._check_key(user_key)
         if self._check is not None and value is not None:
@@ -1084,14 +1115,14 @@ class MapState(_KeyedState, Generic[K, V]):
 
 
 class _TtlValueState(ValueState[T]):
-    __slots__ = ("_ttl_ms",)
+    __slots__ = ()
 
     def __init__(self, backend: HeapKeyedStateBackend, table: StateTable, ttl: Optional[_Ttl]) -> None:
         super().__init__(backend, table, ttl)
         assert ttl is not None
-        self._ttl_ms = ttl.ttl_ms
+        self._use_fast_ttl(ttl.ttl_ms)  # the C calls stamp and check too
 
-    def value(self) -> Optional[T]:
+    def _value_py(self) -> Optional[T]:
         b = self._backend
         index = b._key_index
         if index < 0:
@@ -1112,7 +1143,7 @@ class _TtlValueState(ValueState[T]):
             return value  # type: ignore[no-any-return]
         return self._readable(index, key, value)  # type: ignore[no-any-return]
 
-    def update(self, value: Optional[T]) -> None:
+    def _update_py(self, value: Optional[T]) -> None:
         if value is None:
             self.clear()
             return
@@ -1139,7 +1170,12 @@ class _TtlValueState(ValueState[T]):
 class _TtlListState(ListState[T]):
     __slots__ = ()
 
-    def add(self, value: T) -> None:
+    def __init__(self, backend: HeapKeyedStateBackend, table: StateTable, ttl: Optional[_Ttl]) -> None:
+        super().__init__(backend, table, ttl)
+        assert ttl is not None
+        self._use_fast_ttl(ttl.ttl_ms)
+
+    def _add_py(self, value: T) -> None:
         if value is None or self._check is not None:
             self._element(value)
         b = self._backend
@@ -1163,14 +1199,14 @@ class _TtlListState(ListState[T]):
 
 
 class _TtlMapState(MapState[K, V]):
-    __slots__ = ("_ttl_ms",)
+    __slots__ = ()
 
     def __init__(self, backend: HeapKeyedStateBackend, table: StateTable, ttl: Optional[_Ttl]) -> None:
         super().__init__(backend, table, ttl)
         assert ttl is not None
-        self._ttl_ms = ttl.ttl_ms
+        self._use_fast_ttl(ttl.ttl_ms)
 
-    def get(self, user_key: K) -> Optional[V]:
+    def _get_py(self, user_key: K) -> Optional[V]:
         b = self._backend
         index = b._key_index
         if index < 0:
@@ -1196,7 +1232,7 @@ class _TtlMapState(MapState[K, V]):
             return value  # type: ignore[no-any-return]
         return self._writable(index, key)[user_key][0]  # type: ignore[no-any-return]  # private now
 
-    def contains(self, user_key: K) -> bool:
+    def _contains_py(self, user_key: K) -> bool:
         b = self._backend
         index = b._key_index
         if index < 0:
@@ -1215,7 +1251,7 @@ class _TtlMapState(MapState[K, V]):
             return False
         return True
 
-    def put(self, user_key: K, value: V) -> None:
+    def _put_py(self, user_key: K, value: V) -> None:
         if self._check_key is not None:
             self._check_key(user_key)
         if self._check is not None and value is not None:
