@@ -270,7 +270,8 @@ cdef class ListCalls(StateCalls):
                     table = <StateTableBase>self._table
                     key = b._key
                     p = PyDict_GetItemWithError(group, key)
-                    if p is not NULL and type(<object>p) is list and not (
+                    stored = <object>p if p is not NULL else None  # a reference of ours from here on
+                    if type(stored) is list and not (
                         _flag(table.tainted, index) and not PySet_Contains(<object>PyList_GET_ITEM(table.owned, index), key)
                     ):
                         if self._ttl is not None:
@@ -279,7 +280,7 @@ cdef class ListCalls(StateCalls):
                                 self._add_py(value)
                                 return
                             value = (value, stamp)
-                        (<list>p).append(value)
+                        (<list>stored).append(value)
                         if table.changes is not None:
                             PySet_Add(table.changes[index], key)
                         return
