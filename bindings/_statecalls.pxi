@@ -109,9 +109,24 @@ cdef inline bint _atomic(object v):
     return t is int or t is float or t is str or t is bytes or t is bool or v is None
 
 
-cdef inline bint _flag(object flags, Py_ssize_t i):
-    """``flags[i]`` of one of the table's bool lists (checked by ``_group``)."""
-    return (<object>PyList_GET_ITEM(flags, i)) is True
+cdef inline bint _flag(object flags, Py_ssize_t i) except -1:
+    """``flags[i]`` of one of the table's lists of flags (checked by ``_group``), as ``if`` reads it."""
+    return bool(<object>PyList_GET_ITEM(flags, i))
+
+
+cdef inline int _private(object table_obj, Py_ssize_t index, object key) except -2:
+    """Whether the value stored under ``key`` in key group ``index`` may be handed out
+    or changed in place: 1 when no unfinished snapshot can hold it (the group is not
+    tainted, or the key is owned), 0 when it must be copied first, -1 when the table
+    is not as ``_group`` checks it (user code ran since, say). Reads the table afresh,
+    and holds the owned set while the lookup runs."""
+    if _group(table_obj, index) is None:
+        return -1
+    cdef StateTableBase table = <StateTableBase>table_obj
+    if not _flag(table.tainted, index):
+        return 1
+    owned = <object>PyList_GET_ITEM(table.owned, index)  # a reference of ours during the lookup
+    return 1 if PySet_Contains(owned, key) else 0
 
 
 cdef inline object _group(object table_obj, Py_ssize_t index):
@@ -216,11 +231,7 @@ cdef class ValueCalls(StateCalls):
                         if self._expired((<tuple>stored)[1], now) != 0:
                             return self._value_py()  # removes it
                         stored = (<tuple>stored)[0]
-                    if (
-                        _atomic(stored)
-                        or not _flag(table.tainted, index)
-                        or PySet_Contains(<object>PyList_GET_ITEM(table.owned, index), key)
-                    ):
+                    if _atomic(stored) or _private(table, index, key) == 1:
                         return stored
         return self._value_py()
 
@@ -243,11 +254,14 @@ cdef class ValueCalls(StateCalls):
                                 return
                             value = (value, stamp)
                         key = b._key
+                        # Taken before the write, which frees the old value (its __del__ may run).
+                        owned = <object>PyList_GET_ITEM(table.owned, index) if _flag(table.tainted, index) else None
+                        changed = table.changes[index] if table.changes is not None else None
                         PyDict_SetItem(group, key, value)
-                        if _flag(table.tainted, index):
-                            PySet_Add(<object>PyList_GET_ITEM(table.owned, index), key)
-                        if table.changes is not None:
-                            PySet_Add(table.changes[index], key)
+                        if owned is not None:
+                            PySet_Add(owned, key)
+                        if changed is not None:
+                            PySet_Add(changed, key)
                         return
         self._update_py(value)
 
@@ -271,9 +285,7 @@ cdef class ListCalls(StateCalls):
                     key = b._key
                     p = PyDict_GetItemWithError(group, key)
                     stored = <object>p if p is not NULL else None  # a reference of ours from here on
-                    if type(stored) is list and not (
-                        _flag(table.tainted, index) and not PySet_Contains(<object>PyList_GET_ITEM(table.owned, index), key)
-                    ):
+                    if type(stored) is list and _private(table, index, key) == 1:
                         if self._ttl is not None:
                             stamp = self._now(&now)
                             if stamp is None:
@@ -301,22 +313,22 @@ cdef class MapCalls(StateCalls):
             self._kcheck = _FastCheck(fn)
         return self._kcheck.passes(k)
 
-    cdef inline object _map(self, Py_ssize_t* index_out):
-        """The current key's stored dict; None: not found in C (no key, no map, not
-        a dict-backed table); ``index_out`` -1 when the C paths do not apply."""
+    cdef inline object _map(self, Py_ssize_t* index_out, object key):
+        """The stored dict of ``key`` (the current key, read by the caller before any
+        user code can run); None: not found in C (no key, no map, not a dict-backed
+        table); ``index_out`` -1 when the C paths do not apply."""
         cdef Py_ssize_t index
         cdef PyObject* p
         index_out[0] = -1
         if not self._plain():
             return None
-        b = self._backend
-        index = b._key_index
+        index = self._backend._key_index
         if index < 0:
             return None
         group = _group(self._table, index)
         if group is None:
             return None
-        p = PyDict_GetItemWithError(group, b._key)
+        p = PyDict_GetItemWithError(group, key)
         index_out[0] = index
         if p is NULL:
             return None
@@ -330,11 +342,12 @@ cdef class MapCalls(StateCalls):
         cdef Py_ssize_t index
         cdef int64_t now
         cdef PyObject* p
-        stored = self._map(&index)
+        key = self._backend._key
+        stored = self._map(&index, key)
         if index >= 0:
             if stored is None:
                 return None
-            p = PyDict_GetItemWithError(stored, user_key)
+            p = PyDict_GetItemWithError(stored, user_key)  # may run the user key's __eq__
             if p is NULL:
                 return None
             entry = <object>p
@@ -344,12 +357,7 @@ cdef class MapCalls(StateCalls):
                 if self._expired((<tuple>entry)[1], now) != 0:
                     return self._get_py(user_key)  # removes it
                 entry = (<tuple>entry)[0]
-            table = <StateTableBase>self._table
-            if (
-                _atomic(entry)
-                or not _flag(table.tainted, index)
-                or PySet_Contains(<object>PyList_GET_ITEM(table.owned, index), self._backend._key)
-            ):
+            if _atomic(entry) or _private(self._table, index, key) == 1:
                 return entry
         return self._get_py(user_key)
 
@@ -358,7 +366,7 @@ cdef class MapCalls(StateCalls):
         cdef Py_ssize_t index
         cdef int64_t now
         cdef PyObject* p
-        stored = self._map(&index)
+        stored = self._map(&index, self._backend._key)
         if index >= 0:
             if stored is None:
                 return False
@@ -377,20 +385,20 @@ cdef class MapCalls(StateCalls):
         """Sets the value under ``user_key`` for the current key."""
         cdef Py_ssize_t index
         cdef int64_t now
+        cdef StateTableBase table
         if self._key_passes(user_key) and (value is None or self._value_passes(value)):
-            stored = self._map(&index)
-            if stored is not None:
+            key = self._backend._key
+            stored = self._map(&index, key)
+            if stored is not None and _private(self._table, index, key) == 1:  # the table checked
                 table = <StateTableBase>self._table
-                key = self._backend._key
-                if not (_flag(table.tainted, index) and not PySet_Contains(<object>PyList_GET_ITEM(table.owned, index), key)):
-                    if self._ttl is not None:
-                        stamp = self._now(&now)
-                        if stamp is None:
-                            self._put_py(user_key, value)
-                            return
-                        value = (value, stamp)
-                    if table.changes is not None:
-                        PySet_Add(table.changes[index], key)
-                    PyDict_SetItem(stored, user_key, value)
-                    return
+                if self._ttl is not None:
+                    stamp = self._now(&now)
+                    if stamp is None:
+                        self._put_py(user_key, value)
+                        return
+                    value = (value, stamp)
+                if table.changes is not None:
+                    PySet_Add(table.changes[index], key)
+                PyDict_SetItem(stored, user_key, value)  # may run the user key's __eq__: nothing after it
+                return
         self._put_py(user_key, value)

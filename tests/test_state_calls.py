@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pyengine import _native
 from pyengine.state import (
     ListStateDescriptor,
     ListView,
@@ -509,6 +510,17 @@ NATIVE_OPS = st.one_of(
     st.tuples(st.just("release")),  # ... and its end
     st.tuples(st.just("advance"), st.sampled_from([1, 25, 50, 99, 100])),  # TTL is 100: its edge too
     st.tuples(st.just("step"), st.booleans()),  # begin (True) or end a step: the clock read once
+    st.tuples(st.just("bad"), KEYS6, st.sampled_from(["update", "add", "put-key", "put-value", "none"])),
+)
+# a value each declared type refuses (None: list state refuses None whatever the type)
+_BAD = {None: None, "string": 5, "int32": 2**40}
+_NATIVE_TTLS = st.sampled_from(
+    [
+        None,
+        StateTtlConfig(TTL),
+        StateTtlConfig(TTL, update_type=TtlUpdateType.ON_READ_AND_WRITE),
+        StateTtlConfig(TTL, state_visibility=StateVisibility.RETURN_EXPIRED_IF_NOT_CLEANED_UP),
+    ]
 )
 
 
@@ -550,8 +562,8 @@ def _tables(backend):
 
 @settings(max_examples=300, deadline=None)
 @given(
-    ttl=TTLS,
-    typed=st.booleans(),
+    ttl=_NATIVE_TTLS,
+    typed=st.sampled_from([None, "string", "int32"]),
     mutable=st.booleans(),
     backend_kind=st.sampled_from(["heap", "incremental"]),
     stepped=st.booleans(),
@@ -569,13 +581,16 @@ def test_the_native_calls_do_what_the_python_methods_do(ttl, typed, mutable, bac
     step with this manual clock the first TTL call of a key reads the clock in Python."""
     clocks = [Clock(), Clock()]
     backends = [create_keyed_backend(backend_kind, max_parallelism=2, ttl_clock_ms=c) for c in clocks]
-    typed = typed and not mutable
-    kind = pa.string() if typed else None  # a typed value state of ints would be columnar: not these calls
+    if mutable:
+        typed = None
+    kind = {None: None, "string": pa.string(), "int32": pa.int32()}[typed]
+    # A value state typed as an Arrow number without TTL is columnar (ColumnarValueCalls): not these calls.
+    value_kind = pa.string() if typed == "int32" and ttl is None else kind
     states = []
     for b in backends:
         states.append(
             (
-                b.get_state(ValueStateDescriptor("v", None, kind, ttl)),
+                b.get_state(ValueStateDescriptor("v", None, value_kind, ttl)),
                 b.get_state(ListStateDescriptor("l", kind, ttl)),
                 b.get_state(MapStateDescriptor("m", kind, kind, ttl)),
             )
@@ -585,8 +600,14 @@ def test_the_native_calls_do_what_the_python_methods_do(ttl, typed, mutable, bac
     frozen = [0]
     handed: list = [None, None]  # the last mutable value each side handed out
 
-    def value_of(x):
-        return [x] if mutable else str(x) if typed else x
+    def value_of(x, kind=kind):
+        return [x] if mutable else str(x) if kind == pa.string() else x
+
+    def value_state_value(x):
+        return value_of(x, value_kind)
+
+    def key_of(x):  # a map's user key: never mutable
+        return str(x) if kind == pa.string() else x
 
     for op in ops:
         name = op[0]
@@ -622,18 +643,34 @@ def test_the_native_calls_do_what_the_python_methods_do(ttl, typed, mutable, bac
                     handed[i] = got
                 answers.append(got)
             elif name == "update":
-                v.update(value_of(op[2]))
+                v.update(value_state_value(op[2]))
             elif name == "add":
                 lst.add(value_of(op[2]))
             elif name == "get":
-                got = mp.get(value_of(op[2]) if typed else op[2])
+                got = mp.get(key_of(op[2]))
                 if isinstance(got, list):
                     handed[i] = got
                 answers.append(got)
             elif name == "contains":
-                answers.append(mp.contains(str(op[2]) if typed else op[2]))
+                answers.append(mp.contains(key_of(op[2])))
             elif name == "put":
-                mp.put(str(op[2]) if typed else op[2], value_of(op[3]))
+                mp.put(key_of(op[2]), value_of(op[3]))
+            elif name == "bad":  # a refused write: the same error, nothing changed
+                bad, what = _BAD[typed], op[2]
+                try:
+                    if what == "update":
+                        v.update(bad if value_kind == kind else 5)
+                    elif what == "add":
+                        lst.add(bad)
+                    elif what == "put-key":
+                        mp.put(bad if bad is not None else [1], value_of(1))  # untyped: an unhashable key
+                    elif what == "put-value":
+                        mp.put(key_of(1), bad)
+                    else:
+                        lst.add(None)
+                    answers.append("no error")
+                except (TypeError, ValueError) as exc:
+                    answers.append(f"{type(exc).__name__}: {exc}")
             elif name == "mutate":
                 if handed[i] is not None:
                     handed[i].append(99)  # in place: never into a pending snapshot
@@ -651,7 +688,11 @@ def test_a_typed_state_refuses_a_bad_value_through_the_native_calls(kind) -> Non
     backend = create_keyed_backend("heap", max_parallelism=8, ttl_clock_ms=Clock())
     backend.set_current_key(1)
     if kind == "value":
-        state = backend.get_state(ValueStateDescriptor("v", None, pa.int32()))
+        # With a TTL a typed value state is dict-backed (without one, columnar: ColumnarValueCalls).
+        state = backend.get_state(ValueStateDescriptor("v", None, pa.int32(), StateTtlConfig(10**9)))
+        backend.begin_ttl_step()  # the step's clock: the C calls stamp with it
+        backend.set_current_key(1)
+        assert isinstance(state, _native.ValueCalls)
         state.update(2**31 - 1)
         with pytest.raises(TypeError, match="int32"):
             state.update(2**31)
