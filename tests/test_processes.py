@@ -359,3 +359,38 @@ def test_monitoring_sees_every_worker_s_counters() -> None:
     for (vertex, _), sample in last.subtasks.items():
         by_vertex[vertex] = by_vertex.get(vertex, 0) + sample.records_in
     assert by_vertex == {"v0": N, "v1": N}, by_vertex
+
+
+class Unpickled:
+    """A record that leaves a file named after the process that unpickles it."""
+
+    def __init__(self, v: int, where: str) -> None:
+        self.v, self.where = v, where
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        open(os.path.join(self.where, str(os.getpid())), "a").close()
+
+
+def test_a_collections_records_go_only_to_the_worker_that_reads_them(tmp_path) -> None:
+    """A collection is read by its source's first subtask alone: its records are sent to
+    that worker, not to every worker of the job (four at parallelism 2 here)."""
+    where = tmp_path / "unpickled"
+    where.mkdir()
+    e = env("processes")
+    sink = pe.sinks.CollectSink()
+    records = [Unpickled(i, str(where)) for i in range(500)]
+    e.from_collection(records).map(lambda r: r.v).rebalance().map(lambda v: v).sink_to(sink)
+    result = e.execute("collection-to-its-reader")
+    assert result.status == "FINISHED"
+    assert sorted(sink.records) == list(range(500))
+    assert len(os.listdir(where)) == 1, os.listdir(where)  # one process unpickled them: the source's
+
+
+def test_a_collection_source_without_its_records_refuses_to_be_read() -> None:
+    from pyengine.runners import processes
+
+    source = processes._collection_source(0, None)  # in a worker that was not sent the records
+    assert source.read(1, 2, 0, 10) is None  # the other subtasks read nothing anyway
+    with pytest.raises(RuntimeError, match="only to the worker process of the source's first subtask"):
+        source.read(0, 2, 0, 10)

@@ -55,6 +55,7 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 import pyarrow as pa
 
 from ..errors import NonRetryableError
+from ..runtime.sources import CollectionSource
 from ..sinks import CollectSink, DiscardSink, PrintSink, Sink
 from .flight import RemoteChannel, decode_event, encode_event
 from .result import JobResult
@@ -125,11 +126,16 @@ def _pickler_class() -> Any:
         driver's objects (``reducer_override``: called for objects of classes only, never
         for the lists, tuples and dicts of a collection source, which stay in C)."""
 
-        def __init__(self, file: Any, proxied: List[Sink]) -> None:
+        def __init__(self, file: Any, proxied: List[Sink], collections: Optional[List[Any]] = None) -> None:
             super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
             self.proxied = proxied
+            self.collections = collections
 
         def reducer_override(self, obj: Any) -> Any:
+            if self.collections is not None and type(obj) is CollectionSource:
+                # Its records go apart, to the one worker that reads them: see _collection_source.
+                self.collections.append(obj.records)
+                return _collection_source, (len(self.collections) - 1, obj.schema)
             if type(obj) in _PROXIED:
                 for i, sink in enumerate(self.proxied):
                     if sink is obj:
@@ -141,12 +147,47 @@ def _pickler_class() -> Any:
     return JobPickler
 
 
-def dumps_job(spec: Any) -> Tuple[bytes, List[Sink]]:
-    """``spec`` pickled for a worker, and the driver's sinks its proxies stand for."""
+def dumps_job(spec: Any, collections: Optional[List[Any]] = None) -> Tuple[bytes, List[Sink]]:
+    """``spec`` pickled for a worker, and the driver's sinks its proxies stand for.
+    With ``collections`` (a list), the records of every ``from_collection`` source
+    are left out and appended to it instead (``_collection_source``)."""
     proxied: List[Sink] = []
     out = io.BytesIO()
-    _pickler_class()(out, proxied).dump(spec)
+    _pickler_class()(out, proxied, collections).dump(spec)
     return out.getvalue(), proxied
+
+
+# In a worker: the records of the job's collection sources, when this worker reads them.
+_WORKER_COLLECTIONS: Optional[List[Any]] = None
+
+
+class _NotShipped:
+    """The records of a collection source in a worker that was not sent them (one
+    that does not run the source's first subtask, the only one reading them): any
+    use is an error, never an empty collection."""
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+
+    def _refuse(self, *_: Any) -> Any:
+        raise RuntimeError(
+            f"collection source {self.key}: its records were sent only to the worker process of the "
+            "source's first subtask (the one that reads a collection), not to this one"
+        )
+
+    __len__ = __getitem__ = __iter__ = _refuse
+
+
+def _collection_source(key: int, schema: Any) -> CollectionSource:
+    """A collection source unpickled in a worker, its records those the driver sent
+    this worker apart from the job. A collection is read by the source's subtask 0
+    only (``CollectionSource``), so only that subtask's worker gets them: before, every
+    worker of a job unpickled every record (a 1,000,000-record collection, four
+    workers: four times the unpickling, for one reader)."""
+    source = CollectionSource.__new__(CollectionSource)
+    source.schema = schema
+    source.records = _WORKER_COLLECTIONS[key] if _WORKER_COLLECTIONS is not None else _NotShipped(key)
+    return source
 
 
 _WORKER_LINK: Optional[_Link] = None  # in a worker: its pipe to the driver
@@ -357,8 +398,10 @@ def serve_sockets(gate: Any, token: str, host: str = "127.0.0.1", **_: Any) -> T
 # -- a worker -------------------------------------------------------------------------------
 
 
-def _worker_main(payload: Tuple[bytes, bytes], index: int, conn: Connection, where: Dict[str, Any]) -> None:
-    """A worker process: subtask ``index`` of the job in ``payload``. The driver's
+def _worker_main(payload: Tuple[bytes, bytes, bytes], index: int, conn: Connection, where: Dict[str, Any]) -> None:
+    """A worker process: subtask ``index`` of the job in ``payload`` (the job, the
+    attempt, and the records of its collection sources if this subtask reads them,
+    else ``b""``). The driver's
     working directory, ``sys.path`` and environment first (a fork server's are those of
     when it started), then the job; the end goes to the driver as ``("done", ...)`` or
     ``("error", description)`` before the process exits."""
@@ -371,9 +414,11 @@ def _worker_main(payload: Tuple[bytes, bytes], index: int, conn: Connection, whe
     os.environ.update(where["environ"])
     link = _Link(conn)
     try:
-        global _WORKER_LINK
+        global _WORKER_LINK, _WORKER_COLLECTIONS
         _WORKER_LINK = link
-        job, attempt = payload
+        job, attempt, collections = payload
+        if collections:  # this worker reads the job's collection sources
+            _WORKER_COLLECTIONS = pickle.loads(collections)
         graph, env = pickle.loads(job)
         spec = pickle.loads(attempt)
         spec.graph, spec.env = graph, env
@@ -431,11 +476,20 @@ class _Stage:
     ends) and, on ``cancel``, killed."""
 
     def __init__(
-        self, context: Any, count: int, payload: Tuple[bytes, bytes], proxied: List[Sink], names: List[str]
+        self,
+        context: Any,
+        count: int,
+        payload: Tuple[bytes, bytes],
+        proxied: List[Sink],
+        names: List[str],
+        collections: bytes = b"",
+        readers: Sequence[int] = (),
     ) -> None:
         self.context = context
         self.count = count
         self.payload = payload
+        self.collections = collections  # the job's collection sources' records, pickled apart
+        self.readers = frozenset(readers)  # the indexes that read them (each source's subtask 0)
         self.proxied = proxied
         self.names = names  # what each index runs, for messages
         self.cancelled = threading.Event()
@@ -455,7 +509,12 @@ class _Stage:
                 parent, child = self.context.Pipe(duplex=True)
                 proc = self.context.Process(
                     target=_worker_main,
-                    args=(self.payload, index, child, where),
+                    args=(
+                        (*self.payload, self.collections if index in self.readers else b""),
+                        index,
+                        child,
+                        where,
+                    ),
                     name=f"pyengine-worker-{self.names[index]}",
                     daemon=True,
                 )
@@ -579,9 +638,17 @@ class _ProcessBackend:
     def driver_host(self) -> str:
         return "127.0.0.1"
 
-    def stage(self, count: int, payload: Tuple[bytes, bytes], proxied: List[Sink], names: List[str]) -> _Stage:
+    def stage(
+        self,
+        count: int,
+        payload: Tuple[bytes, bytes],
+        proxied: List[Sink],
+        names: List[str],
+        collections: bytes = b"",
+        readers: Sequence[int] = (),
+    ) -> _Stage:
         """A new attempt's stage, current from now on (``cancel`` kills it)."""
-        stage = _Stage(self.context, count, payload, proxied, names)
+        stage = _Stage(self.context, count, payload, proxied, names, collections, readers)
         with self._lock:
             self._stage = stage
         return stage
@@ -673,6 +740,7 @@ class _ProcessJob(_SparkJob):
         self._start_method = start_method
         self._backend_obj: Optional[_ProcessBackend] = None
         self._job_payload = b""
+        self._collections_payload = b""  # the collection sources' records, for their readers only
         self._proxied: List[Sink] = []
         self.worker_start_s: List[float] = []  # each attempt's start of its workers, measured
         # CPU seconds of each worker of the last attempt, by task name: where a job's time goes
@@ -704,7 +772,12 @@ class _ProcessJob(_SparkJob):
         """Pickles the job (graph and environment) once for every attempt: with a large
         collection source that is most of the driver's work (~0.5 s per 600,000 records)."""
         try:
-            self._job_payload, self._proxied = dumps_job((spec.graph, spec.env))
+            collections: List[Any] = []
+            self._job_payload, self._proxied = dumps_job((spec.graph, spec.env), collections)
+            if collections:
+                out = io.BytesIO()
+                _pickler_class()(out, self._proxied).dump(collections)
+                self._collections_payload = out.getvalue()
         except Exception as exc:
             raise TypeError(unpicklable_message(self.name, self.graph, exc)) from None
 
@@ -712,7 +785,16 @@ class _ProcessJob(_SparkJob):
         # the attempt's own part (restored state, attempt number) apart from the job's
         attempt, _ = dumps_job(dataclasses.replace(spec, graph=None, env=None))
         count = len(self._attempts())
-        stage = backend.stage(count, (self._job_payload, attempt), self._proxied, self._task_names())
+        p = self.env.parallelism
+        readers = [v * p for v, vertex in enumerate(self.graph.vertices) if not vertex.inputs]  # sources' subtask 0
+        stage = backend.stage(
+            count,
+            (self._job_payload, attempt),
+            self._proxied,
+            self._task_names(),
+            self._collections_payload,
+            readers,
+        )
 
         def job() -> None:
             try:
