@@ -1224,6 +1224,11 @@ class StreamTask:
                 if gate.is_finished:
                     break
                 self._maybe_flush()
+                # Input ended while the output waited for room (END_OF_DATA pushed behind a
+                # full channel): drained once the room came. Reported here too, not only
+                # after a batch, as no batch comes any more: the upstream tasks' END_OF_PARTITION
+                # waits for the end of the job, which waits for this report.
+                self._report_drained()
                 waited = time.perf_counter_ns()
                 got = gate.next(timeout=0.02)
                 self.idle_ns += time.perf_counter_ns() - waited
