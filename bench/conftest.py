@@ -46,9 +46,10 @@ def best_seconds(benchmark: Any) -> float:
 def measured_again(ratio: float, guard: float, again: Callable[[], float], times: int = 2) -> Tuple[float, int]:
     """A ratio under its guard measured again, up to ``times`` times, before a test fails.
 
-    ``again`` measures both variants once more, alternately, keeps the best of each and
-    returns the ratio of the bests. A slow spell of a shared machine hits one variant and
-    not the other; a regression misses every time. Returns the last ratio and how many
+    ``again`` measures both variants once more, alternately, and returns the ratio from
+    all it has measured (the ratio of the bests, or a median of paired ratios). A slow
+    spell of a shared machine hits one variant and not the other; a regression misses
+    every time. Returns the last ratio and how many
     times it was measured again (for the summary line)."""
     n = 0
     while ratio < guard and n < times:

@@ -30,6 +30,7 @@ rows run the defaults (target 1,000 ms).
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from typing import Any, Dict, Tuple
 
@@ -149,8 +150,8 @@ def _throughput(debloat: bool) -> float:
 def test_throughput_without_backpressure(benchmark, debloat: bool) -> None:
     """The keyed count at the engine's defaults: adaptive buffers limit nothing while the
     consumers keep up, so throughput is that of fixed buffers (within 5%). Best of
-    ``THROUGHPUT_ROUNDS`` rounds each; a shortfall is measured again, interleaved, up to
-    twice (a slow spell of a shared machine is not a regression)."""
+    ``THROUGHPUT_ROUNDS`` rounds each; a shortfall is measured again as the median ratio of
+    interleaved pairs, up to twice (a slow spell of a shared machine is not a regression)."""
     benchmark.group = "debloat-throughput"
     best = 0.0
 
@@ -165,23 +166,25 @@ def test_throughput_without_backpressure(benchmark, debloat: bool) -> None:
         return
     off = RESULTS.get(("debloat-throughput", False)) or max(_throughput(False) for _ in range(THROUGHPUT_ROUNDS))
     on = best
+    pairs = []
 
     def again() -> float:
-        nonlocal on, off
         for _ in range(THROUGHPUT_ROUNDS):
-            off = max(off, _throughput(False))
-            on = max(on, _throughput(True))
-        return on / off
+            off_once = _throughput(False)
+            pairs.append(_throughput(True) / off_once)
+        return statistics.median(pairs)
 
-    # The target is 0.95; ten interleaved pairs here gave a best-of ratio of 0.965 and a
-    # median of paired ratios of 0.967, with single runs spread +-15%, and one fresh-clone
-    # CI run measured 0.845 after one interleaved retry. So the guard is 0.90 (a regression
-    # guard), a miss is measured again up to twice, and the target is reported.
-    _, n = measured_again(on / off, 0.95, again)
-    ratio = on / off
+    # The target is 0.95. Single runs here spread +-15%, and now and then one runs ~20%
+    # faster than the rest, so a best-of ratio swings with whichever variant drew it:
+    # twelve interleaved pairs gave medians at 0.97-1.01, one fresh-clone CI run 0.845 in
+    # best-of. A miss of the rows' best-of ratio is measured again as the median of
+    # interleaved pairs, up to twice; 0.90 is asserted (a regression guard), the target
+    # is reported.
+    ratio, n = measured_again(on / off, 0.95, again)
     SUMMARY.append(
-        f"keyed count without backpressure, defaults: debloat on {on:,.0f}/s, off {off:,.0f}/s ({ratio:.3f}; "
-        f"target >= 0.95: {'met' if ratio >= 0.95 else 'NOT MET'}; asserted >= 0.90)"
+        f"keyed count without backpressure, defaults: debloat on {on:,.0f}/s, off {off:,.0f}/s (best of each), "
+        f"ratio {ratio:.3f}{' (median of interleaved pairs)' if n else ''} "
+        f"(target >= 0.95: {'met' if ratio >= 0.95 else 'NOT MET'}; asserted >= 0.90)"
         + (f" (measured again {n}x after a miss)" if n else "")
     )
-    assert ratio >= 0.90, f"adaptive buffers cost throughput: {on:,.0f}/s against {off:,.0f}/s without"
+    assert ratio >= 0.90, f"adaptive buffers cost throughput: {ratio:.3f} of the throughput without them"
