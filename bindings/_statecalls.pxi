@@ -30,6 +30,11 @@ cdef extern from "Python.h":
     # A missing key is NULL without an error; an unhashable one raises, as ``d[k]`` does.
     PyObject* PyDict_GetItemWithError(object d, object key) except? NULL
     long long PyLong_AsLongLongAndOverflow(object v, int* overflow) except? -1
+    Py_ssize_t _refcnt "Py_REFCNT"(PyObject* o)
+    Py_ssize_t _size "Py_SIZE"(PyObject* o)
+    PyTypeObject PyTuple_Type
+    PyObject* _tuple_item "PyTuple_GET_ITEM"(PyObject* t, Py_ssize_t i)
+    void _tuple_set "PyTuple_SET_ITEM"(PyObject* t, Py_ssize_t i, PyObject* v)
 
 
 # Stamps, clocks and TTLs within this bound are compared in C without overflow;
@@ -107,6 +112,32 @@ cdef inline bint _bounded(object v, int64_t* out) except -1:
 cdef inline bint _atomic(object v):
     t = type(v)
     return t is int or t is float or t is str or t is bytes or t is bool or v is None
+
+
+cdef inline PyObject* _restamp(object d, object k, object value, object stamp) except? NULL:
+    """Writes ``(value, stamp)`` over the TTL entry ``d[k]`` in place, when the entry
+    is a 2-tuple that only ``d`` holds (reference count 1: nothing else can see the
+    change), and returns the old value, a reference the caller must release (after
+    its own bookkeeping: freeing it may run a ``__del__``); NULL, without an error,
+    when the entry is missing or not that (the caller then writes a new tuple).
+
+    A TTL state writes a new (value, stamp) tuple per write otherwise: allocating it,
+    then freeing the one it replaces and storing it in the dict again. ``k`` must be
+    atomic (see ``_atomic``): its lookup runs no Python code. An entry the collector
+    does not track (one of atomic values) gets only an atomic value."""
+    cdef PyObject* e = PyDict_GetItemWithError(d, k)
+    cdef PyObject* old
+    if e is NULL or Py_TYPE(<object>e) is not &PyTuple_Type or _size(e) != 2 or _refcnt(e) != 1:
+        return NULL
+    if not _atomic(value) and not PyObject_GC_IsTracked(<object>e):
+        return NULL
+    old = _tuple_item(e, 0)
+    Py_INCREF(value)
+    _tuple_set(e, 0, <PyObject*>value)
+    Py_INCREF(stamp)
+    Py_XDECREF(_tuple_item(e, 1))  # an int: freeing it runs no Python code
+    _tuple_set(e, 1, <PyObject*>stamp)
+    return old
 
 
 cdef inline bint _flag(object flags, Py_ssize_t i) except -1:
@@ -239,6 +270,7 @@ cdef class ValueCalls(StateCalls):
         """Sets the current key's value; ``None`` clears it, as in Flink."""
         cdef Py_ssize_t index
         cdef int64_t now
+        cdef PyObject* replaced
         if value is not None and self._plain() and self._value_passes(value):
             b = self._backend
             index = b._key_index
@@ -247,16 +279,27 @@ cdef class ValueCalls(StateCalls):
                 if group is not None:
                     table = <StateTableBase>self._table
                     if not _flag(table.shared, index):
+                        key = b._key
+                        replaced = NULL
                         if self._ttl is not None:
                             stamp = self._now(&now)
                             if stamp is None:
                                 self._update_py(value)
                                 return
-                            value = (value, stamp)
-                        key = b._key
+                            if _atomic(key):
+                                replaced = _restamp(group, key, value, stamp)
+                            if replaced is NULL:
+                                value = (value, stamp)
                         # Taken before the write, which frees the old value (its __del__ may run).
                         owned = <object>PyList_GET_ITEM(table.owned, index) if _flag(table.tainted, index) else None
                         changed = table.changes[index] if table.changes is not None else None
+                        if replaced is not NULL:
+                            if owned is not None:
+                                PySet_Add(owned, key)
+                            if changed is not None:
+                                PySet_Add(changed, key)
+                            Py_XDECREF(replaced)
+                            return
                         PyDict_SetItem(group, key, value)
                         if owned is not None:
                             PySet_Add(owned, key)
@@ -386,6 +429,7 @@ cdef class MapCalls(StateCalls):
         cdef Py_ssize_t index
         cdef int64_t now
         cdef StateTableBase table
+        cdef PyObject* replaced
         if self._key_passes(user_key) and (value is None or self._value_passes(value)):
             key = self._backend._key
             stored = self._map(&index, key)
@@ -396,6 +440,13 @@ cdef class MapCalls(StateCalls):
                     if stamp is None:
                         self._put_py(user_key, value)
                         return
+                    if _atomic(user_key):
+                        replaced = _restamp(stored, user_key, value, stamp)
+                        if replaced is not NULL:
+                            if table.changes is not None:
+                                PySet_Add(table.changes[index], key)
+                            Py_XDECREF(replaced)
+                            return
                     value = (value, stamp)
                 if table.changes is not None:
                     PySet_Add(table.changes[index], key)

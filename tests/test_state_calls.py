@@ -746,3 +746,53 @@ def test_the_native_calls_expire_an_entry_exactly_at_its_ttl(read, elapsed) -> N
         assert step(lambda: mp.get("a")) == (5 if live else None)
     else:
         assert step(lambda: mp.contains("a")) is live
+
+
+@pytest.mark.parametrize("kind", ["value", "map"])
+def test_a_ttl_entry_is_rewritten_in_place_only_when_nothing_else_holds_it(kind) -> None:
+    """A TTL write over an entry that only the state holds reuses its (value, stamp)
+    tuple (no new tuple per write); an entry anything else holds (here the test, as a
+    snapshot's frozen copy would) is replaced, never changed, and a mutable value
+    never goes into an entry the garbage collector does not track."""
+    import gc
+
+    clock = Clock()
+    backend = create_keyed_backend("heap", max_parallelism=2, ttl_clock_ms=clock)
+    ttl = StateTtlConfig(TTL)
+    if kind == "value":
+        state = backend.get_state(ValueStateDescriptor("s", ttl=ttl))
+        write, read = state.update, state.value
+    else:
+        state = backend.get_state(MapStateDescriptor("s", ttl=ttl))
+        write, read = (lambda v: state.put("page", v)), (lambda: state.get("page"))
+    backend.begin_ttl_step()
+    backend.set_current_key(7)
+    group = backend._tables["s"].groups[backend._key_index]
+
+    def entry():
+        return group[7] if kind == "value" else group[7]["page"]
+
+    write(1)
+    first = id(entry())
+    clock.ms += 5
+    backend.end_ttl_step()
+    backend.begin_ttl_step()
+    write(2)
+    assert id(entry()) == first, "the entry only the state held was not rewritten in place"
+    assert entry() == (2, clock.ms) and read() == 2
+
+    held = entry()  # another holder: the entry must not change under it
+    clock.ms += 5
+    backend.end_ttl_step()
+    backend.begin_ttl_step()
+    write(3)
+    assert held == (2, clock.ms - 5)
+    assert entry() is not held and entry() == (3, clock.ms) and read() == 3
+    del held
+
+    gc.collect()  # untracks the entry of atomic values, as CPython does
+    assert not gc.is_tracked(entry())
+    mutable = ["a list"]
+    write(mutable)
+    assert gc.is_tracked(entry()) and read() is mutable
+    backend.end_ttl_step()

@@ -752,8 +752,9 @@ class ListView(MutableSequence[T]):
 class ListState(_ListCalls, _KeyedState, Generic[T]):
     """A list per key (Flink's ListState). With a TTL, each element expires on its own.
 
-    ``add`` appends one element and ``get`` returns a view (``ListView``): neither
-    costs more for a long list than for a short one. With a TTL an element is
+    ``add`` appends one element and ``view()`` reads the elements without copying
+    them (``ListView``): neither costs more for a long list than for a short one;
+    ``get()`` returns a new list, a copy of the elements. With a TTL an element is
     stored with its write time; expired ones are left out by reads, and removed by
     the incremental cleanup and snapshots, never by scanning on ``add``."""
 
