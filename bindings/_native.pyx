@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-# cython: initializedcheck=False, embedsignature=True, binding=False
+# cython: initializedcheck=False, embedsignature=True, embedsignature.format=clinic, binding=False
 """Native checkpointed input gate (``pyengine._native``).
 
 A Cython twin of ``pyengine.io.reference``: the same state machine, with the

@@ -796,3 +796,24 @@ def test_a_ttl_entry_is_rewritten_in_place_only_when_nothing_else_holds_it(kind)
     write(mutable)
     assert gc.is_tracked(entry()) and read() is mutable
     backend.end_ttl_step()
+
+
+def test_the_native_state_methods_show_their_signatures() -> None:
+    """``help()``, doc tools and IDEs read a method's signature with ``inspect``: the
+    methods that run in C carry theirs (Cython's clinic-format signatures)."""
+    import inspect
+
+    backend = create_keyed_backend("heap", max_parallelism=2)
+    value = backend.get_state(ValueStateDescriptor("v"))
+    lst = backend.get_state(ListStateDescriptor("l"))
+    mp = backend.get_state(MapStateDescriptor("m"))
+    expected = {
+        value.value: [],
+        value.update: ["value"],
+        lst.add: ["value"],
+        mp.get: ["user_key"],
+        mp.put: ["user_key", "value"],
+        mp.contains: ["user_key"],
+    }
+    for method, params in expected.items():
+        assert list(inspect.signature(method).parameters) == params, method
