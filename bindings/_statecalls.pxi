@@ -339,6 +339,14 @@ cdef class ListCalls(StateCalls):
                         if table.changes is not None:
                             PySet_Add(table.changes[index], key)
                         return
+                    if type(stored) is StampedList and self._ttl is not None and _private(table, index, key) == 1:
+                        stamp = self._now(&now)
+                        if stamp is not None:
+                            (<StampedList>stored).values.append(value)
+                            (<StampedList>stored).stamps.append(stamp)
+                            if table.changes is not None:
+                                PySet_Add(table.changes[index], key)
+                            return
         self._add_py(value)
 
 

@@ -4,7 +4,7 @@ Use the gate through ``pyengine.io.CheckpointedInputGate``; this module is the
 implementation detail behind ``implementation="native"``.
 """
 
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, overload
 
 def bind(
     barrier_type: type,
@@ -134,6 +134,23 @@ def take_changes(groups: List[ColumnarGroup]) -> Tuple[Any, Any, Any, Any, Any]:
     """What changed in many change-tracking groups since their last take (as gather_changes), and resets them."""
 
 def int_key_group(key: Any, max_parallelism: int) -> int: ...
+
+class StampedList:
+    """A TTL list state's elements and their stamps in two parallel lists; to other
+    code the sequence of ``(value, stamp)`` tuples it stands for (pickled: that list)."""
+
+    values: List[Any]
+    stamps: List[Any]
+    def __init__(self, entries: Iterable[Tuple[Any, Any]] = ...) -> None: ...
+    def __len__(self) -> int: ...
+    @overload
+    def __getitem__(self, i: int) -> Tuple[Any, Any]: ...
+    @overload
+    def __getitem__(self, i: slice) -> List[Tuple[Any, Any]]: ...
+    def __iter__(self) -> Iterator[Tuple[Any, Any]]: ...
+    def append(self, entry: Tuple[Any, Any]) -> None: ...
+    def extend(self, entries: Iterable[Tuple[Any, Any]]) -> None: ...
+
 def ttl_values(stored: Sequence[Any], n: int, limit: Any) -> List[Any]:
     """The values of the (value, stamp) entries in ``stored[:n]`` whose stamp is above
     ``limit`` (not yet expired), in order, as a new list: a TTL list state's read, one C pass."""

@@ -472,17 +472,45 @@ _STAMPS = st.one_of(
     entries=st.lists(st.tuples(st.integers(), _STAMPS), max_size=40),
     n=st.integers(0, 45),
     limit=_STAMPS,
-    as_tuple=st.booleans(),
+    form=st.sampled_from(["list", "tuple", "stamped"]),
 )
-def test_the_native_ttl_read_equals_the_python_reference(entries, n, limit, as_tuple) -> None:
+def test_the_native_ttl_read_equals_the_python_reference(entries, n, limit, form) -> None:
     """``_native.ttl_values`` (a TTL list state's ``get()`` and ``view()`` reads, one C
     pass) against the comprehension it replaced, on random stamps: int64, beyond int64
-    and floats (a custom clock), limits of each kind, ``n`` past the end, a tuple input."""
-    from pyengine._native import ttl_values
+    and floats (a custom clock), limits of each kind, ``n`` past the end, a tuple input,
+    and a ``StampedList`` (the stored form of a TTL list: values and stamps apart)."""
+    from pyengine._native import StampedList, ttl_values
 
     reference = [e[0] for e in entries[:n] if e[1] > limit]
-    stored = tuple(entries) if as_tuple else entries
+    stored = {"list": list, "tuple": tuple, "stamped": StampedList}[form](entries)
     assert ttl_values(stored, n, limit) == reference
+
+
+@settings(max_examples=100, deadline=None)
+@given(entries=st.lists(st.tuples(st.integers(), st.integers()), max_size=12), i=st.integers(-14, 14))
+def test_a_stamped_list_reads_as_the_list_of_its_entries(entries, i) -> None:
+    """Code other than the C calls reads a TTL list through the sequence protocol:
+    a ``StampedList`` answers as the list of (value, stamp) tuples it stands for, and
+    pickles (as a snapshot or a copy would) to exactly that list."""
+    import copy
+    import pickle
+
+    from pyengine._native import StampedList
+
+    stamped = StampedList(entries)
+    assert list(stamped) == entries and len(stamped) == len(entries) and stamped == entries
+    assert stamped[i:] == entries[i:] and stamped[:i] == entries[:i]
+    if -len(entries) <= i < len(entries):
+        assert stamped[i] == entries[i]
+    else:
+        with pytest.raises(IndexError):
+            stamped[i]
+    for restored in (pickle.loads(pickle.dumps(stamped)), copy.deepcopy(stamped)):
+        assert type(restored) is list and restored == entries
+    stamped.append((1, 2))
+    stamped.extend([(3, 4)])
+    assert list(stamped) == [*entries, (1, 2), (3, 4)]
+    assert stamped.values == [e[0] for e in entries] + [1, 3] and stamped.stamps == [e[1] for e in entries] + [2, 4]
 
 
 def test_the_native_ttl_read_refuses_what_is_not_a_stamped_entry() -> None:

@@ -42,6 +42,7 @@ import pyarrow as pa
 
 from .._native import ListCalls as _ListCalls
 from .._native import MapCalls as _MapCalls
+from .._native import StampedList
 from .._native import StateCalls as _StateCalls
 from .._native import StateTableBase as _StateTableBase
 from .._native import ValueCalls as _ValueCalls
@@ -202,6 +203,8 @@ class StateTable(_StateTableBase):
             return container
         if isinstance(container, dict):
             container = {k: _private_copy(v) for k, v in container.items()}
+        elif type(container) is StampedList:
+            container = StampedList([(_private_copy(v), s) for v, s in container])
         else:
             container = [_private_copy(v) for v in container]
         self.store(index, key, container)
@@ -231,7 +234,9 @@ class StateTable(_StateTableBase):
 
 
 class _Ttl:
-    """Time-to-live bookkeeping of one state: entries are stored as (value, last_access_ms).
+    """Time-to-live bookkeeping of one state: entries are stored as (value, last_access_ms)
+    tuples; a list's elements as a ``StampedList`` (values and stamps in two parallel
+    lists, read as the sequence of those tuples), or a list of the tuples.
 
     Nothing scans a key's entries on a write. Expiry is checked for what is read
     (an expired entry found by a read is removed then, unless the state may return
@@ -370,7 +375,7 @@ class _Ttl:
         live = [e for e in stored[:cut] if e[1] > limit]  # stamps out of order (a clock set back)
         live.extend(stored[cut:])
         if live:
-            table.store(index, key, live)
+            table.store(index, key, StampedList(live))  # a restored list of tuples takes the stored form too
             self._pass_min = min(self._pass_min, live[0][1])
         else:
             table.delete(index, key)
@@ -850,7 +855,7 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
             if table.changes is not None:
                 table.changes[index].add(key)
 
-    def _put(self, index: int, key: Any, elements: List[Any]) -> None:
+    def _put(self, index: int, key: Any, elements: Any) -> None:
         table = self._table
         if table.shared[index]:
             table.writable(index)
@@ -860,11 +865,11 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
         if table.changes is not None:
             table.changes[index].add(key)
 
-    def _wrap(self, values: Iterable[Any]) -> List[Any]:
+    def _wrap(self, values: Iterable[Any]) -> Any:  # a list, or with a TTL a StampedList
         values = [self._element(v) for v in values]
         if self._ttl is not None:
             now = self._ttl.clock()
-            return [(v, now) for v in values]
+            return StampedList([(v, now) for v in values])
         return values
 
     def add_all(self, values: Iterable[T]) -> None:
@@ -1190,8 +1195,10 @@ class _TtlListState(ListState[T]):
         table = self._table
         stored = table.groups[index].get(key)
         if stored is None:
-            self._put(index, key, [(value, now)])
-        elif stored.__class__ is not list or (table.tainted[index] and key not in table.owned[index]):
+            self._put(index, key, StampedList([(value, now)]))
+        elif (stored.__class__ is not list and stored.__class__ is not StampedList) or (
+            table.tainted[index] and key not in table.owned[index]
+        ):
             table.own(index, key, stored).append((value, now))  # copied once per key and snapshot
         else:
             stored.append((value, now))
@@ -1751,9 +1758,9 @@ class _ExpiringGroups(Sequence[Dict[Any, Any]]):
 def _live_entry(entry: Any, kind: str, limit: int) -> Any:
     """One stored TTL entry without what expired at ``limit`` (stamps at or below it
     have expired): the entry itself when nothing did, ``_ABSENT`` when all of it did."""
-    if kind == "list":
+    if kind == "list":  # written as a list of (value, stamp) tuples, whatever its stored form
         if entry and entry[0][1] > limit and all(e[1] > limit for e in entry):
-            return entry
+            return list(entry) if type(entry) is StampedList else entry
         live = [e for e in entry if e[1] > limit]
         return live if live else _ABSENT
     if kind == "map":
@@ -1771,7 +1778,7 @@ def _live_entries(group: Dict[Any, Any], kind: str, limit: int) -> Dict[Any, Any
         for k, elements in group.items():
             if elements and elements[0][1] > limit and elements[-1][1] > limit:
                 if all(e[1] > limit for e in elements):
-                    out[k] = elements
+                    out[k] = list(elements) if type(elements) is StampedList else elements
                     continue
             live = [e for e in elements if e[1] > limit]
             if live:
