@@ -37,6 +37,20 @@ cdef extern from "Python.h":
     void _tuple_set "PyTuple_SET_ITEM"(PyObject* t, Py_ssize_t i, PyObject* v)
 
 
+cdef extern from *:
+    """
+    /* A tuple rewritten in place (_restamp) is safe where the GIL makes a reference
+       count of 1 mean no other holder, and tuples cache no hash: CPython before 3.14,
+       not free-threaded. */
+    #if PY_VERSION_HEX >= 0x030E0000 || defined(Py_GIL_DISABLED)
+    #define PE_RESTAMP_IN_PLACE 0
+    #else
+    #define PE_RESTAMP_IN_PLACE 1
+    #endif
+    """
+    bint PE_RESTAMP_IN_PLACE
+
+
 # Stamps, clocks and TTLs within this bound are compared in C without overflow;
 # others go to the Python paths.
 cdef int64_t _TTL_BOUND = (<int64_t>1) << 62
@@ -125,18 +139,23 @@ cdef inline PyObject* _restamp(object d, object k, object value, object stamp) e
     then freeing the one it replaces and storing it in the dict again. ``k`` must be
     atomic (see ``_atomic``): its lookup runs no Python code. An entry the collector
     does not track (one of atomic values) gets only an atomic value."""
-    cdef PyObject* e = PyDict_GetItemWithError(d, k)
+    cdef PyObject* e
     cdef PyObject* old
+    cdef PyObject* old_stamp
+    if not PE_RESTAMP_IN_PLACE:
+        return NULL
+    e = PyDict_GetItemWithError(d, k)
     if e is NULL or Py_TYPE(<object>e) is not &PyTuple_Type or _size(e) != 2 or _refcnt(e) != 1:
         return NULL
     if not _atomic(value) and not PyObject_GC_IsTracked(<object>e):
         return NULL
     old = _tuple_item(e, 0)
+    old_stamp = _tuple_item(e, 1)
     Py_INCREF(value)
     _tuple_set(e, 0, <PyObject*>value)
     Py_INCREF(stamp)
-    Py_XDECREF(_tuple_item(e, 1))  # an int: freeing it runs no Python code
     _tuple_set(e, 1, <PyObject*>stamp)
+    Py_XDECREF(old_stamp)  # the entry is whole again before anything it frees could run
     return old
 
 
@@ -294,11 +313,13 @@ cdef class ValueCalls(StateCalls):
                         owned = <object>PyList_GET_ITEM(table.owned, index) if _flag(table.tainted, index) else None
                         changed = table.changes[index] if table.changes is not None else None
                         if replaced is not NULL:
-                            if owned is not None:
-                                PySet_Add(owned, key)
-                            if changed is not None:
-                                PySet_Add(changed, key)
-                            Py_XDECREF(replaced)
+                            try:
+                                if owned is not None:
+                                    PySet_Add(owned, key)
+                                if changed is not None:
+                                    PySet_Add(changed, key)
+                            finally:
+                                Py_XDECREF(replaced)
                             return
                         PyDict_SetItem(group, key, value)
                         if owned is not None:
@@ -451,9 +472,11 @@ cdef class MapCalls(StateCalls):
                     if _atomic(user_key):
                         replaced = _restamp(stored, user_key, value, stamp)
                         if replaced is not NULL:
-                            if table.changes is not None:
-                                PySet_Add(table.changes[index], key)
-                            Py_XDECREF(replaced)
+                            try:
+                                if table.changes is not None:
+                                    PySet_Add(table.changes[index], key)
+                            finally:
+                                Py_XDECREF(replaced)
                             return
                     value = (value, stamp)
                 if table.changes is not None:

@@ -28,8 +28,8 @@ cdef class StampedList:
     settings) read it as they read a list of tuples; pickled, it becomes that list,
     which is also what a snapshot writes (the file format does not change)."""
 
-    cdef public list values
-    cdef public list stamps
+    cdef readonly list values  # never rebound: C code reads both without bounds checks
+    cdef readonly list stamps
 
     def __init__(self, entries=()):
         self.values = []

@@ -375,7 +375,10 @@ class _Ttl:
         live = [e for e in stored[:cut] if e[1] > limit]  # stamps out of order (a clock set back)
         live.extend(stored[cut:])
         if live:
-            table.store(index, key, StampedList(live))  # a restored list of tuples takes the stored form too
+            # A new list of the same element objects: not owned, so an unfinished snapshot's
+            # elements are still copied before a read could hand them out to be changed.
+            # (A restored list of tuples takes the stored form here too.)
+            table.restamp(index, key, StampedList(live))
             self._pass_min = min(self._pass_min, live[0][1])
         else:
             table.delete(index, key)
