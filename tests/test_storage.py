@@ -208,3 +208,10 @@ def test_read_keyed_state_applies_an_incremental_chain(storage) -> None:
     assert table.num_rows == len(expected_count)
     assert {r["key"]: r["value"] for r in table.to_pylist()} == expected_count
     assert {r["key"]: dict(r["value"]) for r in read_keyed_state(path, "op", "tags").to_pylist()} == expected_tags
+
+
+def test_a_printed_inline_handle_shows_its_size_not_its_bytes() -> None:
+    from pyengine.storage.handles import ByteStreamStateHandle
+
+    handle = ByteStreamStateHandle("op", b"\x00\x01" * 4_000, "xxh3:0102")
+    assert repr(handle) == "ByteStreamStateHandle(name='op', 8,000 bytes, checksum='xxh3:0102')"

@@ -62,6 +62,9 @@ class ByteStreamStateHandle(StateHandle):
 
     kind = "inline"
 
+    def __repr__(self) -> str:  # the bytes themselves: kilobytes of binary in a printed handle
+        return f"ByteStreamStateHandle(name={self.name!r}, {len(self.data):,} bytes, checksum={self.checksum!r})"
+
     @property
     def state_size(self) -> int:
         return len(self.data)
