@@ -97,8 +97,8 @@ cdef list _stamped_values(StampedList stored, Py_ssize_t n, object limit):
         st = PyLong_AsLongLongAndOverflow(stamp, &overflow)
         if overflow:
             return None
-        if st <= lim:
-            return [values[j] for j in range(end) if stamps[j] > limit]
+        if st <= lim:  # copies first: a later stamp's __gt__ (any object) cannot shorten what is read
+            return [v for v, s in zip(values[:end], stamps[:end]) if s > limit]
         last = stamp
     return values[:end]
 
