@@ -50,7 +50,7 @@ import time
 import uuid
 from collections import deque
 from multiprocessing.connection import Connection, wait
-from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
 
@@ -471,25 +471,30 @@ def _exit_reason(code: Optional[int]) -> str:
     return f"exited with code {code}"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Payload:
+    """What an attempt's workers are sent: the job and the attempt, pickled, and the
+    records of the job's collection sources, pickled apart and sent only to the
+    workers that read them (``readers``: each collection source's subtask 0)."""
+
+    job: bytes
+    attempt: bytes
+    collections: bytes = b""
+    readers: FrozenSet[int] = frozenset()
+
+    def for_worker(self, index: int) -> Tuple[bytes, bytes, bytes]:
+        """``_worker_main``'s payload for worker ``index``."""
+        return self.job, self.attempt, self.collections if index in self.readers else b""
+
+
 class _Stage:
     """One attempt's worker processes: started, served (their sinks' calls, their
     ends) and, on ``cancel``, killed."""
 
-    def __init__(
-        self,
-        context: Any,
-        count: int,
-        payload: Tuple[bytes, bytes],
-        proxied: List[Sink],
-        names: List[str],
-        collections: bytes = b"",
-        readers: Sequence[int] = (),
-    ) -> None:
+    def __init__(self, context: Any, count: int, payload: _Payload, proxied: List[Sink], names: List[str]) -> None:
         self.context = context
         self.count = count
         self.payload = payload
-        self.collections = collections  # the job's collection sources' records, pickled apart
-        self.readers = frozenset(readers)  # the indexes that read them (each source's subtask 0)
         self.proxied = proxied
         self.names = names  # what each index runs, for messages
         self.cancelled = threading.Event()
@@ -509,12 +514,7 @@ class _Stage:
                 parent, child = self.context.Pipe(duplex=True)
                 proc = self.context.Process(
                     target=_worker_main,
-                    args=(
-                        (*self.payload, self.collections if index in self.readers else b""),
-                        index,
-                        child,
-                        where,
-                    ),
+                    args=(self.payload.for_worker(index), index, child, where),
                     name=f"pyengine-worker-{self.names[index]}",
                     daemon=True,
                 )
@@ -638,17 +638,9 @@ class _ProcessBackend:
     def driver_host(self) -> str:
         return "127.0.0.1"
 
-    def stage(
-        self,
-        count: int,
-        payload: Tuple[bytes, bytes],
-        proxied: List[Sink],
-        names: List[str],
-        collections: bytes = b"",
-        readers: Sequence[int] = (),
-    ) -> _Stage:
+    def stage(self, count: int, payload: _Payload, proxied: List[Sink], names: List[str]) -> _Stage:
         """A new attempt's stage, current from now on (``cancel`` kills it)."""
-        stage = _Stage(self.context, count, payload, proxied, names, collections, readers)
+        stage = _Stage(self.context, count, payload, proxied, names)
         with self._lock:
             self._stage = stage
         return stage
@@ -656,8 +648,8 @@ class _ProcessBackend:
     def run_barrier(self, count: int, fn: Any, group: str, description: str) -> List[str]:
         """Runs ``count`` tasks at once (``fn`` a ``(payload, proxied, names)`` triple,
         see ``stage``); raises when one fails."""
-        payload, proxied, names = fn
-        return self.stage(count, payload, proxied, names).run()
+        (job, attempt), proxied, names = fn
+        return self.stage(count, _Payload(job, attempt), proxied, names).run()
 
     def cancel(self, group: str) -> None:
         with self._lock:
@@ -784,17 +776,12 @@ class _ProcessJob(_SparkJob):
     def _submit(self, backend: Any, spec: _TaskSpec) -> None:
         # the attempt's own part (restored state, attempt number) apart from the job's
         attempt, _ = dumps_job(dataclasses.replace(spec, graph=None, env=None))
-        count = len(self._attempts())
-        p = self.env.parallelism
-        readers = [v * p for v, vertex in enumerate(self.graph.vertices) if not vertex.inputs]  # sources' subtask 0
-        stage = backend.stage(
-            count,
-            (self._job_payload, attempt),
-            self._proxied,
-            self._task_names(),
-            self._collections_payload,
-            readers,
-        )
+        attempts = self._attempts()
+        count = len(attempts)
+        sources = {v.name for v in self.graph.vertices if not v.inputs}
+        readers = frozenset(i for i, a in enumerate(attempts) if a.vertex in sources and a.subtask == 0)
+        payload = _Payload(self._job_payload, attempt, self._collections_payload, readers)
+        stage = backend.stage(count, payload, self._proxied, self._task_names())
 
         def job() -> None:
             try:
