@@ -1762,9 +1762,10 @@ def _live_entry(entry: Any, kind: str, limit: int) -> Any:
     """One stored TTL entry without what expired at ``limit`` (stamps at or below it
     have expired): the entry itself when nothing did, ``_ABSENT`` when all of it did."""
     if kind == "list":  # written as a list of (value, stamp) tuples, whatever its stored form
-        if entry and entry[0][1] > limit and all(e[1] > limit for e in entry):
-            return list(entry) if type(entry) is StampedList else entry
-        live = [e for e in entry if e[1] > limit]
+        if type(entry) is list and entry and entry[0][1] > limit and entry[-1][1] > limit:
+            if all(e[1] > limit for e in entry):
+                return entry  # nothing expired: the stored list itself
+        live = [e for e in entry if e[1] > limit]  # a StampedList: its tuples made here, in one pass
         return live if live else _ABSENT
     if kind == "map":
         live_map = {u: e for u, e in entry.items() if e[1] > limit}
@@ -1779,12 +1780,8 @@ def _live_entries(group: Dict[Any, Any], kind: str, limit: int) -> Dict[Any, Any
     if kind == "list":
         out: Dict[Any, Any] = {}
         for k, elements in group.items():
-            if elements and elements[0][1] > limit and elements[-1][1] > limit:
-                if all(e[1] > limit for e in elements):
-                    out[k] = list(elements) if type(elements) is StampedList else elements
-                    continue
-            live = [e for e in elements if e[1] > limit]
-            if live:
+            live = _live_entry(elements, kind, limit)
+            if live is not _ABSENT:
                 out[k] = live
         return out
     if kind == "map":
