@@ -244,6 +244,15 @@ cdef class StateCalls:
             return None
         return n
 
+    cdef inline bint _live(self, object entry) except -1:
+        """Whether ``entry`` is a (value, stamp) tuple still live at the step's clock;
+        False for anything else (expired, no clock read yet, not an int64 stamp): the
+        Python path then decides, and removes what expired."""
+        cdef int64_t now
+        if self._now(&now) is None or type(entry) is not tuple or len(<tuple>entry) != 2:
+            return False
+        return self._expired((<tuple>entry)[1], now) == 0
+
     cdef inline int _expired(self, object stamp, int64_t now) except -1:
         """1 expired, 0 live, -1 not an int64 stamp (the Python path decides)."""
         cdef int64_t s
@@ -261,7 +270,6 @@ cdef class ValueCalls(StateCalls):
     def value(self):
         """The current key's value, or the descriptor's default when it has none."""
         cdef Py_ssize_t index
-        cdef int64_t now
         cdef PyObject* p
         if self._plain():
             b = self._backend
@@ -276,10 +284,8 @@ cdef class ValueCalls(StateCalls):
                         return self._default
                     stored = <object>p
                     if self._ttl is not None:
-                        if self._now(&now) is None or type(stored) is not tuple or len(<tuple>stored) != 2:
-                            return self._value_py()
-                        if self._expired((<tuple>stored)[1], now) != 0:
-                            return self._value_py()  # removes it
+                        if not self._live(stored):
+                            return self._value_py()  # removes an expired one
                         stored = (<tuple>stored)[0]
                     if _atomic(stored) or _private(table, index, key) == 1:
                         return stored
@@ -412,7 +418,6 @@ cdef class MapCalls(StateCalls):
     def get(self, user_key):
         """The value under ``user_key`` for the current key, or None."""
         cdef Py_ssize_t index
-        cdef int64_t now
         cdef PyObject* p
         key = self._backend._key
         stored = self._map(&index, key)
@@ -424,10 +429,8 @@ cdef class MapCalls(StateCalls):
                 return None
             entry = <object>p
             if self._ttl is not None:
-                if self._now(&now) is None or type(entry) is not tuple or len(<tuple>entry) != 2:
-                    return self._get_py(user_key)
-                if self._expired((<tuple>entry)[1], now) != 0:
-                    return self._get_py(user_key)  # removes it
+                if not self._live(entry):
+                    return self._get_py(user_key)  # removes an expired one
                 entry = (<tuple>entry)[0]
             if _atomic(entry) or _private(self._table, index, key) == 1:
                 return entry
@@ -436,7 +439,6 @@ cdef class MapCalls(StateCalls):
     def contains(self, user_key):
         """Whether the current key's map has a (live) entry under ``user_key``."""
         cdef Py_ssize_t index
-        cdef int64_t now
         cdef PyObject* p
         stored = self._map(&index, self._backend._key)
         if index >= 0:
@@ -447,10 +449,8 @@ cdef class MapCalls(StateCalls):
                 return False
             if self._ttl is None:
                 return True
-            entry = <object>p
-            if self._now(&now) is not None and type(entry) is tuple and len(<tuple>entry) == 2:
-                if self._expired((<tuple>entry)[1], now) == 0:
-                    return True
+            if self._live(<object>p):
+                return True
         return self._contains_py(user_key)
 
     def put(self, user_key, value):
