@@ -134,6 +134,9 @@ def take_changes(groups: List[ColumnarGroup]) -> Tuple[Any, Any, Any, Any, Any]:
     """What changed in many change-tracking groups since their last take (as gather_changes), and resets them."""
 
 def int_key_group(key: Any, max_parallelism: int) -> int: ...
+def route_int_keys(
+    records: List[Any], get_key: Callable[[Any], Any], max_parallelism: int, buffers: List[List[Any]]
+) -> int: ...
 
 class StampedList:
     """A TTL list state's elements and their stamps in two parallel lists; to other

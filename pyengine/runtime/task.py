@@ -21,7 +21,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, 
 import numpy as np
 import pyarrow as pa
 
-from .._native import int_key_group
+from .._native import int_key_group, route_int_keys
 from ..coordinator import ExecutionAttempt, SubtaskMetrics, TaskStateSnapshot
 from ..errors import ColumnNotFoundError, KeySelectorError, NonRetryableError, UnhashableKeyError
 from ..io import CheckpointBarrier, CheckpointedInputGate, CheckpointOptions, EndOfPartition
@@ -208,6 +208,8 @@ class Output:
         self.subtask = channel
         self.exchange = exchange
         self.key_selector = key_selector
+        # key_by(field)'s field read in C (operator.itemgetter): the routing's own, see emit
+        self._route_by = getattr(key_selector, "fast", None)
         self.max_parallelism = max_parallelism
         self.buffer_size = buffer_size
         self.cancelled = cancelled
@@ -236,6 +238,13 @@ class Output:
             select, max_p = self.key_selector, self.max_parallelism
             assert select is not None
             buffers = self.buffers
+            # key_by(field) over int keys: routed in C, the rest (from the first other
+            # key) per record below, where a record without the field is refused.
+            fast = self._route_by
+            if fast is not None and type(records) is list:
+                routed = route_int_keys(records, fast, max_p, buffers)
+                if routed:
+                    records = records[routed:]
             try:
                 for r in records:  # subtask_for_key_group(assign_to_key_group(key)), inlined: per record
                     key = select(r)

@@ -1,0 +1,103 @@
+"""A hash exchange's routing (``Output.emit``): ``key_by(field)`` over int keys is
+routed in C (``route_int_keys``), every other key per record in Python. Both must put
+each record on the subtask that owns its key group, in arrival order, and a record
+without the key's field must still be refused by name."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, List
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pyengine._native import route_int_keys
+from pyengine.runtime import task as task_module
+from pyengine.runtime.operators import key_selector
+from pyengine.runtime.sources import ColumnNotFoundError
+from pyengine.runtime.task import Output
+from pyengine.state import assign_to_key_group, subtask_for_key_group
+
+MAX_P = 128
+
+
+class _Gate:
+    """A downstream channel that keeps what it is sent."""
+
+    capacity = 8
+
+    def __init__(self) -> None:
+        self.items: List[Any] = []
+
+    def push(self, channel: int, item: Any) -> bool:
+        self.items.append(item)
+        return True
+
+    def put(self, channel: int, item: Any, timeout: Any = None) -> bool:
+        self.items.append(item)
+        return True
+
+    def queued(self, channel: int) -> int:
+        return 0
+
+
+def _routed(records: List[Any], field: Any, parallelism: int) -> List[List[Any]]:
+    gates = [_Gate() for _ in range(parallelism)]
+    out = Output(gates, 0, "hash", key_selector(field), MAX_P, 10**9, threading.Event(), debloat_target_ms=None)
+    out.emit(records)
+    out.flush()
+    return [[r for item in g.items if isinstance(item, list) for r in item] for g in gates]
+
+
+def _expected(records: List[Any], field: Any, parallelism: int) -> List[List[Any]]:
+    channels: List[List[Any]] = [[] for _ in range(parallelism)]
+    for r in records:
+        channels[subtask_for_key_group(MAX_P, parallelism, assign_to_key_group(r[field], MAX_P))].append(r)
+    return channels
+
+
+KEYS = st.one_of(
+    st.integers(-(2**63), 2**63 - 1),
+    st.integers(-(2**70), 2**70),  # past int64: the general path
+    st.booleans(),
+    st.text(max_size=3),
+    st.none(),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(keys=st.lists(KEYS, max_size=60), parallelism=st.integers(1, 5), tuples=st.booleans())
+def test_every_record_goes_to_the_subtask_of_its_key_group_in_order(
+    keys: List[Any], parallelism: int, tuples: bool
+) -> None:
+    records: List[Any] = (
+        [(k, i) for i, k in enumerate(keys)] if tuples else [{"k": k, "i": i} for i, k in enumerate(keys)]
+    )
+    field: Any = 0 if tuples else "k"
+    assert _routed(records, field, parallelism) == _expected(records, field, parallelism)
+
+
+def test_int_keys_take_the_native_path_and_stop_at_the_first_other_key() -> None:
+    import operator
+
+    buffers: List[List[Any]] = [[], [], []]
+    records = [(7, "a"), (2**62, "b"), ("x", "c"), (3, "d")]
+    assert route_int_keys(records, operator.itemgetter(0), MAX_P, buffers) == 2
+    assert sorted(r for b in buffers for r in b) == sorted(records[:2])
+    assert route_int_keys([{"v": 1}], operator.itemgetter("k"), MAX_P, buffers) == 0  # no field: the caller's
+
+
+def test_a_record_without_the_key_field_after_routed_ones_is_refused_by_name(monkeypatch) -> None:
+    calls: List[int] = []
+
+    def counting(records: Any, get_key: Any, max_p: int, buffers: Any) -> int:
+        n = route_int_keys(records, get_key, max_p, buffers)
+        calls.append(n)
+        return n
+
+    monkeypatch.setattr(task_module, "route_int_keys", counting)
+    records = [{"user": 1}, {"user": 2}, {"name": "no user"}, {"user": 3}]
+    with pytest.raises(ColumnNotFoundError, match=r"key_by\('user'\)"):
+        _routed(records, "user", 2)
+    assert calls == [2]  # the two before it went the native way
