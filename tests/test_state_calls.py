@@ -876,3 +876,51 @@ def test_a_cleanup_during_a_snapshot_leaves_the_snapshots_elements_unchanged() -
     lst.view()[0]["x"] = 998
     assert [(dict(v), s) for v, s in frozen[index][1]] == before
     assert len(lst.get()) == 1  # {"x": 2}, as changed in place through the reads above
+
+
+@pytest.mark.parametrize("backend_kind", ["heap", "incremental"])
+@pytest.mark.parametrize("serializer", ["safe", "pickle"])
+@pytest.mark.parametrize("ttl", [None, TTL])
+def test_a_list_view_stored_into_state_is_stored_as_the_list_it_shows(tmp_path, backend_kind, serializer, ttl) -> None:
+    """``view()`` put where a list goes (a value, a map value, a list's element) is
+    checkpointed as the list it showed when it was taken: it used to fail only at
+    the next checkpoint, the safe serializer not knowing the type."""
+    clock = Clock()
+    storage = checkpoint_storage(str(tmp_path), "job")
+    descriptors = [
+        ListStateDescriptor("l", ttl=ttl),
+        ValueStateDescriptor("v", serializer=serializer, ttl=ttl),
+        MapStateDescriptor("m", serializer=serializer, ttl=ttl),
+        ListStateDescriptor("ll", serializer=serializer, ttl=ttl),
+    ]
+    backend = create_keyed_backend(backend_kind, max_parallelism=8, ttl_clock_ms=clock)
+    lst, v, mp, ll = (backend.get_state(d) for d in descriptors)
+    backend.set_current_key(1)
+    for x in (1, 2, 3):
+        lst.add(x)
+    view = lst.view()
+    v.update(view)
+    mp.put("k", view)
+    ll.add(view)
+    lst.add(4)  # after the view: not in what was stored
+    snapshot = backend.snapshot(1, storage.location(1)).run()
+    restored = create_keyed_backend(backend_kind, max_parallelism=8, ttl_clock_ms=clock)
+    restored.restore(snapshot.handles)
+    lst2, v2, mp2, ll2 = (restored.get_state(d) for d in descriptors)
+    restored.set_current_key(1)
+    assert v2.value() == [1, 2, 3] and type(v2.value()) is list
+    assert mp2.get("k") == [1, 2, 3] and ll2.get() == [[1, 2, 3]]
+    assert lst2.get() == [1, 2, 3, 4]
+
+
+def test_a_list_view_pickles_as_the_list_it_shows() -> None:
+    import pickle
+
+    backend = create_keyed_backend("heap", max_parallelism=8)
+    lst = backend.get_state(ListStateDescriptor("l"))
+    backend.set_current_key(1)
+    lst.add_all([1, 2])
+    view = lst.view()
+    lst.add(3)
+    again = pickle.loads(pickle.dumps(view))
+    assert again == [1, 2] and type(again) is list

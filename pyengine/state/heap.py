@@ -66,6 +66,7 @@ from .descriptors import (
     ValueStateDescriptor,
 )
 from .keygroups import DEFAULT_MAX_PARALLELISM, KeyGroupRange, assign_to_key_group, check_parallelism
+from .serializers import stored_as_list
 
 __all__ = [
     "AggregatingState",
@@ -648,6 +649,7 @@ class AggregatingState(_FoldingState, Generic[IN, OUT]):
         return None if v is _ABSENT else self._function.get_result(v)  # type: ignore[no-any-return]
 
 
+@stored_as_list
 class ListView(MutableSequence[T]):
     """What ``ListState.view()`` returns: the current key's elements as they were
     at the call, read from the state without copying them.
@@ -660,7 +662,8 @@ class ListView(MutableSequence[T]):
     its own, so changing it never changes the state (write back with ``update``).
     Elements added to the state after the call do not show in it. It is not a
     ``list``: ``list(view)`` (or ``get()``) for a value to emit downstream, which
-    pyarrow and the serializers take.
+    pyarrow takes. Put into state, it is stored (checkpointed, pickled) as the list
+    it shows.
     """
 
     __slots__ = ("_list", "_n", "_now", "_ttl")
@@ -755,6 +758,11 @@ class ListView(MutableSequence[T]):
 
     def __repr__(self) -> str:
         return repr(list(self))
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        # Pickled (a pickle-serialized state, a buffer between worker processes) as the
+        # list it shows, not as the state's whole list behind it.
+        return (list, (list(self),))
 
 
 class ListState(_ListCalls, _KeyedState, Generic[T]):

@@ -13,7 +13,7 @@ unless the reader opted in too.
 from __future__ import annotations
 
 import pickle
-from typing import Any, Optional
+from typing import Any, Optional, Set
 
 import msgpack
 
@@ -49,12 +49,25 @@ class Serializer:
         raise NotImplementedError
 
 
-def _default(obj: Any) -> msgpack.ExtType:
+# Sequences of the engine's own that a user may store where a list goes (a
+# ``ListState.view()`` put into another state): stored as the list they show.
+_STORED_AS_LISTS: Set[type] = set()
+
+
+def stored_as_list(cls: type) -> type:
+    """Registers ``cls`` (a read-only sequence type) to be stored as a list."""
+    _STORED_AS_LISTS.add(cls)
+    return cls
+
+
+def _default(obj: Any) -> Any:
     t = type(obj)
     if t is tuple:
         return msgpack.ExtType(_EXT_TUPLE, _pack(list(obj)))
     if t is int:  # beyond 64 bits
         return msgpack.ExtType(_EXT_BIGINT, str(obj).encode())
+    if t in _STORED_AS_LISTS:
+        return list(obj)
     raise StateSerializationError(
         f"a value of type {t.__module__}.{t.__qualname__} cannot be stored by the safe serializer, which takes "
         "None, bool, int, float, str, bytes, list, tuple and dict; declare the state's pyarrow type, convert "
