@@ -110,7 +110,8 @@ cdef class ColumnarGroup:
             values[:pos] = self.values[:pos]
             self.keys, self.values = keys, values
             self.resized(grown)
-        self.keys[pos] = key
+        # the key through the array's memory: NumPy's item assignment costs ~0.1 us
+        (<int64_t*>cnp.PyArray_DATA(<cnp.ndarray>self.keys))[pos] = key
         if pe_i64map_put(&self.index, key, pos, &PY_ALLOC) < 0:
             raise MemoryError()
         self.n += 1
@@ -158,10 +159,13 @@ cdef class ColumnarGroup:
         cdef Py_ssize_t last, itemsize
         cdef int64_t* keys
         cdef char* data
-        if pe_i64map_get(&self.index, key) < 0:
+        # Shared with a pending snapshot: a key that is not there must not copy the arrays.
+        if self.shared:
+            if pe_i64map_get(&self.index, key) < 0:
+                return False
+            self.own()
+        if not pe_i64map_remove(&self.index, key, &pos):
             return False
-        self.own()
-        pe_i64map_remove(&self.index, key, &pos)
         last = self.n - 1
         if pos != last:  # the last entry moves into the hole: raw copies, no NumPy scalar per call
             keys = <int64_t*>cnp.PyArray_DATA(<cnp.ndarray>self.keys)

@@ -40,10 +40,12 @@ cdef int timer_group_remove(ColumnarGroup g, int64_t key) except -1:
     cdef Py_ssize_t last
     cdef int64_t* keys
     cdef int64_t* values
-    if pe_i64map_get(&g.index, key) < 0:
+    if g.shared:  # a key that is not there must not copy a pending snapshot's arrays
+        if pe_i64map_get(&g.index, key) < 0:
+            return 0
+        g.own()
+    if not pe_i64map_remove(&g.index, key, &pos):
         return 0
-    g.own()
-    pe_i64map_remove(&g.index, key, &pos)
     last = g.n - 1
     if pos != last:
         keys = <int64_t*>cnp.PyArray_DATA(<cnp.ndarray>g.keys)

@@ -349,3 +349,27 @@ def test_the_native_calls_accept_and_refuse_what_dict_storage_does(arrow_type) -
         s.clear()
         assert s.value() == -5
     assert isinstance(states[0], ColumnarValueState) and states[0]._fallback is None  # still columnar
+
+
+@pytest.mark.parametrize("dtype", ["int64", "float64", "int32"])
+def test_a_frozen_group_keeps_its_arrays_through_removes_and_inserts(dtype) -> None:
+    """Copy-on-write around the raw writes: a remove (the last entry moved into the
+    hole) and an insert (the key written through the array's memory) after a freeze
+    leave the frozen arrays as they were; removing a key that is not there copies
+    nothing and says False."""
+    from pyengine import _native
+
+    group = _native.ColumnarGroup(np.dtype(dtype))
+    for k in range(10):
+        group.put(k, k * 10)
+    keys, values = group.freeze()
+    before = (keys.copy(), values.copy())
+    assert group.remove(99) is False
+    assert group.shared  # nothing copied for a key that was not there
+    assert group.remove(3) is True and not group.shared
+    group.put(42, 420)
+    assert (keys == before[0]).all() and (values == before[1]).all()
+    assert sorted(zip(*[a.tolist() for a in group.arrays()], strict=True)) == sorted(
+        [(k, k * 10) for k in range(10) if k != 3] + [(42, 420)]
+    )
+    assert group.get(9, None) == 90 and group.get(3, None) is None
