@@ -32,6 +32,8 @@ it had closed nor fires one twice.
 
 from __future__ import annotations
 
+import bisect
+import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -92,6 +94,91 @@ class TimeWindow:
 
     def cover(self, other: TimeWindow) -> TimeWindow:
         return TimeWindow(min(self.start, other.start), max(self.end, other.end))
+
+
+_END = operator.itemgetter(1)
+
+
+class _Sessions:
+    """A key's merging windows (sessions) in order, beside the state's dict of their
+    contents. They are disjoint and never touch (every addition merges what it meets),
+    so they are in order of start and of end alike, and both merging a new window and
+    firing one are a binary search: Flink's ``mergeWindows`` sorts all of a key's
+    windows per record, and a job with hundreds of open sessions per key (a busy
+    pipeline before its next watermark) spent seconds per thousand records there.
+    ``merge_windows`` below is that sort, kept as the reference (tests)."""
+
+    __slots__ = ("order",)
+
+    def __init__(self, contents: Iterable[Tuple[int, int]]) -> None:
+        self.order: List[Tuple[int, int]] = sorted(contents)
+
+    def merge(self, contents: Dict[Tuple[int, int], Any], new: TimeWindow, accumulators: Any) -> TimeWindow:
+        """Flink's ``MergingWindowSet.addWindow``: the windows the new one meets (or
+        touches) and it become their cover, their contents merged in order of start
+        into ``contents`` under it. The window returned is in ``order``; in
+        ``contents`` only when something merged (the caller stores the new one's)."""
+        order = self.order
+        start, end = new.start, new.end
+        i = j = bisect.bisect_left(order, start, key=_END)  # the first to end at or after the new one's start
+        n = len(order)
+        while j < n and order[j][0] <= end:
+            j += 1
+        if i == j:
+            order.insert(i, (start, end))
+            return new
+        hits = order[i:j]
+        cover = (min(start, hits[0][0]), max(end, hits[-1][1]))
+        combined: Any = None
+        for bounds in hits:
+            part = contents.pop(bounds)
+            if combined is None:
+                combined = part
+            elif accumulators is not None:
+                combined = accumulators.merge(combined, part)
+            else:
+                combined = combined + part
+        contents[cover] = combined
+        order[i:j] = [cover]
+        return TimeWindow(*cover)
+
+    def discard(self, bounds: Tuple[int, int]) -> None:
+        order = self.order
+        i = bisect.bisect_left(order, bounds)
+        if i < len(order) and order[i] == bounds:
+            del order[i]
+
+    def fired(self, ts: int, lateness: int) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
+        """A timer at ``ts``: the window it fires (ending at ``ts + 1``; at most one)
+        and the windows whose state goes (cleanup at or before ``ts``: the first ones,
+        cleanup following the end), taken out of ``order``."""
+        order = self.order
+        i = bisect.bisect_left(order, ts + 1, key=_END)
+        due = [order[i]] if i < len(order) and order[i][1] == ts + 1 else []
+        k = 0
+        while k < len(order) and min(order[k][1] - 1 + lateness, MAX_WATERMARK) <= ts:
+            k += 1
+        gone = order[:k]
+        del order[:k]
+        return due, gone
+
+
+def merge_windows(windows: List[TimeWindow], new: TimeWindow) -> Tuple[TimeWindow, List[TimeWindow]]:
+    """Flink's ``TimeWindow.mergeWindows`` for one new window: all windows sorted, each
+    run of overlapping (or touching) ones merged; the run with ``new`` in it, as its
+    cover and the existing windows in it (sorted). The reference for
+    ``WindowOperator._merge`` (tests)."""
+    merged: List[Tuple[TimeWindow, List[TimeWindow]]] = []
+    for w in sorted([*windows, new]):
+        if merged and merged[-1][0].intersects(w):
+            cover, members = merged[-1]
+            merged[-1] = (cover.cover(w), [*members, w])
+        else:
+            merged.append((w, [w]))
+    for cover, members in merged:
+        if any(m is new for m in members):
+            return cover, [m for m in members if m is not new]
+    raise AssertionError("the new window is in one run")
 
 
 def _window_start(ts: int, offset: int, size: int) -> int:
@@ -354,6 +441,8 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
         self.function = function
         self._timers: Any = None
         self._contents: Any = None
+        # merging windows: each key's in order, beside the state (see _Sessions); not state
+        self._sessions: Dict[Any, _Sessions] = {}
         self._late: Any = None
         self._wctx = _WindowContext(self)
 
@@ -417,16 +506,26 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
             raise UserFunctionError(f"{self.where()}: {type(exc).__name__}: {exc}") from exc
         return out
 
+    def _sessions_of(self, key: Any, contents: Dict[Tuple[int, int], Any]) -> _Sessions:
+        """The key's merging windows in order, beside its state (built from it when
+        not known here: after a restore, or should the two ever differ)."""
+        sessions = self._sessions.get(key)
+        if sessions is None or len(sessions.order) != len(contents):
+            sessions = self._sessions[key] = _Sessions(contents)
+        return sessions
+
     def _add(self, key: Any, record: Any, ts: int, out: List[Any]) -> None:
         contents: Dict[Tuple[int, int], Any] = self._contents.value() or {}
         accepted = False
         changed: List[TimeWindow] = []
+        sessions = self._sessions_of(key, contents) if self.assigner.merging else None
         for window in self.assigner.assign(ts):
-            if self.assigner.merging:
-                window = self._merge(contents, window)
+            if sessions is not None:
+                window = sessions.merge(contents, window, self.accumulators)
             if self._is_late(window):
-                if self.assigner.merging:
+                if sessions is not None:
                     contents.pop((window.start, window.end), None)
+                    sessions.discard((window.start, window.end))
                 continue
             accepted = True
             bounds = (window.start, window.end)
@@ -459,36 +558,6 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
             else:
                 self._timers.processing.register(window.max_timestamp)
 
-    def _merge(self, contents: Dict[Tuple[int, int], Any], new: TimeWindow) -> TimeWindow:
-        """Flink's ``MergingWindowSet.addWindow`` with ``TimeWindow.mergeWindows``:
-        the windows that, sorted by start, chain into one overlapping (or touching)
-        run with the new one become one window, their contents merged."""
-        windows = sorted([TimeWindow(s, e) for s, e in contents] + [new])
-        merged: List[Tuple[TimeWindow, List[TimeWindow]]] = []
-        for w in windows:
-            if merged and merged[-1][0].intersects(w):
-                cover, members = merged[-1]
-                merged[-1] = (cover.cover(w), [*members, w])
-            else:
-                merged.append((w, [w]))
-        for cover, members in merged:
-            if new not in members:
-                continue
-            olds = [m for m in members if m is not new and (m.start, m.end) in contents]
-            combined: Any = None
-            for m in olds:
-                part = contents.pop((m.start, m.end))
-                if combined is None:
-                    combined = part
-                elif self.accumulators is not None:
-                    combined = self.accumulators.merge(combined, part)
-                else:
-                    combined = combined + part
-            if combined is not None:
-                contents[(cover.start, cover.end)] = combined
-            return cover
-        return new  # not reached: the new window is in one run
-
     # -- firing ------------------------------------------------------------------------------
 
     def _emit(self, key: Any, window: TimeWindow, contents: Any, out: List[Any]) -> None:
@@ -515,16 +584,23 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
         contents: Dict[Tuple[int, int], Any] = self._contents.value()
         if not contents:
             return
-        changed = False
-        for bounds in sorted(contents):
-            window = TimeWindow(*bounds)
-            if window.max_timestamp == ts:
-                self._emit(key, window, contents[bounds], out)
-            if _cleanup_time(self.assigner, window.max_timestamp, self.lateness) <= ts:
-                del contents[bounds]
-                changed = True
-        if changed:
+        # Objects only for what fires: a timer per window, and hundreds of windows per
+        # key before a watermark (merging sessions), made a sort of them all per timer
+        # most of a job's time.
+        lateness = self.lateness if self.assigner.is_event_time else 0
+        if self.assigner.merging:
+            due, gone = self._sessions_of(key, contents).fired(ts, lateness)
+        else:
+            due = sorted(b for b in contents if b[1] - 1 == ts)
+            gone = [b for b in contents if min(b[1] - 1 + lateness, MAX_WATERMARK) <= ts]
+        for bounds in due:
+            self._emit(key, TimeWindow(*bounds), contents[bounds], out)
+        for bounds in gone:
+            del contents[bounds]
+        if gone:
             self._contents.update(contents or None)
+            if not contents:
+                self._sessions.pop(key, None)
 
     def process_watermark(self, watermark: int) -> List[Any]:
         if watermark <= self.current_watermark:
@@ -555,6 +631,7 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
             for bounds in sorted(contents or {}):
                 self._emit(key, TimeWindow(*bounds), contents[bounds], out)
             self._contents.clear()
+            self._sessions.pop(key, None)
         return out
 
 

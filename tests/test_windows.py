@@ -207,3 +207,45 @@ def test_windows_beyond_the_slots_overflow_and_stay_exact(
         tmp_path, records, assigner, parallelism=3, backend=backend, unaligned=True, jitter=60, fail_at=200
     )
     assert rows(result) == reference(records, assigner)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    adds=st.lists(
+        st.tuples(st.integers(0, 200), st.integers(1, 30)),  # (start, gap): the window [start, start + gap)
+        max_size=40,
+    ),
+    fires=st.lists(st.integers(0, 260), max_size=6),
+    lateness=st.sampled_from([0, 5]),
+)
+def test_sessions_merge_and_fire_as_flinks_merge_windows_and_the_scan(
+    adds: List[Tuple[int, int]], fires: List[int], lateness: int
+) -> None:
+    """Sessions kept in order and searched (``_Sessions``) against Flink's
+    mergeWindows (sort everything, chain the runs) and a scan of every window for the
+    timers: the same window returned and the same contents, merged in order of start,
+    after every addition (touching windows merge, as Flink's); then timers at random
+    times fire the window ending there and drop those whose cleanup has come."""
+    from pyengine.windows import TimeWindow, _Sessions, merge_windows
+
+    contents: Dict[Tuple[int, int], Any] = {}
+    reference: Dict[Tuple[int, int], Any] = {}
+    sessions = _Sessions(contents)
+    for i, (start, gap) in enumerate(adds):
+        new = TimeWindow(start, start + gap)
+        got = sessions.merge(contents, new, None)
+        cover, members = merge_windows([TimeWindow(*b) for b in reference], new)
+        combined = [r for m in members for r in reference.pop((m.start, m.end))]
+        reference[(cover.start, cover.end)] = combined
+        assert got == cover
+        contents.setdefault((got.start, got.end), []).append(i)  # as _add does with the record
+        reference[(cover.start, cover.end)].append(i)
+        assert contents == reference and sessions.order == sorted(reference)
+        assert all(a[1] < b[0] for a, b in zip(sessions.order, sessions.order[1:], strict=False))
+    for ts in sorted(fires):
+        due, gone = sessions.fired(ts, lateness)
+        assert due == sorted(b for b in reference if b[1] - 1 == ts)
+        assert gone == sorted(b for b in reference if b[1] - 1 + lateness <= ts)
+        for b in gone:
+            del reference[b]
+        assert sessions.order == sorted(reference)
