@@ -620,13 +620,14 @@ def _raise_if_failed(result: JobResult) -> JobResult:
     # the user's exception, with where it was raised when the runner wrapped it
     # (UserFunctionError, KeySelectorError: their messages name the operator and repeat it)
     what = f"{type(user).__name__}: {user}" if user is not None else "unknown cause"
-    from .errors import KeySelectorError, UnhashableKeyError
+    from .errors import KeySelectorError, NonRetryableError, UnhashableKeyError
     from .runtime.operators import UserFunctionError
 
     if isinstance(cause, UserFunctionError) and user is not cause and str(cause):
         what = str(cause)  # "operator 'x' (subtask 0): KeyError: ..."
-    elif isinstance(cause, (KeySelectorError, UnhashableKeyError)) and user is not cause:
-        what = f"{type(cause).__name__}: {cause}"  # "key_by into 'x': ..."
+    elif isinstance(cause, (KeySelectorError, UnhashableKeyError, NonRetryableError)) and user is not cause:
+        # "key_by into 'x': ...", or the engine's own refusal, which names the operator and the way out
+        what = f"{type(cause).__name__}: {cause}"
     raise JobFailedError(
         f"job {result.name!r} (run {result.job_id}) failed after {result.restarts} restart(s): {what}",
         result,

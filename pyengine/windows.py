@@ -43,7 +43,7 @@ import pyarrow as pa
 from .agg import Aggregation
 from .errors import NonRetryableError
 from .io.events import MAX_WATERMARK
-from .runtime.aggregate import AggregateInputError, needed_accumulators
+from .runtime.aggregate import AggregateInputError, check_key_type, needed_accumulators, not_a_table, null_keys
 from .runtime.operators import (
     EventTimeOperatorMixin,
     KeyedOperator,
@@ -811,7 +811,7 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         try:
             batch = batch_of(records)
         except (TypeError, pa.ArrowException) as exc:
-            raise AggregateInputError(f"{self.where()}: the records are not a table: {exc}") from exc
+            raise not_a_table(self.where(), records, self.key_column, exc) from exc
         names = batch.schema.names
         wanted = [self.key_column] + [c for _, c in self.needed if c is not None]
         missing = [c for c in wanted if c not in names]
@@ -823,6 +823,8 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
             )
         if not self._types:
             self._make_accumulators(batch.schema)
+        else:
+            check_key_type(self.where(), self.key_column, self._key_type, batch)
         if self.assigner.is_event_time:
             assert self.timestamps is not None
             try:
@@ -865,7 +867,7 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         grouped = pa.Table.from_batches([batch]).group_by(self.key_column, use_threads=False).aggregate(spec)
         keys = grouped.column(self.key_column)
         if keys.null_count:
-            raise AggregateInputError(f"{self.where()}: key column {self.key_column!r} has null keys")
+            raise null_keys(self.where(), self.key_column)
         partial = {}
         for kind, column in self.needed:
             source = "count_all" if kind == "rows" else f"{column}_{_ARROW_FN[kind]}"

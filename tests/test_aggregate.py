@@ -335,3 +335,27 @@ def test_emit_final_does_not_send_the_final_rows_again_after_a_restore_past_them
     assert sink.fired and result.restarts == 1
     assert sorted(r["k"] for r in result.records) == list(range(20))
     assert_close({r["k"]: {c: r[c] for c in r if c != "k"} for r in result.records}, reference(table.to_pylist()))
+
+
+@pytest.mark.parametrize(
+    ("keys", "said"),
+    [
+        ([1, "1", 2, "2"], "holds keys of types int, str"),  # in one buffer: Arrow cannot make the column
+        ([1, True, 2], "holds keys of types bool, int"),
+        ([1] * 40 + [2.5], "was int64 and is now double"),  # a later buffer of another kind of key
+        ([1, None], "null keys (None)"),
+    ],
+)
+def test_keys_of_several_types_are_refused_by_name_with_the_way_out(keys: List[Any], said: str) -> None:
+    """A vectorised aggregate keys an Arrow column of one type: keys of several types
+    fail at once, naming the column, the types and what to do, not with Arrow's
+    conversion error (nor, for an int key column that later holds floats, at the end)."""
+    env = pe.StreamEnvironment(parallelism=1, buffer_size=8, restart_attempts=0, monitoring=None)
+    env.from_collection([{"k": k} for k in keys]).key_by("k").aggregate(pe.agg.count(), emit="final").sink_to(
+        pe.sinks.CollectSink()
+    )
+    with pytest.raises(pe.JobFailedError) as failed:
+        env.execute("mixed-keys")
+    message = str(failed.value)
+    assert "AggregateInputError" in message and "'k'" in message and said in message, message
+    assert "key_by(...).process" in message and failed.value.result.restarts == 0

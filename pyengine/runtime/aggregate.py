@@ -64,6 +64,60 @@ class AggregateInputError(NonRetryableError, TypeError):
     fails at once."""
 
 
+_ONE_KEY_TYPE = (
+    "a vectorised aggregate groups an Arrow column of one type: make the keys one type before "
+    "key_by (e.g. .map(lambda r: {**r, 'k': str(r['k'])})), or aggregate in a "
+    "key_by(...).process(...) function, whose keys may be of any type"
+)
+
+
+def not_a_table(where: str, records: Any, key_column: Any, exc: BaseException) -> AggregateInputError:
+    """Why a buffer did not become an Arrow batch: keys of several types, named as
+    such (Arrow's own message names neither the column nor the way out), or else
+    Arrow's reason."""
+    if isinstance(records, list) and records and isinstance(records[0], dict):
+        kinds = sorted({type(r.get(key_column)).__name__ for r in records if isinstance(r, dict)})
+        if len(kinds) > 1:
+            return AggregateInputError(
+                f"{where}: the key column {key_column!r} holds keys of types {', '.join(kinds)} ({exc}); "
+                + _ONE_KEY_TYPE
+            )
+    return AggregateInputError(f"{where}: the records are not a table: {exc}")
+
+
+def _key_kind(t: pa.DataType) -> str:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    for kind, test in (
+        ("int", pa.types.is_integer),
+        ("float", pa.types.is_floating),
+        ("str", lambda u: pa.types.is_string(u) or pa.types.is_large_string(u) or pa.types.is_string_view(u)),
+        ("bytes", lambda u: pa.types.is_binary(u) or pa.types.is_large_binary(u) or pa.types.is_binary_view(u)),
+    ):
+        if test(t):
+            return kind
+    return str(t)
+
+
+def check_key_type(where: str, key_column: Any, expected: Optional[pa.DataType], batch: pa.RecordBatch) -> None:
+    """A buffer's keys are of the kind of the first buffer's (the state's keys): ints
+    after floats, strings after ints... would split keys or fail at the end. Widths
+    may differ (int32 and int64 files of one dataset)."""
+    found = batch.schema.field(key_column).type
+    if expected is not None and _key_kind(found) != _key_kind(expected):
+        raise AggregateInputError(
+            f"{where}: the key column {key_column!r} was {expected} and is now {found}; " + _ONE_KEY_TYPE
+        )
+
+
+def null_keys(where: str, key_column: Any) -> AggregateInputError:
+    return AggregateInputError(
+        f"{where}: the key column {key_column!r} has null keys (None); a vectorised aggregate's key column cannot "
+        "hold nulls: map None to a key of the column's type before key_by, or use key_by(...).process(...), "
+        "where None is a key like any other"
+    )
+
+
 def _numeric(t: pa.DataType) -> bool:
     return bool(pa.types.is_integer(t) or pa.types.is_boolean(t) or pa.types.is_floating(t) or pa.types.is_decimal(t))
 
@@ -189,7 +243,7 @@ class AggregateOperator(KeyedOperator):
         try:
             batch = batch_of(records)
         except (TypeError, pa.ArrowException) as exc:
-            raise AggregateInputError(f"{self.where()}: the records are not a table: {exc}") from exc
+            raise not_a_table(self.where(), records, self.key_column, exc) from exc
         names = batch.schema.names
         wanted = [self.key_column] + [a.column for a in self.aggregations if a.column is not None]
         missing = [c for c in wanted if c not in names]
@@ -199,6 +253,9 @@ class AggregateOperator(KeyedOperator):
             )
         if not self._acc:
             self._make_states(batch.schema)
+        else:
+            assert self._schema is not None
+            check_key_type(self.where(), self.key_column, self._schema.field(self.key_column).type, batch)
         spec: List[Tuple[Any, str]] = [([], "count_all")]
         for kind, column, _ in self._acc.values():
             if column is not None:
@@ -206,7 +263,7 @@ class AggregateOperator(KeyedOperator):
         grouped = pa.Table.from_batches([batch]).group_by(self.key_column, use_threads=False).aggregate(spec)
         keys = grouped.column(self.key_column)
         if keys.null_count:
-            raise AggregateInputError(f"{self.where()}: key column {self.key_column!r} has null keys")
+            raise null_keys(self.where(), self.key_column)
         partial = {}
         for name, (kind, column, _) in self._acc.items():
             source = "count_all" if kind == "rows" else f"{column}_{_ARROW_FN[kind]}"
