@@ -26,6 +26,7 @@ from .runtime.broadcast import (
     check_broadcast_descriptors,
     overrides_broadcast_on_timer,
 )
+from .runtime.copies import per_subtask
 from .runtime.operators import (
     CoProcessFunction,
     FilterOperator,
@@ -891,10 +892,9 @@ class DataStream:
             )
         if not isinstance(fn, ProcessFunction):
             raise TypeError(f"process takes a pe.ProcessFunction, got {fn!r}")
-        import copy
 
         timestamps = self._timestamps
-        return self._op("process", lambda uid, n, _c: ProcessOperator(uid, n, copy.deepcopy(fn), (timestamps, None)))
+        return self._op("process", lambda uid, n, _c: ProcessOperator(uid, n, per_subtask(fn, n), (timestamps, None)))
 
     def get_side_output(self, tag: OutputTag) -> DataStream:
         """The records this stream's operator sent to the side output ``tag`` (with
@@ -1057,7 +1057,6 @@ class ConnectedStreams:
     def process(self, fn: Union[CoProcessFunction, KeyedCoProcessFunction]) -> DataStream:
         """Runs ``fn`` with an input for each stream: ``process_element1`` gets the
         first's records, ``process_element2`` the second's."""
-        import copy
 
         first, second = self._first, self._second
         keyed = isinstance(first, KeyedStream)
@@ -1081,7 +1080,7 @@ class ConnectedStreams:
             selectors = (first._select, second._select)
 
             def factory(uid: str, n: str, _c: bool) -> Operator:
-                return KeyedCoProcessOperator(uid, n, selectors, copy.deepcopy(fn), stamps)
+                return KeyedCoProcessOperator(uid, n, selectors, per_subtask(fn, n), stamps)
 
             event_time = overrides_co_on_timer(fn)
         else:
@@ -1096,7 +1095,7 @@ class ConnectedStreams:
                 )
 
             def factory(uid: str, n: str, _c: bool) -> Operator:
-                return ProcessOperator(uid, n, copy.deepcopy(fn), stamps)
+                return ProcessOperator(uid, n, per_subtask(fn, n), stamps)
 
             event_time = False
         step = _Step("op", f"{len(a._steps)}-co_process", factory, event_time=event_time)
@@ -1136,7 +1135,6 @@ class BroadcastConnectedStream:
     def process(self, fn: Union[BroadcastProcessFunction, KeyedBroadcastProcessFunction]) -> DataStream:
         """Runs ``fn``: ``process_element`` gets the stream's records,
         ``process_broadcast_element`` every broadcast record (on every subtask)."""
-        import copy
 
         first, bs = self._first, self._broadcast
         keyed = isinstance(first, KeyedStream)
@@ -1161,7 +1159,7 @@ class BroadcastConnectedStream:
             select = first._select
 
             def factory(uid: str, n: str, _c: bool) -> Operator:
-                return KeyedBroadcastProcessOperator(uid, n, select, copy.deepcopy(fn), descriptors, stamps)
+                return KeyedBroadcastProcessOperator(uid, n, select, per_subtask(fn, n), descriptors, stamps)
 
             event_time = overrides_broadcast_on_timer(fn)
         else:
@@ -1178,7 +1176,7 @@ class BroadcastConnectedStream:
                 )
 
             def factory(uid: str, n: str, _c: bool) -> Operator:
-                return BroadcastProcessOperator(uid, n, copy.deepcopy(fn), descriptors, stamps)
+                return BroadcastProcessOperator(uid, n, per_subtask(fn, n), descriptors, stamps)
 
             event_time = False
         step = _Step("op", f"{len(a._steps)}-broadcast_process", factory, event_time=event_time, broadcast_state=True)
@@ -1262,12 +1260,11 @@ class KeyedStream:
     def process(self, fn: KeyedProcessFunction) -> DataStream:
         if not isinstance(fn, KeyedProcessFunction):
             raise TypeError(f"process takes a pyengine.KeyedProcessFunction, got {fn!r}")
-        import copy
 
         select = self._select
         timestamps = self._stream._timestamps
         stream = self._stream._op(
-            "process", lambda uid, n, _c: KeyedProcessOperator(uid, n, select, copy.deepcopy(fn), timestamps)
+            "process", lambda uid, n, _c: KeyedProcessOperator(uid, n, select, per_subtask(fn, n), timestamps)
         )
         stream._steps[-1].event_time = overrides_on_timer(fn)
         return stream

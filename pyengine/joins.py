@@ -20,10 +20,10 @@ the chosen columns of each side and the pair's times (``pyengine.runtime.joins``
 
 from __future__ import annotations
 
-import copy
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
 from .errors import NonRetryableError
+from .runtime.copies import per_subtask
 from .runtime.joins import (
     ArrowIntervalJoinOperator,
     ArrowWindowJoinOperator,
@@ -209,7 +209,7 @@ class IntervalJoined:
         a, b = self._left._stream, self._right._stream
 
         def factory(uid: str, n: str, _c: bool) -> Operator:
-            return IntervalJoinOperator(uid, n, selectors, stamps, lower, upper, copy.deepcopy(fn), late)
+            return IntervalJoinOperator(uid, n, selectors, stamps, lower, upper, per_subtask(fn, n), late)
 
         out = _two_input(a, b, "interval_join", factory)
         out._timestamps = None  # outputs are the function's: assign timestamps again to go on in event time
@@ -418,7 +418,7 @@ class WithWindow:
         stamps, assigner = self._stamps, self._assigner
 
         def factory(uid: str, n: str, _c: bool) -> Operator:
-            return WindowJoinOperator(uid, n, selectors, stamps, assigner, copy.deepcopy(fn))
+            return WindowJoinOperator(uid, n, selectors, stamps, assigner, per_subtask(fn, n))
 
         out = _two_input(self._left._stream, self._right._stream, "window_join", factory)
         out._node.side_outputs = False  # a window join sends nothing aside: get_side_output is refused

@@ -44,6 +44,7 @@ from .agg import Aggregation
 from .errors import NonRetryableError
 from .io.events import MAX_WATERMARK
 from .runtime.aggregate import AggregateInputError, check_key_type, needed_accumulators, not_a_table, null_keys
+from .runtime.copies import per_subtask
 from .runtime.operators import (
     EventTimeOperatorMixin,
     KeyedOperator,
@@ -1190,7 +1191,6 @@ class WindowedStream:
         in keyed state until then (plain data: the safe serializer's types)."""
         if not isinstance(fn, ProcessWindowFunction) and not callable(fn):
             raise TypeError(f"process takes a pe.windows.ProcessWindowFunction or a function, got {fn!r}")
-        import copy
 
         _, key_name = self._key_name()
         stream = self._keyed._stream
@@ -1199,7 +1199,7 @@ class WindowedStream:
         out = stream._op(
             "window",
             lambda uid, n, _c: WindowOperator(
-                uid, n, select, key_name, assigner, lateness, timestamps, function=copy.deepcopy(fn), late_tag=late
+                uid, n, select, key_name, assigner, lateness, timestamps, function=per_subtask(fn, n), late_tag=late
             ),
         )
         out._steps[-1].event_time = True

@@ -144,3 +144,25 @@ def test_from_dataframe_refuses_a_streaming_dataframe_naming_the_right_way() -> 
     env = pe.StreamEnvironment()
     with pytest.raises(TypeError, match=r"streaming.*spark.read.*foreachBatch"):
         env.from_dataframe(_fake("pyspark.sql.dataframe", "DataFrame", isStreaming=True))
+
+
+class _HoldsALock(pe.KeyedProcessFunction):
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        yield value
+
+
+def test_a_function_that_cannot_be_copied_per_subtask_is_named_with_the_fix() -> None:
+    """Each subtask runs its own copy of a function: one holding a lock is refused on
+    the threads executor too, naming the step, the attribute and open(), not with
+    copy's bare 'cannot pickle' (the process runner names it the same way)."""
+    env = pe.StreamEnvironment(parallelism=2, monitoring=None)
+    env.from_collection([{"k": 1}]).key_by("k").process(_HoldsALock()).sink_to(pe.sinks.CollectSink())
+    with pytest.raises(TypeError) as refused:
+        env.execute("holds-a-lock")
+    message = str(refused.value)
+    assert "process" in message and "attribute 'lock' of _HoldsALock" in message and "open()" in message, message

@@ -50,11 +50,12 @@ import time
 import uuid
 from collections import deque
 from multiprocessing.connection import Connection, wait
-from typing import Any, Deque, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import pyarrow as pa
 
 from ..errors import NonRetryableError
+from ..runtime.copies import narrow
 from ..runtime.sources import CollectionSource
 from ..sinks import CollectSink, DiscardSink, PrintSink, Sink
 from .flight import RemoteChannel, decode_event, encode_event
@@ -842,8 +843,7 @@ def _find_unpicklable(graph: Any) -> str:
             for attr in ("source", "factory", "key", "sink", "timestamps"):
                 value = getattr(step, attr, None)
                 if value is not None and not _pickles(pickler, value):
-                    path = _narrow(pickler, value, f"step {step.name!r} ({attr})", 0)
-                    return path
+                    return narrow(lambda v: _pickles(pickler, v), value, f"step {step.name!r} ({attr})")
     return ""
 
 
@@ -853,49 +853,6 @@ def _pickles(pickler: Any, value: Any) -> bool:
         return True
     except Exception:
         return False
-
-
-def _parts(value: Any) -> Sequence[Tuple[str, Any]]:
-    """What ``value`` holds that pickling it pickles: a function's captured variables and
-    the globals it names, an object's attributes, a container's items."""
-    import types
-
-    if isinstance(value, types.FunctionType):
-        parts: List[Tuple[str, Any]] = []
-        for name, cell in zip(value.__code__.co_freevars, value.__closure__ or (), strict=False):
-            try:
-                parts.append((f"captured variable {name!r} of {_describe(value)}", cell.cell_contents))
-            except ValueError:
-                pass
-        for name in value.__code__.co_names:
-            if name in value.__globals__ and value.__module__ in ("__main__", None):
-                parts.append((f"global {name!r} of {_describe(value)}", value.__globals__[name]))
-        return parts
-    if isinstance(value, types.MethodType):
-        return [(f"the object of {value.__func__.__qualname__}", value.__self__)]
-    if isinstance(value, dict):
-        return [(f"item {k!r}", v) for k, v in list(value.items())[:100]]
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [(f"item {i}", v) for i, v in enumerate(list(value)[:100])]
-    state = getattr(value, "__dict__", None)
-    if isinstance(state, dict):
-        return [(f"attribute {k!r} of {type(value).__name__}", v) for k, v in state.items()]
-    return []
-
-
-def _describe(fn: Any) -> str:
-    code = getattr(fn, "__code__", None)
-    where = f" ({os.path.basename(code.co_filename)}:{code.co_firstlineno})" if code is not None else ""
-    return f"{getattr(fn, '__qualname__', fn)!s}{where}"
-
-
-def _narrow(pickler: Any, value: Any, path: str, depth: int) -> str:
-    if depth < 6:
-        for name, part in _parts(value):
-            if part is value or _pickles(pickler, part):
-                continue
-            return _narrow(pickler, part, f"{path} -> {name}", depth + 1)
-    return f"{path} -> {type(value).__name__} object"
 
 
 class ProcessRunner:
