@@ -41,6 +41,7 @@ import pyarrow.parquet as pq
 from pyarrow.fs import FileSelector
 
 from .errors import NonRetryableError, OutputInUseError
+from .state.serializers import STORED_AS_LISTS
 from .storage.filesystem import guarded, resolve
 
 __all__ = [
@@ -971,13 +972,21 @@ def _not_json(value: Any, where: str = "") -> Optional[Tuple[str, Any]]:
     return (where, value)
 
 
+def _json_default(value: Any) -> Any:
+    """What JSON takes of a value it does not know: a ``ListState.view()`` (or another
+    of the engine's read-only sequences) as the list it shows; anything else refused."""
+    if type(value) in STORED_AS_LISTS:
+        return list(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
 def _jsonl(records: Any) -> bytes:
     """One JSON document per line; refuses what JSON cannot say (``RecordRejectedError``)
     instead of writing ``NaN`` or a value's ``str``."""
     lines = []
     for r in _rows(records):
         try:
-            lines.append(json.dumps(r, separators=(",", ":"), allow_nan=False))
+            lines.append(json.dumps(r, separators=(",", ":"), allow_nan=False, default=_json_default))
         except (TypeError, ValueError, RecursionError) as exc:
             found = _not_json(r)
             if found is None:

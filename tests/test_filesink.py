@@ -674,6 +674,21 @@ def test_jsonl_refuses_values_that_are_not_json(out, bad, shown) -> None:
     s.end_run("FINISHED")
 
 
+def test_jsonl_writes_a_list_state_view_as_the_list_it_shows(out) -> None:
+    from pyengine.state import ListStateDescriptor, create_keyed_backend
+
+    backend = create_keyed_backend("heap", max_parallelism=8)
+    amounts = backend.get_state(ListStateDescriptor("amounts"))
+    backend.set_current_key("u")
+    amounts.add_all([1, 2])
+    s = FileSink(out)
+    s.begin_run(new_run())
+    s.stage(0, 1, [{"user": "u", "amounts": amounts.view()}])
+    s.commit(0, 1)
+    assert s.read_committed() == [{"user": "u", "amounts": [1, 2]}]
+    s.end_run("FINISHED")
+
+
 def test_stage_before_begin_run_says_so(out) -> None:
     with pytest.raises(RuntimeError, match="begin_run"):
         FileSink(out).stage(0, 1, [{"a": 1}])

@@ -51,12 +51,12 @@ class Serializer:
 
 # Sequences of the engine's own that a user may store where a list goes (a
 # ``ListState.view()`` put into another state): stored as the list they show.
-_STORED_AS_LISTS: Set[type] = set()
+STORED_AS_LISTS: Set[type] = set()
 
 
 def stored_as_list(cls: type) -> type:
     """Registers ``cls`` (a read-only sequence type) to be stored as a list."""
-    _STORED_AS_LISTS.add(cls)
+    STORED_AS_LISTS.add(cls)
     return cls
 
 
@@ -66,7 +66,7 @@ def _default(obj: Any) -> Any:
         return msgpack.ExtType(_EXT_TUPLE, _pack(list(obj)))
     if t is int:  # beyond 64 bits
         return msgpack.ExtType(_EXT_BIGINT, str(obj).encode())
-    if t in _STORED_AS_LISTS:
+    if t in STORED_AS_LISTS:
         return list(obj)
     raise StateSerializationError(
         f"a value of type {t.__module__}.{t.__qualname__} cannot be stored by the safe serializer, which takes "
