@@ -30,7 +30,7 @@ import pytest
 from pyengine.coordinator import ExecutionAttempt, SubtaskMetrics, TaskStateSnapshot
 from pyengine.io import CheckpointedInputGate, EndOfPartition
 from pyengine.runners.control import ControlClient, ControlServer
-from pyengine.runners.flight import ChannelServer, JobTls, RemoteChannel, call_options
+from pyengine.runners.flight import ChannelServer, JobTls, RemoteChannel, call_options, listening_server
 from pyengine.storage.handles import KeyGroupsStateHandle, StreamStateHandle
 from pyengine.storage.metadata import SubtaskState
 from pyengine.testing import RecordingListener
@@ -59,13 +59,17 @@ class Control:
     def __init__(self, tls: Optional[JobTls] = None) -> None:
         self.coordinator = FakeCoordinator()
         self.events: List[Any] = []
-        self.server = ControlServer(
-            self.coordinator,
-            TOKEN,
-            on_register=lambda a, loc: self.events.append(("register", a, loc)),
-            on_drained=lambda a: self.events.append(("drained", a)),
-            on_failed=lambda a, msg: self.events.append(("failed", a, msg)),
-            tls=tls,
+        # listening_server, as the runners start theirs: a server that does not answer its
+        # own port is replaced (a loaded CI machine once left one refusing for 10 s)
+        self.server = listening_server(
+            lambda: ControlServer(
+                self.coordinator,
+                TOKEN,
+                on_register=lambda a, loc: self.events.append(("register", a, loc)),
+                on_drained=lambda a: self.events.append(("drained", a)),
+                on_failed=lambda a, msg: self.events.append(("failed", a, msg)),
+                tls=tls,
+            )
         )
         self.tls = tls
 
@@ -97,7 +101,9 @@ class Channel:
         # A channel per legitimate exchange: each ends its channel with EndOfPartition.
         self.gate = CheckpointedInputGate(8, RecordingListener(), capacity=64)
         self.used = 0
-        self.server = ChannelServer(self.gate, TOKEN, tls=tls, max_batch_bytes=CHANNEL_MAX_BATCH)
+        self.server = listening_server(
+            lambda: ChannelServer(self.gate, TOKEN, tls=tls, max_batch_bytes=CHANNEL_MAX_BATCH)
+        )
         threading.Thread(target=self.server.serve, daemon=True).start()
         self.tls = tls
 
