@@ -2,7 +2,7 @@
 # pyengine.state.keygroups.assign_to_key_group (same result: murmur3's fmix64 of the
 # key's 64-bit two's complement, modulo max_parallelism).
 
-from cpython.list cimport PyList_GET_ITEM
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 
 
@@ -45,6 +45,8 @@ def route_int_keys(list records, object get_key, Py_ssize_t max_parallelism, lis
     if max_parallelism < 1 or channels < 1:
         return 0
     for i in range(n):
+        if i >= PyList_GET_SIZE(records):  # a key read that changed the buffer (a record's __getitem__)
+            return i
         record = <object>PyList_GET_ITEM(records, i)
         try:
             key = get_key(record)

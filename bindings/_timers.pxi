@@ -63,9 +63,8 @@ cdef int timer_group_remove(ColumnarGroup g, int64_t key) except -1:
 
 cdef Py_ssize_t timer_group_append(ColumnarGroup g, int64_t key, int64_t ts) except -1:
     """A new entry ``key -> ts`` in an int64 group (owned already): written through
-    the arrays' data pointers while they have room (ColumnarGroup.append stores the
-    key through NumPy's item assignment), else by ColumnarGroup.append, which grows
-    them."""
+    the arrays' data pointers while they have room, else by ColumnarGroup.append,
+    which grows them."""
     cdef Py_ssize_t pos = g.n
     if pos < cnp.PyArray_DIM(<cnp.ndarray>g.keys, 0):
         if pe_i64map_put(&g.index, key, pos, &PY_ALLOC) < 0:

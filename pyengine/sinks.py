@@ -963,7 +963,7 @@ def _not_json(value: Any, where: str = "") -> Optional[Tuple[str, Any]]:
             if found is not None:
                 return found
         return None
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)) or type(value) in STORED_AS_LISTS:
         for i, v in enumerate(value):
             found = _not_json(v, f"{where}[{i}]")
             if found is not None:

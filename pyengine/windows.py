@@ -541,6 +541,8 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
             contents[bounds] = current
             changed.append(window)
         if not accepted:
+            if sessions is not None and not sessions.order:
+                self._sessions.pop(key, None)  # a key whose every record was late keeps nothing here
             if self.late_tag is None:
                 self.late_records_dropped += 1
             elif self.side_output is not None:  # as Flink: to the side output, not counted as dropped

@@ -359,3 +359,17 @@ def test_keys_of_several_types_are_refused_by_name_with_the_way_out(keys: List[A
     message = str(failed.value)
     assert "AggregateInputError" in message and "'k'" in message and said in message, message
     assert "key_by(...).process" in message and failed.value.result.restarts == 0
+
+
+def test_the_key_column_is_blamed_only_when_its_keys_make_no_column_and_the_fix_names_it() -> None:
+    from pyengine.runtime.aggregate import AggregateInputError, check_key_type, not_a_table
+
+    exc = ValueError("arrow said no")
+    # keys of one type and None make a column: the values are what failed
+    other = not_a_table("op", [{"user_id": 1, "v": 1}, {"user_id": None, "v": "x"}], "user_id", exc)
+    assert "the records are not a table" in str(other) and "key column" not in str(other)
+    mixed = not_a_table("op", [{"user_id": 1}, {"user_id": "1"}], "user_id", exc)
+    assert "'user_id' holds keys of types int, str" in str(mixed)
+    assert "{**r, 'user_id': str(r['user_id'])}" in str(mixed)  # the fix names the user's column
+    with pytest.raises(AggregateInputError, match="null keys"):  # a buffer of None keys after int ones
+        check_key_type("op", "k", pa.int64(), pa.RecordBatch.from_pylist([{"k": None}]))

@@ -686,6 +686,8 @@ def test_jsonl_writes_a_list_state_view_as_the_list_it_shows(out) -> None:
     s.stage(0, 1, [{"user": "u", "amounts": amounts.view()}])
     s.commit(0, 1)
     assert s.read_committed() == [{"user": "u", "amounts": [1, 2]}]
+    with pytest.raises(RecordRejectedError, match=r"record\['nan'\] is NaN"):  # the culprit, not the view
+        s.stage(0, 2, [{"amounts": amounts.view(), "nan": math.nan}])
     s.end_run("FINISHED")
 
 

@@ -6,7 +6,7 @@ without the key's field must still be refused by name."""
 from __future__ import annotations
 
 import threading
-from typing import Any, List
+from typing import Any, ClassVar, List
 
 import pytest
 from hypothesis import given, settings
@@ -101,3 +101,23 @@ def test_a_record_without_the_key_field_after_routed_ones_is_refused_by_name(mon
     with pytest.raises(ColumnNotFoundError, match=r"key_by\('user'\)"):
         _routed(records, "user", 2)
     assert calls == [2]  # the two before it went the native way
+
+
+class _Shrinking(tuple):
+    """A record whose field read empties the buffer it is in (pathological user code)."""
+
+    buffer: ClassVar[List[Any]] = []
+
+    def __getitem__(self, i: Any) -> Any:
+        _Shrinking.buffer.clear()
+        return tuple.__getitem__(self, i)
+
+
+def test_a_key_read_that_empties_the_buffer_stops_the_native_routing_safely() -> None:
+    import operator
+
+    records: List[Any] = [(1, "a"), _Shrinking((2, "b")), (3, "c"), (4, "d")]
+    _Shrinking.buffer = records
+    buffers: List[List[Any]] = [[], []]
+    routed = route_int_keys(records, operator.itemgetter(0), MAX_P, buffers)
+    assert routed <= 2 and sum(map(len, buffers)) == routed  # no read past the end

@@ -249,3 +249,31 @@ def test_sessions_merge_and_fire_as_flinks_merge_windows_and_the_scan(
         for b in gone:
             del reference[b]
         assert sessions.order == sorted(reference)
+
+
+def test_a_key_whose_every_record_is_late_leaves_nothing_behind_in_the_session_index() -> None:
+    """The sessions kept beside the state are per key: a key that only ever sends late
+    records must not keep an (empty) entry there."""
+    env = pe.StreamEnvironment(parallelism=1, buffer_size=64, monitoring=None)
+    records = [{"k": "on time", "ts": t} for t in range(0, 5000, 10)] + [{"k": i, "ts": 1} for i in range(300)]
+    strategy = pe.WatermarkStrategy.for_bounded_out_of_orderness(0).with_timestamp_assigner("ts")
+    seen: List[Any] = []
+    from pyengine.windows import WindowOperator
+
+    original = WindowOperator.process
+
+    def spy(self: Any, batch: Any) -> Any:
+        out = original(self, batch)
+        seen.append(len(self._sessions))
+        return out
+
+    WindowOperator.process = spy  # type: ignore[method-assign]
+    try:
+        env.from_collection(records, watermark_strategy=strategy).key_by("k").window(pe.windows.session(100)).aggregate(
+            pe.agg.count()
+        ).sink_to(pe.sinks.CollectSink())
+        result = env.execute("late-keys")
+    finally:
+        WindowOperator.process = original  # type: ignore[method-assign]
+    assert result.event_time.late_records_dropped == 300
+    assert seen and max(seen[-3:]) <= 1, seen  # the on-time key at most

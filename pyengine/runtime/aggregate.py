@@ -64,25 +64,35 @@ class AggregateInputError(NonRetryableError, TypeError):
     fails at once."""
 
 
-_ONE_KEY_TYPE = (
-    "a vectorised aggregate groups an Arrow column of one type: make the keys one type before "
-    "key_by (e.g. .map(lambda r: {**r, 'k': str(r['k'])})), or aggregate in a "
-    "key_by(...).process(...) function, whose keys may be of any type"
-)
+def _one_key_type(key_column: Any) -> str:
+    k = repr(key_column)
+    return (
+        "a vectorised aggregate groups an Arrow column of one type: make the keys one type before "
+        f"key_by (e.g. .map(lambda r: {{**r, {k}: str(r[{k}])}})), or aggregate in a "
+        "key_by(...).process(...) function, whose keys may be of any type"
+    )
 
 
 def not_a_table(where: str, records: Any, key_column: Any, exc: BaseException) -> AggregateInputError:
     """Why a buffer did not become an Arrow batch: keys of several types, named as
     such (Arrow's own message names neither the column nor the way out), or else
     Arrow's reason."""
-    if isinstance(records, list) and records and isinstance(records[0], dict):
-        kinds = sorted({type(r.get(key_column)).__name__ for r in records if isinstance(r, dict)})
-        if len(kinds) > 1:
+    if isinstance(records, list) and records and all(isinstance(r, dict) for r in records):
+        try:
+            pa.array([r.get(key_column) for r in records])
+        except (TypeError, pa.ArrowException) as keys_exc:  # the keys themselves make no column
+            kinds = sorted({type(r.get(key_column)).__name__ for r in records})
             return AggregateInputError(
-                f"{where}: the key column {key_column!r} holds keys of types {', '.join(kinds)} ({exc}); "
-                + _ONE_KEY_TYPE
+                f"{where}: the key column {key_column!r} holds keys of types {', '.join(kinds)} ({keys_exc}); "
+                + _one_key_type(key_column)
             )
     return AggregateInputError(f"{where}: the records are not a table: {exc}")
+
+
+_NEVER = lambda t: False  # noqa: E731
+# pyarrow >= 16 has view types; the project takes pyarrow >= 14
+_IS_STRING_VIEW = getattr(pa.types, "is_string_view", _NEVER)
+_IS_BINARY_VIEW = getattr(pa.types, "is_binary_view", _NEVER)
 
 
 def _key_kind(t: pa.DataType) -> str:
@@ -91,8 +101,8 @@ def _key_kind(t: pa.DataType) -> str:
     for kind, test in (
         ("int", pa.types.is_integer),
         ("float", pa.types.is_floating),
-        ("str", lambda u: pa.types.is_string(u) or pa.types.is_large_string(u) or pa.types.is_string_view(u)),
-        ("bytes", lambda u: pa.types.is_binary(u) or pa.types.is_large_binary(u) or pa.types.is_binary_view(u)),
+        ("str", lambda u: pa.types.is_string(u) or pa.types.is_large_string(u) or _IS_STRING_VIEW(u)),
+        ("bytes", lambda u: pa.types.is_binary(u) or pa.types.is_large_binary(u) or _IS_BINARY_VIEW(u)),
     ):
         if test(t):
             return kind
@@ -104,9 +114,11 @@ def check_key_type(where: str, key_column: Any, expected: Optional[pa.DataType],
     after floats, strings after ints... would split keys or fail at the end. Widths
     may differ (int32 and int64 files of one dataset)."""
     found = batch.schema.field(key_column).type
+    if pa.types.is_null(found):  # every key of the buffer None
+        raise null_keys(where, key_column)
     if expected is not None and _key_kind(found) != _key_kind(expected):
         raise AggregateInputError(
-            f"{where}: the key column {key_column!r} was {expected} and is now {found}; " + _ONE_KEY_TYPE
+            f"{where}: the key column {key_column!r} was {expected} and is now {found}; " + _one_key_type(key_column)
         )
 
 
