@@ -168,7 +168,7 @@ def merge_windows(windows: List[TimeWindow], new: TimeWindow) -> Tuple[TimeWindo
     """Flink's ``TimeWindow.mergeWindows`` for one new window: all windows sorted, each
     run of overlapping (or touching) ones merged; the run with ``new`` in it, as its
     cover and the existing windows in it (sorted). The reference for
-    ``WindowOperator._merge`` (tests)."""
+    ``_Sessions.merge`` (tests)."""
     merged: List[Tuple[TimeWindow, List[TimeWindow]]] = []
     for w in sorted([*windows, new]):
         if merged and merged[-1][0].intersects(w):
