@@ -15,17 +15,25 @@ cdef inline uint64_t fmix64(uint64_t x) nogil:
     return x
 
 
-def int_key_group(object key, Py_ssize_t max_parallelism):
-    """The key group of an int (or bool) key within int64, or -1 for anything else
-    (the caller then takes the general path)."""
+cdef inline Py_ssize_t _int_group(object key, Py_ssize_t max_parallelism) except -2:
+    """``int_key_group``'s answer, for C callers: -1 when the key is not an int (or
+    bool) within int64."""
     cdef int overflow = 0
     cdef long long v
-    if (type(key) is not int and type(key) is not bool) or max_parallelism < 1:
+    if type(key) is not int and type(key) is not bool:
         return -1
     v = PyLong_AsLongLongAndOverflow(key, &overflow)
     if overflow:
         return -1
     return <Py_ssize_t>(fmix64(<uint64_t>v) % <uint64_t>max_parallelism)
+
+
+def int_key_group(object key, Py_ssize_t max_parallelism):
+    """The key group of an int (or bool) key within int64, or -1 for anything else
+    (the caller then takes the general path)."""
+    if max_parallelism < 1:
+        return -1
+    return _int_group(key, max_parallelism)
 
 
 def route_int_keys(list records, object get_key, Py_ssize_t max_parallelism, list buffers):
@@ -36,11 +44,9 @@ def route_int_keys(list records, object get_key, Py_ssize_t max_parallelism, lis
     many records it routed: at the first key that is not an int (or that ``get_key``
     cannot read) it stops, and the caller routes the rest its general way, which also
     raises the right error for a record without the key. The same subtasks as the
-    per-record ``int_key_group`` path (the same function of the key)."""
+    per-record path: the key group is ``int_key_group``'s own (``_int_group``)."""
     cdef Py_ssize_t i, n = len(records), channels = len(buffers)
     cdef Py_ssize_t group
-    cdef int overflow = 0
-    cdef long long v
     cdef object key, record
     if max_parallelism < 1 or channels < 1:
         return 0
@@ -52,11 +58,8 @@ def route_int_keys(list records, object get_key, Py_ssize_t max_parallelism, lis
             key = get_key(record)
         except Exception:
             return i
-        if type(key) is not int and type(key) is not bool:
+        group = _int_group(key, max_parallelism)
+        if group < 0:
             return i
-        v = PyLong_AsLongLongAndOverflow(key, &overflow)
-        if overflow:
-            return i
-        group = <Py_ssize_t>(fmix64(<uint64_t>v) % <uint64_t>max_parallelism)
         (<list>PyList_GET_ITEM(buffers, group * channels // max_parallelism)).append(record)
     return n

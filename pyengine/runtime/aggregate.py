@@ -116,7 +116,7 @@ def check_key_type(where: str, key_column: Any, expected: Optional[pa.DataType],
     found = batch.schema.field(key_column).type
     if pa.types.is_null(found):  # every key of the buffer None
         raise null_keys(where, key_column)
-    if expected is not None and _key_kind(found) != _key_kind(expected):
+    if expected is not None and not found.equals(expected) and _key_kind(found) != _key_kind(expected):
         raise AggregateInputError(
             f"{where}: the key column {key_column!r} was {expected} and is now {found}; " + _one_key_type(key_column)
         )
