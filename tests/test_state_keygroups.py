@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pyarrow as pa
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pyengine.state import (
@@ -61,6 +61,7 @@ def test_unhashable_key_types_are_refused_by_name() -> None:
         stable_hash([1])
 
 
+@settings(deadline=None)  # alone, its first example pays pyarrow.compute's import (~0.4 s)
 @given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=200), st.integers(1, 32768))
 def test_vectorised_int64_path_matches_the_scalar_one(keys, max_parallelism) -> None:
     expected = [assign_to_key_group(k, max_parallelism) for k in keys]
