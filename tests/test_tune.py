@@ -192,3 +192,22 @@ def test_a_user_job_runs_from_module_and_function(tmp_path, monkeypatch) -> None
     assert field is None and name == "build"
     m = measure(build, Setting(interval_ms=100))
     assert m.status == "FINISHED" and m.records == 20_000 and m.throughput > 0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_weighted_percentiles_equal_numpys_of_the_values_repeated(seed: int) -> None:
+    """The latency derived from checkpoint completions weighs each read by its records
+    instead of repeating its latency once per record; the figures must not change."""
+    import numpy as np
+
+    from pyengine.tune.measure import _percentiles
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 60))
+    values = rng.choice(rng.normal(size=5), n) if seed % 2 else rng.normal(size=n)  # ties on odd seeds
+    weights = rng.integers(0, 2000 if seed % 3 else 3, n)
+    if not weights.any():
+        assert all(math.isnan(v) for v in _percentiles(values, weights))
+        return
+    expected = [np.percentile(np.repeat(values, weights), q) for q in (50, 99)]
+    assert np.allclose(_percentiles(values, weights), expected, rtol=1e-12, atol=1e-12)
