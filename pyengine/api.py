@@ -347,6 +347,11 @@ class StreamEnvironment:
         if checkpoint_storage is not None and (not isinstance(checkpoint_storage, str) or not checkpoint_storage):
             raise ValueError(f"StreamEnvironment checkpoint_storage must be a URI string, got {checkpoint_storage!r}")
         if buffer_size is not None:
+            if isinstance(buffer_size, str):
+                raise TypeError(
+                    f"StreamEnvironment buffer_size must be an int, or None to let each stream choose "
+                    f"(what tune's tables show as 'auto'), got {buffer_size!r}"
+                )
             _positive_int("buffer_size", buffer_size)
         _positive_int("buffer_timeout_ms", buffer_timeout_ms, 0)
         _positive_int("restart_attempts", restart_attempts, 0)

@@ -204,7 +204,9 @@ def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             space=space,
         )
     except (ImportError, ValueError, TypeError, RuntimeError) as exc:
-        print(f"pyengine tune: {exc}", file=sys.stderr)
+        message = str(exc)
+        # the library's messages start "tune: ", which the command's prefix already says
+        print(f"pyengine tune: {message.removeprefix('tune: ')}", file=sys.stderr)
         return 1
     # a pipe or a file gets the whole table, not one squeezed to 80 columns
     print_table(result, Console() if sys.stdout.isatty() else Console(width=200))

@@ -290,3 +290,8 @@ def test_ctrl_c_during_execute_records_the_run_canceled_before_the_interrupt_goe
     timer.join()
     [job] = list_jobs(str(tmp_path / "ckpt"))
     assert [r.status for r in job.runs] == ["CANCELED"]
+
+
+def test_buffer_size_auto_is_refused_with_the_way_to_say_it() -> None:
+    with pytest.raises(TypeError, match="or None to let each stream choose"):
+        pe.StreamEnvironment(buffer_size="auto")  # type: ignore[arg-type]

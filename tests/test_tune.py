@@ -211,3 +211,39 @@ def test_weighted_percentiles_equal_numpys_of_the_values_repeated(seed: int) -> 
         return
     expected = [np.percentile(np.repeat(values, weights), q) for q in (50, 99)]
     assert np.allclose(_percentiles(values, weights), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_bounded_job_is_said_to_be_one_and_its_recovery_unmeasured() -> None:
+    """A new user tuned a job over a collection: every trial ran it to its end in 0.4 s,
+    a 5 s interval showed only the final checkpoint, recovery was "-" everywhere, and
+    nothing said why (a ``max_recovery_s`` said "the closest: nan s")."""
+    from pyengine.tune.measure import BOUNDED_NOTE, NO_RECOVERY_NOTE
+
+    def build(env):
+        env.from_collection([{"user": i % 10, "v": i} for i in range(2_000)]).key_by("user").aggregate(
+            pe.agg.count()
+        ).sink_to(pe.sinks.DiscardSink())
+
+    m = measure(build, Setting(interval_ms=5000), seconds=30.0, measure_restore=True)
+    assert m.status == "FINISHED"
+    assert BOUNDED_NOTE in m.notes and NO_RECOVERY_NOTE in m.notes
+    assert math.isnan(m.recovery_s)
+    _, honoured, messages = recommend([m], "throughput", max_recovery_s=1)
+    assert honoured == {"max_recovery_s": False}
+    assert "could not be measured" in messages[0] and "nan" not in messages[0]
+    assert BOUNDED_NOTE in messages and NO_RECOVERY_NOTE in messages
+
+
+def test_a_setting_given_one_value_instead_of_a_tuple_is_named() -> None:
+    with pytest.raises(
+        TypeError, match=r"'buffer_size' takes the values to try as a tuple or list.*\{'buffer_size': \(64,\)\}"
+    ):
+        pe.tune(space={"buffer_size": 64})
+    with pytest.raises(TypeError, match="'interval_ms' takes"):
+        pe.tune(space={"interval_ms": "500"})
+
+
+def test_cli_errors_name_the_command_once(capsys) -> None:
+    assert main(["tune", "no_such_module_here:build", "--no-progress", "--budget-s", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pyengine tune: ") and "tune: tune:" not in err

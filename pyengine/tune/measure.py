@@ -300,6 +300,18 @@ def _run(
     return result, end - start, end
 
 
+# Said of the job, not of a setting: ``recommend`` repeats them once in the result's messages.
+BOUNDED_NOTE = (
+    "the job is bounded: it ended within the trial's time, so each trial ran all of its input, and a "
+    "checkpoint interval as long as a run shows only the final checkpoint; tune an unbounded version of "
+    "the job (from_generator, a monitored read_files) for figures of the interval"
+)
+NO_RECOVERY_NOTE = (
+    "recovery not measured: the job restored from its latest checkpoint produced nothing (a bounded "
+    "job restored from the end of its input has nothing left to read)"
+)
+
+
 def measure(
     build: JobBuilder,
     setting: Setting = Setting(),  # noqa: B008 - frozen
@@ -330,6 +342,8 @@ def measure(
             raise RuntimeError(f"tune: the job failed at {setting.label}: {result.cause}") from result.cause
         records, elapsed, rate = probe.rate(seconds is not None and result.status != "FINISHED", ended)
         m = Measurement(setting, records, elapsed, rate, status=result.status)
+        if seconds is not None and result.status == "FINISHED":
+            m.notes.append(BOUNDED_NOTE)
         summary = result.checkpoints.summary()
         m.checkpoints = int(result.checkpoints.counts["completed"])
         m.interval_ms = _interval_used(setting, result.checkpoints)
@@ -360,6 +374,8 @@ def measure(
         if measure_restore and result.latest_checkpoint:
             m.restore_s = _restore(build, setting, parallelism, storage, name, result.latest_checkpoint)
             m.restore_measured = not math.isnan(m.restore_s)
+            if not m.restore_measured:
+                m.notes.append(NO_RECOVERY_NOTE)
         return m
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from .measure import JobBuilder, Measurement, measure
+from .measure import BOUNDED_NOTE, NO_RECOVERY_NOTE, JobBuilder, Measurement, measure
 from .ranking import rank
 from .settings import DEFAULT_SPACE, Setting, check_space
 
@@ -129,12 +129,22 @@ def recommend(
     if max_recovery_s is not None:
         ok = best.recovery_s <= max_recovery_s
         honoured["max_recovery_s"] = bool(ok)
-        messages.append(
-            f"recovery {best.recovery_s:,.2f} s <= {max_recovery_s:,.2f} s: honoured"
-            if ok
-            else f"max recovery {max_recovery_s:,.2f} s NOT honoured: no setting tried reached it "
-            f"(the closest: {best.recovery_s:,.2f} s)"
-        )
+        if math.isnan(best.recovery_s):
+            messages.append(
+                f"max recovery {max_recovery_s:,.2f} s NOT honoured: recovery could not be measured, as no "
+                "restore of the job produced output (a bounded job restored from the end of its input has "
+                "nothing left to read; tune an unbounded version of it)"
+            )
+        else:
+            messages.append(
+                f"recovery {best.recovery_s:,.2f} s <= {max_recovery_s:,.2f} s: honoured"
+                if ok
+                else f"max recovery {max_recovery_s:,.2f} s NOT honoured: no setting tried reached it "
+                f"(the closest: {best.recovery_s:,.2f} s)"
+            )
+    # what a measurement says of the job, not of its setting, said once
+    notes = {n for m in measurements for n in m.notes}
+    messages.extend(n for n in (BOUNDED_NOTE, NO_RECOVERY_NOTE) if n in notes)
     return best, honoured, messages
 
 
@@ -278,7 +288,9 @@ def tune(
     ``job``: ``build(env)`` (adds the job's pipeline to the environment it is given),
     ``"module:function"`` naming one, or a built-in job (``"keyed-count"``, the default).
     A job runs ``trial_s`` seconds per trial (longer where an interval needs it), so an
-    unbounded job is fine. ``goal``: ``"throughput"`` (records/s) or ``"latency"``
+    unbounded job is what to give it; a bounded one that ends sooner runs all of its input
+    each trial, its recovery cannot be measured (restored at its end, it has nothing left
+    to read), and the result's messages say so. ``goal``: ``"throughput"`` (records/s) or ``"latency"``
     (end-to-end p99); ``max_latency_ms`` and ``max_recovery_s`` are constraints, honoured
     when a setting tried meets them, and reported as not honoured when none does.
     ``budget_s`` bounds the search (the finalists' runs come after it). ``space``: the

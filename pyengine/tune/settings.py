@@ -4,7 +4,7 @@ checkpoints are set to, and how to write that back into a job."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 __all__ = ["DEFAULT_SPACE", "Setting"]
 
@@ -147,6 +147,11 @@ def check_space(space: Mapping[str, Sequence[Any]]) -> Dict[str, Tuple[Any, ...]
     for name, values in space.items():
         if name not in known:
             raise ValueError(f"tune: unknown setting {name!r}; the settings are {', '.join(sorted(known))}")
+        if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+            raise TypeError(
+                f"tune: setting {name!r} takes the values to try as a tuple or list, got {values!r}: "
+                f"write {{{name!r}: ({values!r},)}} to try that value alone"
+            )
         values = tuple(values)
         if not values:
             raise ValueError(f"tune: setting {name!r} has no values to try")
