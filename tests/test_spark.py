@@ -126,6 +126,24 @@ def test_a_job_runs_on_spark_exactly_once_and_spark_reads_its_output(tmp_path, s
     assert df.count() == N
 
 
+def _with_freeze_count(record: Any) -> Any:
+    import gc
+
+    return {**record, "frozen": gc.get_freeze_count()}
+
+
+def test_a_spark_subtask_freezes_what_its_worker_held_while_it_runs(tmp_path, spark) -> None:
+    """As the embedded runner does (``_FrozenHeap``): on an executor too, a per-record
+    job's full collections must not walk the Python worker's whole heap."""
+    env = pe.StreamEnvironment(parallelism=2, monitoring=None, checkpoint_storage=str(tmp_path / "ckpt"))
+    sink = pe.sinks.FileSink(str(tmp_path / "out"), format="parquet")
+    env.from_collection(RECORDS[:50]).map(_with_freeze_count).sink_to(sink)
+    result = env.execute("frozen-on-spark", runner=pe.runners.SparkRunner(spark))
+    assert result.status == "FINISHED", result.cause
+    records = sink.read_committed()
+    assert len(records) == 50 and min(r["frozen"] for r in records) > 0
+
+
 @pytest.mark.parametrize(
     ("backend", "unaligned", "how"),
     [

@@ -43,6 +43,7 @@ from ..storage.metadata import OperatorState
 from .control import ControlClient, ControlServer
 from .flight import JobTls, listening_server
 from .local import (
+    FROZEN_HEAP,
     GIL_SWITCH_INTERVAL_S,
     LocalRunner,
     _step_name,
@@ -215,6 +216,7 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
     wired: queue.Queue[Optional[List[str]]] = queue.Queue()
     poller = threading.Thread(target=commands, name="pyengine-control-poll", daemon=True)
     poller.start()
+    FROZEN_HEAP.enter()  # as the embedded runner does (see _FrozenHeap); a process worker froze already
     try:
         downstream = wired.get(timeout=REGISTRATION_TIMEOUT_S)
         if downstream is None:
@@ -269,6 +271,7 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
         executor.shutdown(wait=True)
         client.close()
         poll_client.close()
+        FROZEN_HEAP.exit()
     if failure:
         raise RuntimeError(f"{attempt}: {failure[0]}") from failure[0]
     yield f"{attempt} finished"
