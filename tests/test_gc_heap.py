@@ -15,11 +15,14 @@ import pytest
 import pyengine as pe
 
 
-def _job(seen: List[int], gate: Any = None, n: int = 10) -> pe.StreamEnvironment:
+def _job(seen: List[int], gate: Any = None, n: int = 10, started: Any = None) -> pe.StreamEnvironment:
     """A job whose map records ``gc.get_freeze_count()`` as it runs; with ``gate``, it
-    waits on it first (to hold the job running while another starts and ends)."""
+    waits on it first (to hold the job running while another starts and ends), having
+    set ``started`` (the job is running, so it has frozen the heap)."""
 
     def probe(value: Any) -> Any:
+        if started is not None:
+            started.set()
         if gate is not None:
             assert gate.wait(30), "the test never released the job"
         seen.append(gc.get_freeze_count())
@@ -56,10 +59,11 @@ def test_a_freeze_of_the_users_is_left_as_it_is(unfrozen: None) -> None:
 
 
 def test_concurrent_jobs_unfreeze_once_at_the_end_of_the_last(unfrozen: None) -> None:
-    gate = threading.Event()
+    gate, started = threading.Event(), threading.Event()
     first_seen: List[int] = []
-    first = _job(first_seen, gate).execute_async("first")
+    first = _job(first_seen, gate, started=started).execute_async("first")
     try:
+        assert started.wait(30), "the first job never ran"
         second_seen: List[int] = []
         assert _job(second_seen).execute("second").status == "FINISHED"
         # the first still runs: its heap must still be frozen
@@ -95,3 +99,34 @@ def test_the_temporary_checkpoint_directory_goes_with_the_result() -> None:
         assert not os.path.exists(directory), "the checkpoint directory outlived its result"
     finally:
         gc.enable()
+
+
+def test_a_finished_runs_keyed_state_is_released_with_its_run() -> None:
+    """The runner and its tasks are reference cycles; a later job freezes them with the
+    rest of the heap. Their keyed state must not ride along: it is dropped when the run
+    ends, after the tasks' close() (which may read it) has run."""
+    import pyarrow as pa
+
+    descriptor = pe.ValueStateDescriptor("count", 0, pa.int64())
+    seen: List[Any] = []
+
+    class Count(pe.KeyedProcessFunction):
+        def open(self, ctx: Any) -> None:
+            self.count = ctx.get_state(descriptor)
+            seen.append(ctx._backend)
+
+        def process_element(self, value: Any, ctx: Any) -> Any:
+            self.count.update(self.count.value() + 1)
+            return ()
+
+        def close(self) -> None:
+            seen.append(self.count.value() is not None)  # state still readable in close()
+
+    env = pe.StreamEnvironment(parallelism=2, monitoring=None)
+    env.from_collection([{"u": i % 50} for i in range(1000)]).key_by("u").process(Count()).sink_to(
+        pe.sinks.DiscardSink()
+    )
+    assert env.execute("released").status == "FINISHED"
+    backends = [b for b in seen if not isinstance(b, bool)]
+    assert len(backends) == 2 and all(b.num_entries() == 0 for b in backends)
+    assert [b for b in seen if isinstance(b, bool)] == [True, True]

@@ -452,6 +452,24 @@ class LocalRunner:
                 from ..monitoring.history import save_run_statistics
 
                 save_run_statistics(self, status)  # for `pyengine checkpoints stats`
+            self._release_state()
+
+    def _release_state(self) -> None:
+        """Drops the subtasks' keyed state once the run is over, as Flink disposes a
+        task's backend. The runner and its tasks are held in reference cycles, which
+        only the cyclic collector frees; and while a later job in this process runs,
+        the heap it froze at its start (``_FrozenHeap``) includes this run's leftovers,
+        so without this their state would stay in memory until that job ends."""
+        for task in self._tasks:
+            thread = getattr(task, "thread", None)
+            if thread is not None and thread.ident is not None and thread is not threading.current_thread():
+                thread.join(timeout=5)  # a task closes its operators after it says it finished
+                if thread.is_alive():
+                    continue  # a close() still running may read its state: left to the collector
+            for op in getattr(task, "chain", ()):
+                dispose = getattr(getattr(op, "backend", None), "dispose", None)
+                if dispose is not None:
+                    dispose()
 
     def start_monitoring(self) -> Optional[str]:
         """Starts the job's monitoring server (``env.monitoring``), once; returns its

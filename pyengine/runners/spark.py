@@ -259,6 +259,7 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
             with proxy._lock:
                 client.poll(wait_ms=0, counters=_task_report(task, monitored, event_time))
     finally:
+        FROZEN_HEAP.exit()  # first: the cleanup below may raise, and a reused worker must not stay frozen
         stop.set()
         poller.join(5)
         for channel in channels:  # each closed whatever another's did: then the server, which upstream waits on
@@ -271,7 +272,6 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
         executor.shutdown(wait=True)
         client.close()
         poll_client.close()
-        FROZEN_HEAP.exit()
     if failure:
         raise RuntimeError(f"{attempt}: {failure[0]}") from failure[0]
     yield f"{attempt} finished"

@@ -130,11 +130,13 @@ def recommend(
         ok = best.recovery_s <= max_recovery_s
         honoured["max_recovery_s"] = bool(ok)
         if math.isnan(best.recovery_s):
-            messages.append(
-                f"max recovery {max_recovery_s:,.2f} s NOT honoured: recovery could not be measured, as no "
-                "restore of the job produced output (a bounded job restored from the end of its input has "
-                "nothing left to read; tune an unbounded version of it)"
+            why = (
+                ", as no restore of the job produced output (a bounded job restored from the end of its input "
+                "has nothing left to read; tune an unbounded version of it)"
+                if NO_RECOVERY_NOTE in best.notes
+                else " (no run completed a checkpoint and read records to restore and replay)"
             )
+            messages.append(f"max recovery {max_recovery_s:,.2f} s NOT honoured: recovery could not be measured{why}")
         else:
             messages.append(
                 f"recovery {best.recovery_s:,.2f} s <= {max_recovery_s:,.2f} s: honoured"
