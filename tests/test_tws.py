@@ -627,8 +627,8 @@ class Wrong(StatefulProcessor):
     [
         ("column", OutputSchemaError, ["'count'"]),
         ("type", OutputSchemaError, ["'count'", "many"]),
-        ("timer", PySparkValueError, ["UNSUPPORTED_OPERATION", "TimeMode.None"]),
-        ("delete", StateNotFoundError, ["'no_such_state'"]),
+        ("timer", PySparkValueError, ["UNSUPPORTED_OPERATION", "TimeMode.None", "time_mode='ProcessingTime'"]),
+        ("delete", StateNotFoundError, ["'no_such_state'", "Spark does nothing here", "only when the job restores"]),
     ],
 )
 def test_clear_errors_fail_the_job_at_once(how: str, error: type, words: List[str]) -> None:

@@ -461,8 +461,11 @@ def _ttl(ttlDurationMs: Any, name: str) -> Optional[int]:
     return ttlDurationMs
 
 
-def _usage(exc: BaseException) -> BaseException:
+def _usage(exc: BaseException, hint: str = "") -> BaseException:
+    """Marks ``exc`` as the processor's misuse (not retried); ``hint``: the way out,
+    added to the message the job fails with."""
     exc._pyengine_usage = True  # type: ignore[attr-defined]
+    exc._pyengine_hint = hint  # type: ignore[attr-defined]
     return exc
 
 
@@ -522,7 +525,9 @@ class _Handle:
                 PySparkValueError(
                     errorClass="UNSUPPORTED_OPERATION",
                     messageParameters={"operation": f"{operation} with TimeMode.None"},
-                )
+                ),
+                hint="timers need a time mode: pass time_mode='ProcessingTime' or 'EventTime' to "
+                "transform_with_state (timeMode= on a DataFrame)",
             )
         timers = op.timers()
         queue = self._timer_queue = timers.event if op.time_mode == "EventTime" else timers.processing
@@ -564,12 +569,18 @@ class _Handle:
     def deleteIfExists(self, stateName: str) -> None:
         """Purges a state for every key (Spark drops its column family): for a state
         a new version of a processor no longer uses. A name the operator never had
-        (registered now or restored from a checkpoint) is refused, as Spark refuses
-        an operation on a missing column family."""
+        (registered now or restored from a checkpoint) is refused, where Spark (and
+        its ``TwsTester``) does nothing: the issue this adapter answers asks for the
+        error, as such a name is more often a typo than a state of an older version."""
         backend = self._op.backend
         if stateName not in backend.state_names:
             known = ", ".join(n for n in backend.state_names if not n.startswith("_timer_state/")) or "none"
-            raise StateNotFoundError(f"deleteIfExists({stateName!r}): there is no state {stateName!r}; states: {known}")
+            raise StateNotFoundError(
+                f"deleteIfExists({stateName!r}): there is no state {stateName!r}; states: {known}. Spark does "
+                "nothing here; pyengine refuses a name its job never had, as it is most often a typo. To drop "
+                "a state of an older version of the processor, call deleteIfExists only when the job restores "
+                "a checkpoint that has it"
+            )
         _purge(backend, stateName)
         self._kinds.pop(stateName, None)
 
@@ -771,7 +782,8 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
     def _wrap(self, exc: BaseException, where: str) -> Exception:
         message = f"{self.where()}: {where}: {type(exc).__name__}: {exc}"
         if getattr(exc, "_pyengine_usage", False):
-            return _UsageError(message)
+            hint = getattr(exc, "_pyengine_hint", "")
+            return _UsageError(f"{message} ({hint})" if hint else message)
         return UserFunctionError(message)
 
     def _initial(self, entries: Iterable[Tuple[Any, Any]]) -> None:
