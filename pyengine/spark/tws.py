@@ -578,8 +578,8 @@ class _Handle:
             raise StateNotFoundError(
                 f"deleteIfExists({stateName!r}): there is no state {stateName!r}; states: {known}. Spark does "
                 "nothing here; pyengine refuses a name its job never had, as it is most often a typo. To drop "
-                "a state of an older version of the processor, call deleteIfExists only when the job restores "
-                "a checkpoint that has it"
+                "a state an older version of the processor may have left, wrap the call in "
+                "`try: ... except KeyError: pass` (this error is a KeyError; Spark never raises it)"
             )
         _purge(backend, stateName)
         self._kinds.pop(stateName, None)
