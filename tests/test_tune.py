@@ -247,3 +247,22 @@ def test_cli_errors_name_the_command_once(capsys) -> None:
     assert main(["tune", "no_such_module_here:build", "--no-progress", "--budget-s", "1"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("pyengine tune: ") and "tune: tune:" not in err
+
+
+def test_the_report_without_matplotlib_keeps_the_results_and_says_how_to_get_figures(
+    tuned, tmp_path, monkeypatch
+) -> None:
+    """matplotlib is the optional `tune` extra; the CLI writes a report by default, and a
+    plain install lost the whole search to an import error at its end."""
+    import copy
+    import sys
+
+    from pyengine.tune.report import write_report
+
+    result = copy.deepcopy(tuned[0])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    files = write_report(result, str(tmp_path / "report"))
+    assert set(files) == {"html"}
+    page = (tmp_path / "report" / "report.html").read_text()
+    assert result.recommended.label in page and "pip install &quot;pyengine[tune]&quot;" in page
+    assert any("pyengine[tune]" in m for m in result.messages)

@@ -183,7 +183,14 @@ def _figures(result: TuneResult, directory: str) -> Dict[str, str]:
 def write_report(result: TuneResult, directory: str) -> Dict[str, str]:
     """``report.html`` and its figures (PNG, beside it) in ``directory``; their paths."""
     os.makedirs(directory, exist_ok=True)
-    files = _figures(result, directory)
+    try:
+        files = _figures(result, directory)
+    except ModuleNotFoundError as exc:
+        if exc.name != "matplotlib":
+            raise
+        # an optional extra: the search's results must not be lost for want of figures
+        files = {}
+        result.messages.append('the report has no figures: they need matplotlib (pip install "pyengine[tune]")')
     rows = "\n".join(
         "<tr{}>{}</tr>".format(
             ' class="best"' if m.setting == result.recommended else "",
@@ -213,7 +220,7 @@ Recommended: <b>{html.escape(result.recommended.label)}</b></p>
 <h2>Recommended settings</h2>
 <pre id="snippet">{html.escape(result.snippet())}</pre>
 <h2>Figures</h2>
-{images}
+{images or "<p>none: matplotlib is not installed (pip install &quot;pyengine[tune]&quot;)</p>"}
 <h2>Settings tried (best first)</h2>
 <table><tr>{head}</tr>
 {rows}
