@@ -266,3 +266,13 @@ def test_the_report_without_matplotlib_keeps_the_results_and_says_how_to_get_fig
     page = (tmp_path / "report" / "report.html").read_text()
     assert result.recommended.label in page and "pip install &quot;pyengine[tune]&quot;" in page
     assert any("pyengine[tune]" in m for m in result.messages)
+    # printed as written: "[tune]" is not taken for rich markup
+    import io
+
+    from rich.console import Console
+
+    from pyengine.tune.report import print_table
+
+    out = io.StringIO()
+    print_table(result, Console(file=out, width=400, color_system=None))
+    assert 'pip install "pyengine[tune]"' in out.getvalue()

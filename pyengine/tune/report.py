@@ -90,7 +90,7 @@ def print_table(result: TuneResult, console: Any = None, limit: int = 15) -> Non
     console.print(table)
     console.print(f"[bold]recommended[/bold]: {result.recommended.label}")
     for line in result.messages:
-        console.print(f"  {line}")
+        console.print(f"  {line}", markup=False, highlight=False)  # plain text: "[tune]" is no markup tag
     console.print(result.snippet(), markup=False, highlight=False)
 
 
