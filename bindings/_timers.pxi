@@ -391,6 +391,9 @@ cdef class TimerHeap:
             ctx._timer_ts = ts
             result = on_timer(ts, ctx)
             if result is not None:
+                if type(result) is dict or type(result) is str:
+                    from pyengine.errors import not_records
+                    raise not_records(result, "", "on_timer")
                 out.extend(result)
             fired += 1
         return fired

@@ -895,6 +895,8 @@ class DataStream:
                 "process(KeyedProcessFunction) needs a keyed stream: key_by(...).process(fn); "
                 "on a stream that is not keyed, use a pe.ProcessFunction"
             )
+        if isinstance(fn, type) and issubclass(fn, ProcessFunction):
+            raise TypeError(f"process takes an instance of a ProcessFunction: pass {fn.__name__}(), not the class")
         if not isinstance(fn, ProcessFunction):
             raise TypeError(f"process takes a pe.ProcessFunction, got {fn!r}")
 
@@ -1263,6 +1265,8 @@ class KeyedStream:
         return IntervalJoin(self, other)
 
     def process(self, fn: KeyedProcessFunction) -> DataStream:
+        if isinstance(fn, type) and issubclass(fn, KeyedProcessFunction):
+            raise TypeError(f"process takes an instance of a KeyedProcessFunction: pass {fn.__name__}(), not the class")
         if not isinstance(fn, KeyedProcessFunction):
             raise TypeError(f"process takes a pyengine.KeyedProcessFunction, got {fn!r}")
 

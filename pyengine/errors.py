@@ -15,6 +15,7 @@ __all__ = [
     "KeySelectorError",
     "NonRetryableError",
     "OutputInUseError",
+    "OutputTypeError",
     "UnhashableKeyError",
 ]
 
@@ -44,6 +45,21 @@ class KeySelectorError(RuntimeError):
 class OutputInUseError(NonRetryableError):
     """A sink's output (or a checkpoint storage) that another run uses or owns; the
     message names that run and the ways out."""
+
+
+class OutputTypeError(NonRetryableError, TypeError):
+    """A function returned one record (a dict) or a string where it returns what it
+    emits: emitted as they are, a dict's keys or a string's characters would be the
+    records. Yield each record, or return a list of them."""
+
+
+def not_records(produced: Any, where: str, call: str) -> OutputTypeError:
+    """The error for ``produced``, what ``call`` returned (a dict or a str)."""
+    what = "keys" if produced.__class__ is dict else "characters"
+    return OutputTypeError(
+        f"{where + ': ' if where else ''}{call} returned a {type(produced).__name__}, whose {what} would be "
+        f"emitted one by one as records; yield each record (or return a list of them): yield {produced!r:.60}"
+    )
 
 
 class JobFailedError(Exception):

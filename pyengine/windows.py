@@ -41,7 +41,7 @@ import numpy as np
 import pyarrow as pa
 
 from .agg import Aggregation
-from .errors import NonRetryableError
+from .errors import NonRetryableError, not_records
 from .io.events import MAX_WATERMARK
 from .runtime.aggregate import AggregateInputError, check_key_type, needed_accumulators, not_a_table, null_keys
 from .runtime.copies import per_subtask
@@ -517,10 +517,11 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
 
     def _add(self, key: Any, record: Any, ts: int, out: List[Any]) -> None:
         contents: Dict[Tuple[int, int], Any] = self._contents.value() or {}
-        accepted = False
+        accepted = assigned = False
         changed: List[TimeWindow] = []
         sessions = self._sessions_of(key, contents) if self.assigner.merging else None
         for window in self.assigner.assign(ts):
+            assigned = True
             if sessions is not None:
                 window = sessions.merge(contents, window, self.accumulators)
             if self._is_late(window):
@@ -540,6 +541,8 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
                 current.append(record)
             contents[bounds] = current
             changed.append(window)
+        if not assigned:  # in no window (between a sliding window's slides): not late, in nothing
+            return
         if not accepted:
             if sessions is not None and not sessions.order:
                 self._sessions.pop(key, None)  # a key whose every record was late keeps nothing here
@@ -577,6 +580,8 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
             else:
                 produced = fn(key, window, list(contents))
             if produced is not None:
+                if produced.__class__ is dict or produced.__class__ is str:
+                    raise not_records(produced, self.where(), "the window function")
                 out.extend(produced)
         except NonRetryableError:
             raise
@@ -842,15 +847,19 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
             on_time = starts + (self.assigner.size - 1) > self.current_watermark - self.lateness
             if not on_time.all():
                 kept_rows = rows[on_time]
+                # late: in some window, but in none still open (a record in no window at
+                # all, between a sliding window's slides, is not late: it is in no window)
                 if self.late_tag is None:
-                    self.late_records_dropped += batch.num_rows - len(np.unique(kept_rows))
-                elif self.side_output is not None:  # rows in no window still open: the late ones
-                    late = np.setdiff1d(np.arange(batch.num_rows), kept_rows)
+                    self.late_records_dropped += len(np.unique(rows)) - len(np.unique(kept_rows))
+                elif self.side_output is not None:
+                    late = np.setdiff1d(rows, kept_rows)
                     if len(late):
                         self.side_output(self.late_tag, batch.take(pa.array(late)))
                 rows, starts = kept_rows, starts[on_time]
                 if not len(rows):
                     return []
+        if not len(rows):  # no record in any window (a sliding window's slide longer than its size)
+            return []
         out: List[pa.RecordBatch] = []
         first, last = int(starts.min()), int(starts.max())
         if first == last and len(rows) == batch.num_rows:  # the usual case: one window for the whole batch
@@ -1156,6 +1165,11 @@ class WindowedStream:
             if not isinstance(a, Aggregation):
                 raise TypeError(f"aggregate takes pe.agg aggregations, got {a!r}")
         column, key_name = self._key_name()
+        if key_name in ("window_start", "window_end"):
+            raise ValueError(
+                f"the key column {key_name!r} has the name of a window bound in the output rows; "
+                f"key by a column of another name (rename it with .map(...) before key_by)"
+            )
         outputs = [a.output for a in aggregations]
         reserved = {key_name, "window_start", "window_end"}
         clashes = sorted({o for o in outputs if outputs.count(o) > 1 or o in reserved})
@@ -1191,6 +1205,8 @@ class WindowedStream:
         ``fn(key, window, elements)``; called once per key and window when it fires,
         with all its elements; what it yields goes downstream. The elements are kept
         in keyed state until then (plain data: the safe serializer's types)."""
+        if isinstance(fn, type) and issubclass(fn, ProcessWindowFunction):
+            raise TypeError(f"process takes an instance of a ProcessWindowFunction: pass {fn.__name__}(), not the class")
         if not isinstance(fn, ProcessWindowFunction) and not callable(fn):
             raise TypeError(f"process takes a pe.windows.ProcessWindowFunction or a function, got {fn!r}")
 

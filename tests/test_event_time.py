@@ -54,7 +54,7 @@ def test_idleness_is_processing_time_without_records() -> None:
     assert g.check_idle(1050)
     g.on_timestamps(np.array([5]), 1060)
     assert not g.check_idle(1100)
-    with pytest.raises(ValueError, match="timeout > 0"):
+    with pytest.raises(ValueError, match=r"idle_timeout_ms must be milliseconds \(an int >= 1\)"):
         WatermarkStrategy.for_monotonous_timestamps().with_idleness(0)
 
 

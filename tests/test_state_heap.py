@@ -112,7 +112,7 @@ def test_typed_state_refuses_values_of_the_wrong_type_where_written(backend) -> 
 
 def test_state_needs_a_current_key(backend) -> None:
     count = backend.get_state(ValueStateDescriptor("count"))
-    with pytest.raises(NoCurrentKeyError, match="'count' was used before set_current_key"):
+    with pytest.raises(NoCurrentKeyError, match=r"'count' was used with no current key: .*process_element or on_timer"):
         count.value()
 
 

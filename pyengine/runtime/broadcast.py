@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, Generic, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeAlias
 
-from ..errors import NonRetryableError
+from ..errors import NonRetryableError, not_records
 from ..state.columnar import NoCurrentKeyError
 from ..state.descriptors import K, MapStateDescriptor, StateDescriptor, V
 from ..state.operator import BroadcastState
@@ -258,6 +258,8 @@ class BroadcastProcessOperator(Operator):
                 pctx._record = r
                 produced = element(r, pctx)
                 if produced is not None:
+                    if produced.__class__ is dict or produced.__class__ is str:
+                        raise not_records(produced, self.where(), getattr(element, "__name__", "process_element"))
                     out.extend(produced)
         except NonRetryableError:
             raise
@@ -465,14 +467,16 @@ class KeyedBroadcastProcessOperator(KeyedProcessOperator):
                 bctx._record = r
                 produced = self.bfn.process_broadcast_element(r, bctx)
                 if produced is not None:
+                    if produced.__class__ is dict or produced.__class__ is str:
+                        raise not_records(produced, self.where(), "process_broadcast_element")
                     out.extend(produced)
-        except NonRetryableError:
-            raise
-        except NoCurrentKeyError as exc:
+        except NoCurrentKeyError as exc:  # before NonRetryableError, which it is
             raise BroadcastStateError(
                 f"{self.where()}: keyed state used in process_broadcast_element ({exc}): a broadcast record "
                 "belongs to no key; reach keyed state with ctx.apply_to_keyed_state(descriptor, fn)"
             ) from None  # this message is the one to report (a JobFailedError names the innermost cause)
+        except NonRetryableError:
+            raise
         except Exception as exc:
             raise _user_error(self, exc) from exc
         finally:

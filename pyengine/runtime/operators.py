@@ -13,7 +13,7 @@ from typing import Any, Callable, FrozenSet, Iterable, List, Optional, Set, Tupl
 
 import pyarrow as pa
 
-from ..errors import ColumnNotFoundError, NonRetryableError
+from ..errors import ColumnNotFoundError, NonRetryableError, OutputTypeError, not_records
 from ..io.events import MAX_WATERMARK, MIN_WATERMARK, WATERMARK_ACTIVE, WATERMARK_IDLE, Watermark
 from ..state import ListStateDescriptor, OperatorStateBackend, create_keyed_backend, key_group_range_for_subtask
 from ..state.descriptors import (
@@ -279,7 +279,12 @@ class FlatMapOperator(MapOperator):
         out: List[Any] = []
         try:
             for r in records:
-                out.extend(fn(r))
+                produced = fn(r)
+                if produced.__class__ is dict or produced.__class__ is str:
+                    raise not_records(produced, self.where(), "the flat_map function")
+                out.extend(produced)
+        except NonRetryableError:
+            raise
         except Exception as exc:
             raise UserFunctionError(f"{self.where()}: {type(exc).__name__}: {exc}") from exc
         return out
@@ -662,6 +667,8 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
                 kctx._record = r
                 produced = element(r, kctx)
                 if produced is not None:
+                    if produced.__class__ is dict or produced.__class__ is str:
+                        raise not_records(produced, self.where(), "process_element")
                     out.extend(produced)
         except NonRetryableError:
             raise
@@ -680,6 +687,8 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
         kctx._domain = domain
         try:
             queue.fire(upto, kctx, self.fn.on_timer, out)
+        except OutputTypeError as exc:
+            raise OutputTypeError(f"{self.where()}: {exc}") from None
         except NonRetryableError:
             raise
         except Exception as exc:
@@ -922,6 +931,8 @@ class ProcessOperator(Operator):
                 pctx._record = r
                 produced = element(r, pctx)
                 if produced is not None:
+                    if produced.__class__ is dict or produced.__class__ is str:
+                        raise not_records(produced, self.where(), "process_element")
                     out.extend(produced)
         except NonRetryableError:
             raise

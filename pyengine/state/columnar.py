@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from .. import _native
+from ..errors import NonRetryableError
 from .descriptors import StateDescriptor, ValueStateDescriptor
 from .keygroups import key_groups_of_int64
 
@@ -29,9 +30,19 @@ _MISSING = object()
 _MERGED_NATIVELY = (np.dtype(np.int64), np.dtype(np.float64))  # merge_groups: every key group in one C call
 
 
-class NoCurrentKeyError(RuntimeError):
-    """Keyed state was used before ``set_current_key``. Defined here, below ``heap``
-    (which re-exports it), so that ``heap`` -> ``columnar`` is the only direction."""
+class NoCurrentKeyError(NonRetryableError, RuntimeError):
+    """Keyed state (or a timer) was used with no current key: in a function, outside the
+    calls that have one (``open``, ``close``, a broadcast element); on a backend, before
+    ``set_current_key``. No restart changes that, so the job fails at once. Defined here,
+    below ``heap`` (which re-exports it), so that ``heap`` -> ``columnar`` is the only
+    direction."""
+
+
+# What to do, said by every NoCurrentKeyError: a function's author rarely calls set_current_key.
+NO_KEY_HINT = (
+    "keyed state and timers belong to the key of the record (or timer) being processed: use them in "
+    "process_element or on_timer, not in open() or close() (on a state backend: call set_current_key first)"
+)
 
 
 def columnar_dtype(descriptor: StateDescriptor) -> Optional[np.dtype]:
@@ -155,7 +166,7 @@ class ColumnarValueState(_native.ColumnarValueCalls):
         b = self._backend
         key = b._key
         if b._key_index < 0:
-            raise NoCurrentKeyError(f"state {self.name!r} was used before set_current_key()")
+            raise NoCurrentKeyError(f"state {self.name!r} was used with no current key: {NO_KEY_HINT}")
         if type(key) is not int or not _INT64_MIN <= key <= _INT64_MAX:
             self._fallback = self._backend._columnar_to_dict(self.name)
             return None

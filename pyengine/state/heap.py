@@ -48,7 +48,7 @@ from .._native import StateTableBase as _StateTableBase
 from .._native import ValueCalls as _ValueCalls
 from .._native import int_key_group as _int_key_group
 from .._native import ttl_values as _ttl_values
-from .columnar import NoCurrentKeyError
+from .columnar import NO_KEY_HINT, NoCurrentKeyError
 from .descriptors import (
     IN,
     OUT,
@@ -421,7 +421,7 @@ _stamp_of = operator.itemgetter(1)
 
 
 def _no_key(state: Any) -> NoCurrentKeyError:
-    return NoCurrentKeyError(f"state {state.name!r} was used before set_current_key()")
+    return NoCurrentKeyError(f"state {state.name!r} was used with no current key: {NO_KEY_HINT}")
 
 
 class _KeyedState(_StateCalls):

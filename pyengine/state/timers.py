@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import pyarrow as pa
 
+from ..errors import not_records
 from .columnar import ColumnarValueTable
 from .descriptors import ValueStateDescriptor
 
@@ -142,9 +143,9 @@ class TimerQueue:
         b = self._backend
         key, index = b._key, b._key_index
         if index < 0:
-            from .heap import NoCurrentKeyError
+            from .columnar import NO_KEY_HINT, NoCurrentKeyError
 
-            raise NoCurrentKeyError("a timer was used before set_current_key()")
+            raise NoCurrentKeyError(f"a timer was used with no current key: {NO_KEY_HINT}")
         if not (type(key) is int and _INT64_MIN <= key <= _INT64_MAX) and self._native is not None:
             self._to_dicts()
         return key, index
@@ -301,6 +302,8 @@ class TimerQueue:
             ctx._timer_ts = ts
             result = on_timer(ts, ctx)
             if result is not None:
+                if result.__class__ is dict or result.__class__ is str:
+                    raise not_records(result, "", "on_timer")
                 out.extend(result)
 
     def __len__(self) -> int:

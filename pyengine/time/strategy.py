@@ -189,11 +189,11 @@ class WatermarkGenerator:
         return self.idle
 
 
-def _non_negative_ms(what: str, value: Any) -> int:
+def _non_negative_ms(what: str, value: Any, minimum: int = 0) -> int:
     if isinstance(value, _dt.timedelta):
         value = value // _dt.timedelta(milliseconds=1)
-    if type(value) is not int or value < 0:
-        raise ValueError(f"{what} must be milliseconds (an int >= 0) or a timedelta, got {value!r}")
+    if type(value) is not int or value < minimum:
+        raise ValueError(f"{what} must be milliseconds (an int >= {minimum}) or a timedelta, got {value!r}")
     return value  # type: ignore[no-any-return]
 
 
@@ -234,10 +234,7 @@ class WatermarkStrategy:
         (split) is idle: downstream watermarks stop waiting for it until it has
         records again. Without it, an input with nothing to say holds every window
         downstream back (Flink's default too)."""
-        timeout = _non_negative_ms("idle_timeout_ms", idle_timeout_ms)
-        if timeout == 0:
-            raise ValueError("with_idleness needs a timeout > 0 ms")
-        return replace(self, idleness_ms=timeout)
+        return replace(self, idleness_ms=_non_negative_ms("idle_timeout_ms", idle_timeout_ms, minimum=1))
 
     def create_generator(self, now: int) -> WatermarkGenerator:
         return WatermarkGenerator(self.out_of_orderness_ms, self.idleness_ms, now)

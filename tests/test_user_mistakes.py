@@ -1,0 +1,157 @@
+"""Mistakes a new user makes with functions and windows, found by a new-user trial:
+each either works as the user meant or fails at once (no restarts) with a message
+that says what to write instead; none is silently wrong."""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import pytest
+
+import pyengine as pe
+from pyengine.errors import OutputTypeError, is_non_retryable
+
+STRATEGY = pe.WatermarkStrategy.for_monotonous_timestamps().with_timestamp_assigner("ts")
+RECORDS = [{"user": i % 3, "ts": i * 10} for i in range(20)]
+
+
+def _failed(env: pe.StreamEnvironment) -> Any:
+    with pytest.raises(pe.JobFailedError) as err:
+        env.execute("mistake")
+    result = err.value.result
+    assert result.status == "FAILED" and result.restarts == 0 and is_non_retryable(result.cause)
+    return result.cause
+
+
+# -- a function that returns one record instead of yielding it -----------------------------------
+
+
+class ReturnsADict(pe.KeyedProcessFunction):
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        return {"user": value["user"]}
+
+
+class TimerReturnsADict(pe.KeyedProcessFunction):
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        ctx.timer_service().register_event_time_timer(value["ts"] + 5)
+        return None
+
+    def on_timer(self, timestamp: int, ctx: Any) -> Any:
+        return {"fired": timestamp}
+
+
+class ReturnsAString(pe.ProcessFunction):
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        return "user"
+
+
+@pytest.mark.parametrize(
+    ("build", "call"),
+    [
+        (lambda s: s.key_by("user").process(ReturnsADict()), "process_element"),
+        (lambda s: s.key_by("user").process(TimerReturnsADict()), "on_timer"),
+        (lambda s: s.process(ReturnsAString()), "process_element"),
+        (lambda s: s.flat_map(lambda r: {"user": r["user"]}), "flat_map"),
+        (
+            lambda s: s.key_by("user").window(pe.windows.tumbling(50)).process(lambda k, w, es: {"user": k}),
+            "window function",
+        ),
+    ],
+    ids=["process-element", "on-timer", "a-string", "flat-map", "window-process"],
+)
+def test_a_function_returning_one_record_fails_at_once_and_says_to_yield_it(build: Any, call: str) -> None:
+    env = pe.StreamEnvironment(parallelism=1, restart_attempts=3)
+    build(env.from_collection(RECORDS, watermark_strategy=STRATEGY)).sink_to(pe.sinks.CollectSink())
+    cause = _failed(env)
+    assert isinstance(cause, OutputTypeError), cause
+    message = str(cause)
+    assert call in message and "yield" in message and "one by one" in message
+
+
+def test_a_function_yielding_or_returning_a_list_of_dicts_emits_them() -> None:
+    class Yields(pe.KeyedProcessFunction):
+        def process_element(self, value: Any, ctx: Any) -> Any:
+            yield {"user": value["user"]}
+
+    class ReturnsAList(pe.KeyedProcessFunction):
+        def process_element(self, value: Any, ctx: Any) -> Any:
+            return [{"user": value["user"]}]
+
+    for fn in (Yields(), ReturnsAList()):
+        env = pe.StreamEnvironment(parallelism=1)
+        env.from_collection(RECORDS).key_by("user").process(fn).sink_to(pe.sinks.CollectSink())
+        assert sorted(r["user"] for r in env.execute("ok").records) == sorted(r["user"] for r in RECORDS)
+
+
+# -- records in no window (a sliding window whose slide is longer than its size) -----------------
+
+GAPPED = [{"k": 1, "ts": 200}, {"k": 1, "ts": 700}, {"k": 2, "ts": 720}, {"k": 1, "ts": 1100}, {"k": 1, "ts": 2600}]
+
+
+@pytest.mark.parametrize("how", ["aggregate", "process"])
+@pytest.mark.parametrize("parallelism", [1, 2])
+def test_records_between_sliding_windows_are_in_none_and_not_counted_late(how: str, parallelism: int) -> None:
+    """sliding(500, 1000): windows [0, 500), [1000, 1500), [2000, 2500)...; 700, 720 and
+    2600 fall in none (a batch may hold only such records) and are not late either."""
+    env = pe.StreamEnvironment(parallelism=parallelism)
+    keyed = env.from_collection(GAPPED, watermark_strategy=STRATEGY).key_by("k").window(pe.windows.sliding(500, 1000))
+    if how == "aggregate":
+        stream = keyed.aggregate(pe.agg.count())
+    else:
+        stream = keyed.process(lambda k, w, es: [{"k": k, "window_start": w.start, "count": len(es)}])
+    stream.sink_to(pe.sinks.CollectSink())
+    result = env.execute("gapped")
+    assert sorted((r["k"], r["window_start"], r["count"]) for r in result.records) == [(1, 0, 1), (1, 1000, 1)]
+    assert result.event_time is not None and result.event_time.late_records_dropped == 0
+
+
+def test_a_batch_of_records_all_in_no_window_is_no_error() -> None:
+    env = pe.StreamEnvironment(parallelism=1)
+    only_gaps: List[Any] = [{"k": 1, "ts": 700}]
+    stream = env.from_collection(only_gaps, watermark_strategy=STRATEGY).key_by("k")
+    stream.window(pe.windows.sliding(500, 1000)).aggregate(pe.agg.count()).sink_to(pe.sinks.CollectSink())
+    result = env.execute("only-gaps")
+    assert result.status == "FINISHED" and result.records == []
+
+
+# -- a key column with a window bound's name ------------------------------------------------------
+
+
+@pytest.mark.parametrize("column", ["window_start", "window_end"])
+def test_a_key_column_named_as_a_window_bound_is_refused_when_built(column: str) -> None:
+    env = pe.StreamEnvironment()
+    keyed = env.from_collection([{column: 7, "ts": 1}], watermark_strategy=STRATEGY).key_by(column)
+    with pytest.raises(ValueError, match=f"key column '{column}'.*rename"):
+        keyed.window(pe.windows.tumbling(10)).aggregate(pe.agg.count())
+
+
+# -- a function's class where an instance goes; keyed state outside a key ------------------------
+
+
+def test_a_function_class_instead_of_an_instance_is_refused_when_built() -> None:
+    class Collect(pe.windows.ProcessWindowFunction):
+        def process(self, key: Any, context: Any, elements: List[Any]) -> Any:
+            yield key
+
+    env = pe.StreamEnvironment()
+    stream = env.from_collection(RECORDS, watermark_strategy=STRATEGY)
+    with pytest.raises(TypeError, match=r"pass ReturnsADict\(\), not the class"):
+        stream.key_by("user").process(ReturnsADict)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"pass ReturnsAString\(\), not the class"):
+        stream.process(ReturnsAString)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"pass Collect\(\), not the class"):
+        stream.key_by("user").window(pe.windows.tumbling(50)).process(Collect)
+
+
+class TimerInOpen(pe.KeyedProcessFunction):
+    def open(self, ctx: Any) -> None:
+        ctx.timer_service().register_event_time_timer(100)
+
+
+def test_a_timer_registered_in_open_fails_at_once_and_says_where_timers_go() -> None:
+    env = pe.StreamEnvironment(parallelism=1, restart_attempts=3)
+    env.from_collection(RECORDS, watermark_strategy=STRATEGY).key_by("user").process(TimerInOpen()).sink_to(
+        pe.sinks.CollectSink()
+    )
+    cause = _failed(env)
+    assert "no current key" in str(cause) and "process_element or on_timer" in str(cause)
