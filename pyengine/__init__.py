@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what IDEs and type checkers see; at run time these load on first use
-    from . import agg, errors, runners, sinks, windows
+    from . import agg, errors, runners, sinks, spark, state, windows
     from .api import (
         BroadcastConnectedStream,
         BroadcastStream,
@@ -114,6 +114,8 @@ __all__ = [
     "errors",
     "runners",
     "sinks",
+    "spark",
+    "state",
     "tune",
     "windows",
 ]
@@ -177,6 +179,10 @@ _LAZY = {
     "JobFailedError": ("pyengine.errors", "JobFailedError"),
     "agg": ("pyengine.agg", None),
     "runners": ("pyengine.runners", None),
+    # pe.state.read_keyed_state, pe.spark.ForeachBatchHandler as the guides write them
+    # (pyengine.spark imports pyspark only when it is used)
+    "state": ("pyengine.state", None),
+    "spark": ("pyengine.spark", None),
     "WatermarkStrategy": ("pyengine.time", "WatermarkStrategy"),
     "TimeDomain": ("pyengine.time", "TimeDomain"),
     "windows": ("pyengine.windows", None),

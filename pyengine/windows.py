@@ -1206,7 +1206,9 @@ class WindowedStream:
         with all its elements; what it yields goes downstream. The elements are kept
         in keyed state until then (plain data: the safe serializer's types)."""
         if isinstance(fn, type) and issubclass(fn, ProcessWindowFunction):
-            raise TypeError(f"process takes an instance of a ProcessWindowFunction: pass {fn.__name__}(), not the class")
+            raise TypeError(
+                f"process takes an instance of a ProcessWindowFunction: pass {fn.__name__}(), not the class"
+            )
         if not isinstance(fn, ProcessWindowFunction) and not callable(fn):
             raise TypeError(f"process takes a pe.windows.ProcessWindowFunction or a function, got {fn!r}")
 

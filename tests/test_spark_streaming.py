@@ -266,3 +266,51 @@ def test_after_an_in_process_restart_a_batch_counts_as_read_only_once_read_again
     assert source.split_state(0, 1) is None
     assert len(source.read(0, 1, 0, 100)) == 10  # read again from the restored position
     assert source.wait_read(end, lambda: True) and source.split_state(0, 1) == {"spark_batch_id": 0, "end": 10}
+
+
+class LatestSeen(pe.KeyedProcessFunction):
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        yield {"user": value["user"], "at": value["at"]}
+
+
+def test_foreach_batch_takes_micro_batches_with_a_timestamp_column(spark: Any, tmp_path: Any) -> None:
+    """pyspark 4 converts a ``timestamp`` only with a time zone: the handler reads the
+    micro-batches and writes its output back to Spark with timestamps as they were."""
+    import datetime as dt
+
+    inputs = str(tmp_path / "in")
+    os.makedirs(inputs)
+    start = dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)
+    at = [start + dt.timedelta(seconds=s) for s in range(6)]
+    for f in range(2):
+        path = os.path.join(inputs, f"part-{f}.parquet")
+        rows = {
+            "user": pa.array([1, 2, 3], pa.int64()),
+            "at": pa.array(at[3 * f : 3 * f + 3], pa.timestamp("us", "UTC")),
+        }
+        pq.write_table(pa.table(rows), path)
+        os.utime(path, (1_700_000_000 + f, 1_700_000_000 + f))
+    got: List[Any] = []
+    handler = pe.spark.ForeachBatchHandler(
+        lambda s: s.key_by("user").process(LatestSeen()).uid("latest"),
+        name="timestamps",
+        checkpoint_storage=str(tmp_path / "pe"),
+        output=lambda out, batch_id: got.extend(r.asDict() for r in out.collect()),
+        output_schema="user bigint, at timestamp",
+        env=pe.StreamEnvironment(parallelism=1, monitoring=None),
+    )
+    stream = spark.readStream.schema("user long, at timestamp").option("maxFilesPerTrigger", 1).parquet(inputs)
+    query = (
+        stream.writeStream.foreachBatch(handler)
+        .option("checkpointLocation", str(tmp_path / "spark"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    handler.close()
+    assert query.exception() is None
+    seen = sorted((r["user"], r["at"].replace(tzinfo=None) if r["at"].tzinfo else r["at"]) for r in got)
+    local = [a.astimezone().replace(tzinfo=None) for a in at]  # Spark's collect() shows the session's zone
+    utc = [a.replace(tzinfo=None) for a in at]
+    users = [1, 2, 3, 1, 2, 3]
+    assert seen in (sorted(zip(users, local, strict=True)), sorted(zip(users, utc, strict=True)))

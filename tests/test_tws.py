@@ -831,3 +831,129 @@ def test_a_processor_dropping_an_old_state_portably_runs_on_a_fresh_job() -> Non
     assert env.execute("tws-drop-old").status == "FINISHED"
     counts = [r["count"] if isinstance(r, dict) else r[1] for r in sink.records]
     assert counts and max(counts) == 2, sink.records
+
+
+# -- found by a new user's trial: timestamps, arrays, the end of input, a restored name -----------
+
+
+class LastSeen(StatefulProcessor):
+    """A timestamp in state and in the output (pyspark 4 wants a time zone for one)."""
+
+    def init(self, handle: Any) -> None:
+        self.last = handle.getValueState("last", "seen timestamp")
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Iterator[Any]:
+        for r in rows:
+            self.last.update((r["at"],))
+        yield Row(user=key[0], seen=self.last.get()[0])
+
+
+def test_timestamp_columns_in_state_and_output_run() -> None:
+    import datetime as dt
+
+    at = [dt.datetime(2024, 1, 1, 0, 0, s, tzinfo=dt.timezone.utc) for s in range(3)]
+    env = pe.StreamEnvironment(parallelism=1, monitoring=None)
+    sink = pe.sinks.CollectSink()
+    env.from_collection([{"user": 1, "at": a} for a in at]).key_by("user").transform_with_state(
+        LastSeen(), "user bigint, seen timestamp"
+    ).sink_to(sink)
+    (row,) = env.execute("timestamps").records
+    assert row["user"] == 1 and row["seen"] == at[-1]  # the same instant (shown in UTC)
+
+
+class Tags(StatefulProcessor):
+    """An array field in state: Spark hands it back as a list, so ``+ [x]`` works."""
+
+    def init(self, handle: Any) -> None:
+        self.tags = handle.getValueState("tags", "tags array<string>")
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Iterator[Any]:
+        for r in rows:
+            old = self.tags.get()
+            self.tags.update(((old[0] if old else []) + [f"p{r['page']}"],))
+        got = self.tags.get()[0]
+        yield Row(user=key[0], kind=type(got).__name__, tags=",".join(got))
+
+
+def test_an_array_field_in_state_is_a_list_as_on_spark() -> None:
+    op = make_operator(Tags(), "user bigint, kind string, tags string")
+    rows = rows_of(op.process([{"user": 0, "page": i} for i in range(3)]))
+    assert rows == [{"user": 0, "kind": "list", "tags": "p0,p1,p2"}]
+    (again,) = rows_of(op.process([{"user": 0, "page": 9}]))  # read back from state, not the call's own list
+    assert again == {"user": 0, "kind": "list", "tags": "p0,p1,p2,p9"}
+
+
+class Rearming(StatefulProcessor):
+    """Each expiry re-arms the key's timer 10 s past the watermark it is shown."""
+
+    def init(self, handle: Any) -> None:
+        self.handle = handle
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Iterator[Any]:
+        for r in rows:
+            self.handle.registerTimer(r["ts"] + 1_000)
+        return iter(())
+
+    def handleExpiredTimer(self, key: Any, timerValues: Any, expiredTimerInfo: Any) -> Iterator[Any]:
+        wm = timerValues.getCurrentWatermarkInMs()
+        self.handle.registerTimer(wm + 10_000)
+        yield Row(user=key[0], at=expiredTimerInfo.getExpiryTimeInMs(), wm=wm)
+
+
+def test_the_end_of_input_shows_a_watermark_spark_would_and_re_armed_timers_end() -> None:
+    """A bounded input ends with pyengine's maximum watermark, which Spark never shows:
+    the final firing shows the latest pending timer's time, fires every pending timer,
+    and a timer re-armed past it stays pending (as when a Spark query ends)."""
+    env = pe.StreamEnvironment(parallelism=1, monitoring=None)
+    sink = pe.sinks.CollectSink()
+    strategy = pe.WatermarkStrategy.for_monotonous_timestamps().with_timestamp_assigner("ts")
+    records = [{"user": 1, "ts": 100}, {"user": 2, "ts": 500}, {"user": 1, "ts": 5_000}]  # ts 0: late on Spark
+    env.from_collection(records, watermark_strategy=strategy).key_by("user").transform_with_state(
+        Rearming(), "user bigint, at bigint, wm bigint", time_mode="EventTime"
+    ).sink_to(sink)
+    result = env.execute("re-arming")
+    fired = sorted((r["user"], r["at"]) for r in result.records)
+    assert all(r["wm"] < 2**62 for r in result.records), result.records
+    assert all(r["at"] <= r["wm"] for r in result.records)  # as on Spark: expiry at or before the watermark
+    assert {(1, 1_100), (2, 1_500), (1, 6_000)} <= set(fired)
+    final = max(r["wm"] for r in result.records)  # the end of input's: the latest timer then pending
+    assert all(r["at"] <= final for r in result.records) and len(fired) <= 5, result.records
+
+
+def test_delete_if_exists_of_a_restored_state_with_no_key_in_this_subtask_does_nothing() -> None:
+    """The checkpoint has the state, but none of its keys lands in this subtask's key
+    groups: nothing to purge here, and no refusal (another subtask purges its part)."""
+    op = make_operator(AllStates(), ALL_STATES_SCHEMA)
+    op.process([{"user": 3, "v": 1, "tag": "a"}])
+    restored = snapshot_of(op)
+    from pyengine.state import assign_to_key_group
+
+    group = assign_to_key_group(3, 128)
+    other = OperatorContext(
+        job_name="t",
+        subtask=0 if group >= 64 else 1,  # the half of the key groups without key 3's
+        parallelism=2,
+        max_parallelism=128,
+        state_backend="heap",
+        local_recovery_dir=None,
+        attempt=0,
+    )
+
+    class V2(AllStates):
+        def init(self, handle: Any) -> None:
+            handle.deleteIfExists("count")
+            super().init(handle)
+
+    op2 = TransformWithStateOperator("tws", "tws", key_selector("user"), V2(), ALL_STATES_SCHEMA, clock=Clock())
+    op2.setup(other, restored)  # type: ignore[arg-type]
+    assert "count" not in op2.backend.state_names and "count" in op2.backend.restored_state_names
+    op2.open()  # deleteIfExists("count") accepted
+
+    class Typo(AllStates):
+        def init(self, handle: Any) -> None:
+            handle.deleteIfExists("cuont")
+
+    op3 = TransformWithStateOperator("tws", "tws", key_selector("user"), Typo(), ALL_STATES_SCHEMA, clock=Clock())
+    op3.setup(other, restored)  # type: ignore[arg-type]
+    with pytest.raises(Exception, match="no state 'cuont'"):
+        op3.open()

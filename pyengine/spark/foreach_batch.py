@@ -255,17 +255,26 @@ def _concat(tables: List[pa.Table], schema: Optional[pa.Schema]) -> Optional[pa.
     return pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
 
 
+def _session_time_zone(df: Any) -> str:
+    """The session's time zone (how Spark shows the micro-batches' timestamps), or UTC."""
+    try:
+        return str(df.sparkSession.conf.get("spark.sql.session.timeZone") or "UTC")
+    except Exception:  # a session without the setting (or a stand-in DataFrame): instants are UTC anyway
+        return "UTC"
+
+
 def _arrow_schema(schema: Any) -> Optional[pa.Schema]:
     """``output_schema`` as Arrow: a ``pyarrow.Schema``, a Spark ``StructType`` or a DDL string."""
     if schema is None or isinstance(schema, pa.Schema):
         return schema
-    from pyspark.sql.pandas.types import to_arrow_schema
     from pyspark.sql.types import StructType, _parse_datatype_string
+
+    from .tws import spark_arrow_schema
 
     struct = _parse_datatype_string(schema) if isinstance(schema, str) else schema
     if not isinstance(struct, StructType):
         raise TypeError(f"output_schema must be a pyarrow.Schema, a StructType or a DDL string, got {schema!r}")
-    return to_arrow_schema(struct)
+    return spark_arrow_schema(struct)
 
 
 class ForeachBatchHandler:
@@ -361,10 +370,10 @@ class ForeachBatchHandler:
         return self._client is not None and not self._client.done()
 
     def _start(self, df: Any) -> None:
-        from pyspark.sql.pandas.types import to_arrow_schema
+        from .tws import spark_arrow_schema
 
         env = self._environment()
-        source = _MicroBatchSource(to_arrow_schema(df.schema))
+        source = _MicroBatchSource(spark_arrow_schema(df.schema, _session_time_zone(df)))
         stream = self.build(env.from_source(source, "spark-micro-batches"))
         if stream is None or not hasattr(stream, "sink_to"):
             raise TypeError(f"ForeachBatchHandler build must return the stream to output, got {stream!r}")
@@ -452,6 +461,9 @@ class ForeachBatchHandler:
             )
         assert self._source is not None
         table = df.toArrow()
+        schema = self._source.schema
+        if schema is not None and table.schema != schema:
+            table = table.cast(schema)  # a timestamp's zone named otherwise (Etc/UTC, UTC): the same instants
         rows = table.combine_chunks().to_batches()
         batch = rows[0] if len(rows) == 1 else pa.RecordBatch.from_pylist([], table.schema)
         if len(rows) > 1:  # combine_chunks gives one chunk; kept general

@@ -141,10 +141,10 @@ class _StateReader(DataSourceReader):
         return [InputPartition(0)]  # read_keyed_state reads a checkpoint whole (incremental chains)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        from pyspark.sql.pandas.types import to_arrow_schema
+        from .tws import spark_arrow_schema
 
         table = self.request.table()
-        table = table.cast(to_arrow_schema(self.schema))
+        table = table.cast(spark_arrow_schema(self.schema))
         yield from table.to_batches()
 
 

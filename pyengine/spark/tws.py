@@ -28,8 +28,11 @@ processor sees them (the types Spark's own ``TwsTester`` raises).
 
 Why the state classes are thin: on Spark every state call is a round trip to a
 JVM state server; here it is one call into the keyed backend plus a tuple. A
-schema of one primitive field is stored unwrapped in that field's Arrow type
-(int keys: columnar, native), other schemas as Arrow structs (tuples in memory).
+value state of one numeric field is stored unwrapped in its Arrow type (int keys:
+columnar, native); other value states, and map keys of several fields, as tuples
+through the safe serializer (MessagePack: ``read_keyed_state`` gives them as bytes,
+``pyengine.state.serializers.SafeSerializer().loads`` reads one); list elements and
+map values in their Arrow type (a struct for several fields).
 
 pyspark is imported only when an operator is made or a schema parsed, so
 ``import pyengine`` and ``import pyengine.spark`` work without it."""
@@ -68,10 +71,13 @@ from ..time.domain import now_ms
 __all__ = [
     "TIME_MODES",
     "OutputSchemaError",
+    "ProcessorUsageError",
     "StateNotFoundError",
+    "StateValueError",
     "TransformWithStateOperator",
     "check_processor",
     "parse_schema",
+    "spark_arrow_schema",
     "time_mode_of",
 ]
 
@@ -84,16 +90,24 @@ class OutputSchemaError(NonRetryableError, ValueError):
 
 
 class StateNotFoundError(NonRetryableError, KeyError):
-    """``deleteIfExists`` of a state this operator never had (Spark refuses an
-    operation on a missing column family the same way)."""
+    """``deleteIfExists`` of a state this operator never had, nor its restored
+    checkpoint: more often a typo than an older version's state. Spark does nothing
+    there; a processor that means "drop it if an older version left it" catches this
+    (it is a ``KeyError``), which runs the same on both."""
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
 
 
-class _UsageError(NonRetryableError):
-    """Marks a Spark error raised by the handle (a timer without a time mode...):
-    the job fails at once, with Spark's own exception as the cause."""
+class ProcessorUsageError(NonRetryableError):
+    """A processor's call that Spark refuses too (a timer without a time mode, an
+    event-time timer not later than the watermark...): the job fails at once, with
+    Spark's own exception as the cause."""
+
+
+class StateValueError(NonRetryableError, TypeError):
+    """A value a processor passed to a state that is not the tuple Spark takes (as
+    ``update(5)`` for ``update((5,))``): the same call fails after any restart."""
 
 
 # -- schemas -----------------------------------------------------------------------------------
@@ -170,6 +184,8 @@ class _DDL:
             out.append(StructField(name, dtype, nullable))
             if self.peek() == ",":
                 self.take()
+            elif self.peek() is not None and self.peek() != end:  # Spark's PARSE_SYNTAX_ERROR
+                raise ValueError(f"cannot parse schema {self.text!r}: expected ',' before {self.peek()!r}")
         return StructType(out)
 
     def type(self) -> Any:
@@ -229,14 +245,24 @@ def parse_schema(schema: Any, what: str = "schema") -> Any:
     raise TypeError(f"{what} must be a pyspark StructType or a DDL string, got {schema!r}")
 
 
-def _arrow_type(dtype: Any) -> pa.DataType:
+def _arrow_type(dtype: Any, timezone: str = "UTC") -> pa.DataType:
+    """Spark's type in Arrow terms. A ``timestamp`` needs a time zone from pyspark 4 on
+    (pyspark 3.5 took none and gave UTC): Spark keeps UTC instants and the zone only
+    says how to show them, so UTC unless the caller knows the session's."""
     from pyspark.sql.pandas.types import to_arrow_type
 
-    return to_arrow_type(dtype)
+    try:
+        return to_arrow_type(dtype, timezone=timezone)
+    except TypeError:  # pyspark 3.5: no timezone argument
+        return to_arrow_type(dtype)
 
 
-def _arrow_schema(struct: Any) -> pa.Schema:
-    return pa.schema([pa.field(f.name, _arrow_type(f.dataType), f.nullable) for f in struct.fields])
+def spark_arrow_schema(struct: Any, timezone: str = "UTC") -> pa.Schema:
+    """A Spark ``StructType`` as an Arrow schema (``timestamp`` columns in ``timezone``)."""
+    return pa.schema([pa.field(f.name, _arrow_type(f.dataType, timezone), f.nullable) for f in struct.fields])
+
+
+_arrow_schema = spark_arrow_schema
 
 
 _PRIMITIVE = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean, pa.types.is_string, pa.types.is_binary)
@@ -280,7 +306,9 @@ def _plain(v: Any) -> Any:
         return item()
     if hasattr(v, "to_pydatetime"):
         return v.to_pydatetime()
-    if isinstance(v, (tuple, list)):
+    if isinstance(v, list):  # an array field: Spark hands it back as a list
+        return [_plain(x) for x in v]
+    if isinstance(v, tuple):  # a struct field (a Row is a tuple)
         return tuple(_plain(x) for x in v)
     return v
 
@@ -296,7 +324,7 @@ def _tuple(v: Any) -> Any:
 
 def _store_tuple(v: Any, what: str) -> Tuple[Any, ...]:
     if not isinstance(v, (tuple, list)):
-        raise TypeError(f"{what}: Spark state values are tuples, got {v!r}")
+        raise StateValueError(f"{what}: Spark state values are tuples, got {v!r}")
     return tuple(_plain(x) for x in v)
 
 
@@ -307,7 +335,7 @@ def _one(v: Any, what: str) -> Any:
         return x if x.__class__ in _PLAIN else _plain(x)
     if isinstance(v, (tuple, list)) and len(v) == 1:
         return _plain(v[0])
-    raise TypeError(f"{what}: Spark state values are tuples of the schema's one field, got {v!r}")
+    raise StateValueError(f"{what}: Spark state values are tuples of the schema's one field, got {v!r}")
 
 
 # -- state variables ---------------------------------------------------------------------------
@@ -571,8 +599,13 @@ class _Handle:
         a new version of a processor no longer uses. A name the operator never had
         (registered now or restored from a checkpoint) is refused, where Spark (and
         its ``TwsTester``) does nothing: the issue this adapter answers asks for the
-        error, as such a name is more often a typo than a state of an older version."""
+        error, as such a name is more often a typo than a state of an older version.
+        A name the restored checkpoint has, though no key of it lands in this
+        subtask, has nothing to purge here."""
         backend = self._op.backend
+        if stateName not in backend.state_names and stateName in getattr(backend, "restored_state_names", ()):
+            self._kinds.pop(stateName, None)
+            return
         if stateName not in backend.state_names:
             known = ", ".join(n for n in backend.state_names if not n.startswith("_timer_state/")) or "none"
             raise StateNotFoundError(
@@ -703,6 +736,7 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         self._handle: Optional[_Handle] = None
         self._opened = False
         self._row_classes: Dict[Tuple[str, ...], Any] = {}
+        self._final_watermark = MIN_WATERMARK  # what Spark's processors see once the input ended
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -741,8 +775,12 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         return self._timers
 
     def spark_watermark(self) -> int:
-        """The watermark as Spark shows it: 0 before the first one (Spark starts at 0)."""
+        """The watermark as Spark shows it: 0 before the first one (Spark starts at 0);
+        at the end of a bounded input (pyengine's maximum watermark, which Spark never
+        shows) the final one the firing uses (``process_watermark``)."""
         wm = self.current_watermark
+        if wm >= MAX_WATERMARK:
+            wm = self._final_watermark
         return 0 if wm <= MIN_WATERMARK else int(wm)
 
     def _timer_values(self) -> Any:
@@ -783,7 +821,7 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         message = f"{self.where()}: {where}: {type(exc).__name__}: {exc}"
         if getattr(exc, "_pyengine_usage", False):
             hint = getattr(exc, "_pyengine_hint", "")
-            return _UsageError(f"{message} ({hint})" if hint else message)
+            return ProcessorUsageError(f"{message} ({hint})" if hint else message)
         return UserFunctionError(message)
 
     def _initial(self, entries: Iterable[Tuple[Any, Any]]) -> None:
@@ -1039,6 +1077,16 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
     def process_watermark(self, watermark: int) -> Any:
         if watermark <= self.current_watermark:
             return []
+        upto = watermark
+        if watermark >= MAX_WATERMARK:
+            # The end of a bounded input: every timer still pending fires, but Spark never
+            # shows a watermark of Long.MAX (a processor re-arming a timer at the watermark
+            # plus a delay would overflow). The final watermark is the latest pending
+            # timer's time: the ones pending fire, a timer set later while they fire stays
+            # pending, as on Spark when a query ends, and nothing fires without end.
+            last = self._timers.event.last_time() if self._timers is not None else None
+            upto = self.current_watermark if last is None else max(last, self.current_watermark)
+            self._final_watermark = upto
         self.current_watermark = watermark
         if self._timers is None:
             return []
@@ -1047,7 +1095,7 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
             return []
         self.batch_ts = self.clock()
         out: List[Any] = []
-        self._fire(self._timers.event, watermark if watermark < MAX_WATERMARK else MAX_WATERMARK, out)
+        self._fire(self._timers.event, upto, out)
         return self._output(out)
 
     def next_processing_time(self) -> Optional[int]:

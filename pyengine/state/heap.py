@@ -24,6 +24,7 @@ from typing import (
     Any,
     Callable,
     Dict,
+    FrozenSet,
     Generic,
     Iterable,
     Iterator,
@@ -1352,6 +1353,10 @@ class HeapKeyedStateBackend:
         self._ttl_step_now: Optional[int] = None  # what set_current_key leaves in _ttl_now
         # Tables are StateTable (dicts) or columnar.ColumnarValueTable; states likewise.
         self._tables: Dict[str, Any] = {}
+        # Every state the restored checkpoint names, with or without an entry in this
+        # backend's key groups (state_names has only the latter): a state an older
+        # job had, though no key of it lands here.
+        self.restored_state_names: FrozenSet[str] = frozenset()
         self._states: Dict[str, Any] = {}
         self._key: Any = None
         self._key_group = -1
@@ -1617,6 +1622,7 @@ class HeapKeyedStateBackend:
         from .columnar import ColumnarValueTable
 
         restored: Dict[str, Any] = {}
+        named: Set[str] = set()
         if self._local is not None:
             handles = self._local.prefer_local(handles)
         for handle in handles:
@@ -1627,9 +1633,10 @@ class HeapKeyedStateBackend:
                     f"state written with key groups up to {handle.key_group_end} cannot be restored at "
                     f"max_parallelism {self.max_parallelism}: max_parallelism must not change"
                 )
-            _, entries = read_keyed_state(
+            info, entries = read_keyed_state(
                 handle, self.key_group_range, allow_pickle=allow_pickle, defer_pickle=True, arrays=self._columnar
             )
+            named.update(column.name for column in info.columns)
             for key_group, spec, keys, values in entries:
                 table = restored.get(spec.name)
                 # typed value state with int keys: straight into columns, if NumPy can hold the
@@ -1673,6 +1680,7 @@ class HeapKeyedStateBackend:
                     else:
                         group[k] = v
         self._tables = restored
+        self.restored_state_names = frozenset(named)
         self._states = {}
         self._ttl_states = []
 

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import pyarrow as pa
 
-from ..errors import not_records
+from ..errors import NonRetryableError, not_records
 from .columnar import ColumnarValueTable
 from .descriptors import ValueStateDescriptor
 
@@ -156,7 +156,9 @@ class TimerQueue:
         if type(ts) is not int:
             ts = _timestamp(ts)
         if not _INT64_MIN < ts <= _INT64_MAX:
-            raise ValueError(f"a timer's timestamp must be an int64 above {SEVERAL}, got {ts}")
+            raise InvalidTimerError(
+                f"a timer's timestamp must be an int64, above {SEVERAL} and at most {_INT64_MAX}, got {ts}"
+            )
         key, index = self._current()
         for name in self._slots:
             current = self._get(name, index, key)
@@ -311,6 +313,28 @@ class TimerQueue:
         native = len(self._native) if self._native is not None else 0
         return native + sum(len(k) for k in self._keys.values())
 
+    def last_time(self) -> Optional[int]:
+        """The latest pending timer's timestamp (this subtask's key groups), or None: a
+        pass over the timer states, for the rare caller that needs it (the end of input)."""
+        latest: Optional[int] = None
+        for name in self._slots:
+            table = self._tables[name]
+            for group in table.groups:
+                if type(table) is ColumnarValueTable:
+                    times = group.arrays()[1]
+                    top = int(times.max()) if len(times) else None
+                else:
+                    top = max(group.values(), default=None)
+                if top is not None and (latest is None or top > latest):
+                    latest = top
+        more = self._tables.get(self._more_name)
+        for group in more.groups if more is not None else []:
+            for times in group.values():
+                top = max(times, default=None)
+                if top is not None and (latest is None or top > latest):
+                    latest = top
+        return latest
+
     def _rebuild(self) -> None:
         """The index from the states (after a restore: this subtask's key groups)."""
         b = self._backend
@@ -337,10 +361,19 @@ class TimerQueue:
                     self._index(ts, key, index)
 
 
+class InvalidTimerError(NonRetryableError, ValueError):
+    """A timer's timestamp that is no int64 of milliseconds: the same call fails the
+    same way after any restart, so the job fails at once."""
+
+
+class InvalidTimerTypeError(InvalidTimerError, TypeError):
+    """A timer's timestamp of another type than int (a float, a string, None)."""
+
+
 def _timestamp(ts: Any) -> int:
     if isinstance(ts, (int, np.integer)) and not isinstance(ts, bool):
         return int(ts)
-    raise TypeError(f"a timer's timestamp must be int milliseconds, got {ts!r}")
+    raise InvalidTimerTypeError(f"a timer's timestamp must be int milliseconds, got {ts!r}")
 
 
 class InternalTimerService:
