@@ -850,7 +850,9 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
                 # late: in some window, but in none still open (a record in no window at
                 # all, between a sliding window's slides, is not late: it is in no window)
                 if self.late_tag is None:
-                    self.late_records_dropped += len(np.unique(rows)) - len(np.unique(kept_rows))
+                    gaps = self.assigner.kind == "sliding" and self.assigner.slide > self.assigner.size
+                    in_windows = len(np.unique(rows)) if gaps else batch.num_rows  # else every record is in one
+                    self.late_records_dropped += in_windows - len(np.unique(kept_rows))
                 elif self.side_output is not None:
                     late = np.setdiff1d(rows, kept_rows)
                     if len(late):

@@ -268,14 +268,30 @@ def test_after_an_in_process_restart_a_batch_counts_as_read_only_once_read_again
     assert source.wait_read(end, lambda: True) and source.split_state(0, 1) == {"spark_batch_id": 0, "end": 10}
 
 
+SEEN: List[Any] = []  # what the pyengine job was given (its subtasks are threads of this process)
+
+
 class LatestSeen(pe.KeyedProcessFunction):
     def process_element(self, value: Any, ctx: Any) -> Any:
+        SEEN.append(value["at"])
         yield {"user": value["user"], "at": value["at"]}
 
 
 def test_foreach_batch_takes_micro_batches_with_a_timestamp_column(spark: Any, tmp_path: Any) -> None:
     """pyspark 4 converts a ``timestamp`` only with a time zone: the handler reads the
-    micro-batches and writes its output back to Spark with timestamps as they were."""
+    micro-batches and writes its output back to Spark with timestamps as they were,
+    the same instants in a session whose zone is not UTC."""
+    zone = "America/New_York"
+    previous = spark.conf.get("spark.sql.session.timeZone")
+    spark.conf.set("spark.sql.session.timeZone", zone)
+    SEEN.clear()
+    try:
+        _timestamps_through_a_handler(spark, tmp_path, zone)
+    finally:
+        spark.conf.set("spark.sql.session.timeZone", previous)
+
+
+def _timestamps_through_a_handler(spark: Any, tmp_path: Any, zone: str) -> None:
     import datetime as dt
 
     inputs = str(tmp_path / "in")
@@ -309,8 +325,8 @@ def test_foreach_batch_takes_micro_batches_with_a_timestamp_column(spark: Any, t
     query.awaitTermination()
     handler.close()
     assert query.exception() is None
-    seen = sorted((r["user"], r["at"].replace(tzinfo=None) if r["at"].tzinfo else r["at"]) for r in got)
-    local = [a.astimezone().replace(tzinfo=None) for a in at]  # Spark's collect() shows the session's zone
-    utc = [a.replace(tzinfo=None) for a in at]
+    assert sorted(SEEN) == at  # the same instants reached the job
+    assert all(str(s.tzinfo) == zone for s in SEEN), SEEN[:1]  # in the session's zone, as the guide says
+    shown = [a.astimezone().replace(tzinfo=None) for a in at]  # collect(): naive, in this process's zone
     users = [1, 2, 3, 1, 2, 3]
-    assert seen in (sorted(zip(users, local, strict=True)), sorted(zip(users, utc, strict=True)))
+    assert sorted((r["user"], r["at"]) for r in got) == sorted(zip(users, shown, strict=True))

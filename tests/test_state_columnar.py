@@ -328,7 +328,7 @@ def test_the_native_calls_accept_and_refuse_what_dict_storage_does(arrow_type) -
     states = [b.get_state(d) for b in (col, plain)]
     assert isinstance(states[0], ColumnarValueState)
     for s in states:
-        with pytest.raises(RuntimeError, match=r"no current key.*set_current_key first"):
+        with pytest.raises(RuntimeError, match=r"no current key.*set_current_key\(\) first"):
             s.value()
     for i, v in enumerate(ODD_VALUES):
         outcomes = []

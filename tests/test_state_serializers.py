@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import datetime
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -45,3 +47,25 @@ def test_serializer_names() -> None:
     assert serializer_for("pickle").name == "pickle"
     with pytest.raises(ValueError, match="'yaml'"):
         serializer_for("yaml")
+
+
+moments = st.datetimes(min_value=datetime.datetime(1, 1, 2), max_value=datetime.datetime(9999, 12, 30))
+
+
+@given(moments, st.booleans())
+def test_datetimes_round_trip_as_the_same_instant(moment, aware) -> None:
+    """Spark's timestamp (aware) and timestamp_ntz (naive) in untyped state: a naive
+    datetime comes back as it was, an aware one as the same instant in UTC."""
+    value = moment.replace(tzinfo=datetime.timezone(datetime.timedelta(hours=-5))) if aware else moment
+    s = SafeSerializer()
+    back = s.loads(s.dumps(value))
+    assert back == value and (back.tzinfo is not None) == aware
+    if aware:
+        assert back.tzinfo == datetime.timezone.utc
+
+
+@given(st.dates(), st.decimals(allow_nan=False, allow_infinity=False))
+def test_dates_and_decimals_round_trip_exactly(day, number) -> None:
+    s = SafeSerializer()
+    got_day, got_number = s.loads(s.dumps((day, number)))
+    assert got_day == day and str(got_number) == str(number)

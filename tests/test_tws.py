@@ -11,6 +11,7 @@ task drives it: ``process`` per buffer, ``process_watermark``, ``on_processing_t
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections import Counter
 from typing import Any, ClassVar, Dict, Iterator, List, Optional, Tuple
@@ -860,6 +861,28 @@ def test_timestamp_columns_in_state_and_output_run() -> None:
     (row,) = env.execute("timestamps").records
     assert row["user"] == 1 and row["seen"] == at[-1]  # the same instant (shown in UTC)
 
+    # the value state's timestamp through a checkpoint and a restore (untyped state: MessagePack)
+    op = make_operator(Previous(), "user bigint, seen timestamp")
+    op.process([{"user": 1, "at": at[0]}])
+    restored = snapshot_of(op)
+    op2 = TransformWithStateOperator(
+        "tws", "tws", key_selector("user"), Previous(), "user bigint, seen timestamp", clock=Clock()
+    )
+    op2.setup(op.ctx, restored)  # type: ignore[arg-type]
+    op2.open()
+    (row,) = rows_of(op2.process([{"user": 1, "at": at[2]}]))
+    assert row["seen"] == at[0]
+
+
+class Previous(LastSeen):
+    """Yields the timestamp stored before this call's rows."""
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Iterator[Any]:
+        before = self.last.get()
+        for r in rows:
+            self.last.update((r["at"],))
+        yield Row(user=key[0], seen=before[0] if before else None)
+
 
 class Tags(StatefulProcessor):
     """An array field in state: Spark hands it back as a list, so ``+ [x]`` works."""
@@ -939,15 +962,30 @@ def test_delete_if_exists_of_a_restored_state_with_no_key_in_this_subtask_does_n
         attempt=0,
     )
 
-    class V2(AllStates):
+    class V2(StatefulProcessor):  # drops "count" and no longer uses it
         def init(self, handle: Any) -> None:
             handle.deleteIfExists("count")
-            super().init(handle)
+            self.seen = handle.getValueState("seen", "n bigint")
+
+        def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Any:
+            return iter(())
 
     op2 = TransformWithStateOperator("tws", "tws", key_selector("user"), V2(), ALL_STATES_SCHEMA, clock=Clock())
     op2.setup(other, restored)  # type: ignore[arg-type]
     assert "count" not in op2.backend.state_names and "count" in op2.backend.restored_state_names
     op2.open()  # deleteIfExists("count") accepted
+
+    # ... and again after the next restore: the name stays in this subtask's checkpoints
+    from pyengine.storage import checkpoint_storage
+    from pyengine.storage.metadata import OperatorState
+
+    storage = checkpoint_storage(tempfile.mkdtemp(), "job")
+    again = OperatorState(
+        parallelism=2, max_parallelism=128, subtasks={other.subtask: op2.snapshot(2, storage.location(2))()}
+    )
+    op4 = TransformWithStateOperator("tws", "tws", key_selector("user"), V2(), ALL_STATES_SCHEMA, clock=Clock())
+    op4.setup(other, again)  # type: ignore[arg-type]
+    op4.open()
 
     class Typo(AllStates):
         def init(self, handle: Any) -> None:

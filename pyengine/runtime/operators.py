@@ -668,7 +668,7 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
                 produced = element(r, kctx)
                 if produced is not None:
                     if produced.__class__ is dict or produced.__class__ is str:
-                        raise not_records(produced, self.where(), "process_element")
+                        raise not_records(produced, self.where(), getattr(element, "__name__", "process_element"))
                     out.extend(produced)
         except NonRetryableError:
             raise

@@ -328,6 +328,13 @@ def _store_tuple(v: Any, what: str) -> Tuple[Any, ...]:
     return tuple(_plain(x) for x in v)
 
 
+def _hashable(v: Any) -> Any:
+    """A map key with an array field: its lists as tuples (a dict key must hash)."""
+    if isinstance(v, (list, tuple)):
+        return tuple(_hashable(x) for x in v)
+    return v
+
+
 def _one(v: Any, what: str) -> Any:
     """The single field of a one-field tuple (a Row is a tuple too)."""
     if v.__class__ is tuple and len(v) == 1:
@@ -442,7 +449,7 @@ class _MapState:
         self._scalar_value = scalar_value
         self._what = what
         self._key: Callable[[Any], Any] = (
-            (lambda k: _one(k, what + " key")) if scalar_key else (lambda k: _store_tuple(k, what + " key"))
+            (lambda k: _one(k, what + " key")) if scalar_key else (lambda k: _hashable(_store_tuple(k, what + " key")))
         )
 
     def _out_value(self, v: Any) -> Any:
@@ -566,6 +573,10 @@ class _Handle:
         if queue is None:
             queue = self._queue("Timers")
         op = self._op
+        if expiryTimestampMs.__class__ is not int:  # before comparing: None or a str fails at once, not retried
+            from ..state.timers import _timestamp
+
+            expiryTimestampMs = _timestamp(expiryTimestampMs)
         if op.time_mode == "EventTime" and expiryTimestampMs <= op.spark_watermark():
             from pyspark.errors.exceptions.base import IllegalArgumentException
 
@@ -601,9 +612,12 @@ class _Handle:
         its ``TwsTester``) does nothing: the issue this adapter answers asks for the
         error, as such a name is more often a typo than a state of an older version.
         A name the restored checkpoint has, though no key of it lands in this
-        subtask, has nothing to purge here."""
+        subtask, has nothing to purge here; it is kept (empty) for the next
+        checkpoint, so the same call after the next restore is accepted too."""
         backend = self._op.backend
-        if stateName not in backend.state_names and stateName in getattr(backend, "restored_state_names", ()):
+        kind = getattr(backend, "restored_state_kinds", {}).get(stateName)
+        if stateName not in backend.state_names and kind is not None:
+            _keep_empty(backend, stateName, kind)
             self._kinds.pop(stateName, None)
             return
         if stateName not in backend.state_names:
@@ -616,6 +630,23 @@ class _Handle:
             )
         _purge(backend, stateName)
         self._kinds.pop(stateName, None)
+
+
+def _keep_empty(backend: Any, name: str, kind: str) -> None:
+    """Registers state ``name`` with no entries (checkpointed by name, as ``_purge``
+    leaves a purged state), then forgets the state object, so the name can be
+    registered again with another schema."""
+    descriptor: Any
+    if kind == "value":
+        descriptor = ValueStateDescriptor(name, None)
+    elif kind == "list":
+        descriptor = ListStateDescriptor(name)
+    elif kind == "map":
+        descriptor = MapStateDescriptor(name, None, None)
+    else:
+        raise ValueError(f"deleteIfExists({name!r}): a {kind} state is not a Spark state")
+    backend.get_state(descriptor)
+    backend._states.pop(name, None)
 
 
 def _purge(backend: Any, name: str) -> None:

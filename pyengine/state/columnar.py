@@ -40,8 +40,9 @@ class NoCurrentKeyError(NonRetryableError, RuntimeError):
 
 # What to do, said by every NoCurrentKeyError: a function's author rarely calls set_current_key.
 NO_KEY_HINT = (
-    "keyed state and timers belong to the key of the record (or timer) being processed: use them in "
-    "process_element or on_timer, not in open() or close() (on a state backend: call set_current_key first)"
+    "keyed state and timers belong to the key of the record or timer being processed: use them in "
+    "process_element or on_timer (a Spark processor: handleInputRows or handleExpiredTimer), not in open(), "
+    "close() or init(); a state backend used on its own needs set_current_key() first"
 )
 
 

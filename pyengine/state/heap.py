@@ -1354,9 +1354,9 @@ class HeapKeyedStateBackend:
         # Tables are StateTable (dicts) or columnar.ColumnarValueTable; states likewise.
         self._tables: Dict[str, Any] = {}
         # Every state the restored checkpoint names, with or without an entry in this
-        # backend's key groups (state_names has only the latter): a state an older
-        # job had, though no key of it lands here.
-        self.restored_state_names: FrozenSet[str] = frozenset()
+        # backend's key groups (state_names has only the latter), and its kind: a
+        # state an older job had, though no key of it lands here.
+        self.restored_state_kinds: Dict[str, str] = {}
         self._states: Dict[str, Any] = {}
         self._key: Any = None
         self._key_group = -1
@@ -1543,6 +1543,11 @@ class HeapKeyedStateBackend:
         check_state_count(count, [column_of(d).storage_type for d in descriptors], where=f"state {descriptor.name!r}")
 
     @property
+    def restored_state_names(self) -> FrozenSet[str]:
+        """The states the restored checkpoint names (``restored_state_kinds``)."""
+        return frozenset(self.restored_state_kinds)
+
+    @property
     def state_names(self) -> List[str]:
         return sorted(self._tables)
 
@@ -1622,7 +1627,7 @@ class HeapKeyedStateBackend:
         from .columnar import ColumnarValueTable
 
         restored: Dict[str, Any] = {}
-        named: Set[str] = set()
+        named: Dict[str, str] = {}
         if self._local is not None:
             handles = self._local.prefer_local(handles)
         for handle in handles:
@@ -1636,7 +1641,7 @@ class HeapKeyedStateBackend:
             info, entries = read_keyed_state(
                 handle, self.key_group_range, allow_pickle=allow_pickle, defer_pickle=True, arrays=self._columnar
             )
-            named.update(column.name for column in info.columns)
+            named.update((column.name, column.kind) for column in info.columns)
             for key_group, spec, keys, values in entries:
                 table = restored.get(spec.name)
                 # typed value state with int keys: straight into columns, if NumPy can hold the
@@ -1680,7 +1685,7 @@ class HeapKeyedStateBackend:
                     else:
                         group[k] = v
         self._tables = restored
-        self.restored_state_names = frozenset(named)
+        self.restored_state_kinds = named
         self._states = {}
         self._ttl_states = []
 

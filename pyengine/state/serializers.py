@@ -1,8 +1,10 @@
 """How state values that have no declared Arrow type are turned into bytes.
 
 The default, ``SafeSerializer``, handles plain Python data (None, bool, int of
-any size, float, str, bytes, list, tuple, dict) through MessagePack, with
-extension types so that tuples stay tuples and big ints stay exact. Decoding it
+any size, float, str, bytes, list, tuple, dict, and the datetime, date and
+Decimal values of Spark's timestamp, date and decimal types) through
+MessagePack, with extension types so that tuples stay tuples, big ints stay
+exact and an aware datetime comes back as the same instant (in UTC). Decoding it
 can never run code, so a checkpoint file from anywhere is safe to read.
 ``PickleSerializer`` handles anything, and can run arbitrary code when decoding:
 it is used only for states whose descriptor opts in with ``serializer="pickle"``,
@@ -12,6 +14,8 @@ unless the reader opted in too.
 
 from __future__ import annotations
 
+import datetime as _dt
+import decimal as _decimal
 import pickle
 from typing import Any, Optional, Set
 
@@ -29,6 +33,10 @@ __all__ = [
 
 _EXT_TUPLE = 1
 _EXT_BIGINT = 2
+_EXT_DATETIME = 3  # [microseconds since the epoch, 1 if aware (stored in UTC) else 0]
+_EXT_DATE = 4  # the proleptic Gregorian ordinal
+_EXT_DECIMAL = 5  # its str
+_EPOCH = _dt.datetime(1970, 1, 1)
 
 
 class StateSerializationError(TypeError):
@@ -66,11 +74,21 @@ def _default(obj: Any) -> Any:
         return msgpack.ExtType(_EXT_TUPLE, _pack(list(obj)))
     if t is int:  # beyond 64 bits
         return msgpack.ExtType(_EXT_BIGINT, str(obj).encode())
+    if t is _dt.datetime:  # Spark's timestamp (aware) and timestamp_ntz (naive)
+        aware = obj.tzinfo is not None and obj.utcoffset() is not None
+        naive = obj.astimezone(_dt.timezone.utc).replace(tzinfo=None) if aware else obj
+        micros = (naive - _EPOCH) // _dt.timedelta(microseconds=1)
+        return msgpack.ExtType(_EXT_DATETIME, _pack([micros, 1 if aware else 0]))
+    if t is _dt.date:
+        return msgpack.ExtType(_EXT_DATE, _pack(obj.toordinal()))
+    if t is _decimal.Decimal:
+        return msgpack.ExtType(_EXT_DECIMAL, str(obj).encode())
     if t in STORED_AS_LISTS:
         return list(obj)
     raise StateSerializationError(
         f"a value of type {t.__module__}.{t.__qualname__} cannot be stored by the safe serializer, which takes "
-        "None, bool, int, float, str, bytes, list, tuple and dict; declare the state's pyarrow type, convert "
+        "None, bool, int, float, str, bytes, list, tuple, dict, datetime, date and Decimal; declare the state's "
+        "pyarrow type, convert "
         "the value, or opt in to pickle for this state with serializer='pickle'"
     )
 
@@ -80,6 +98,14 @@ def _ext_hook(code: int, data: bytes) -> Any:
         return tuple(_unpack(data))
     if code == _EXT_BIGINT:
         return int(data)
+    if code == _EXT_DATETIME:
+        micros, aware = _unpack(data)
+        value = _EPOCH + _dt.timedelta(microseconds=micros)
+        return value.replace(tzinfo=_dt.timezone.utc) if aware else value
+    if code == _EXT_DATE:
+        return _dt.date.fromordinal(_unpack(data))
+    if code == _EXT_DECIMAL:
+        return _decimal.Decimal(data.decode())
     raise ValueError(f"unknown extension type {code} in a state value")
 
 
