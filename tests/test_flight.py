@@ -27,6 +27,7 @@ from pyengine.runners.flight import (
     decode_event,
     encode_event,
     first_call,
+    listening_server,
     serve,
 )
 from pyengine.runtime.task import END_OF_DATA
@@ -217,7 +218,9 @@ def test_off_loopback_a_channel_server_needs_the_job_s_certificate() -> None:
     with pytest.raises(ValueError, match="in clear"):
         ChannelServer(gate, TOKEN, "executor-3.example")
     tls = JobTls.generate()
-    server = ChannelServer(gate, TOKEN, "executor-3.example", tls=tls)  # listens on every interface
+    # listens on every interface; made as serve() makes one, again if it does not answer its
+    # port (a CI run saw this one refuse 127.0.0.1 for its whole life: listening_server's case)
+    server = listening_server(lambda: ChannelServer(gate, TOKEN, "executor-3.example", tls=tls))
     threading.Thread(target=server.serve, daemon=True).start()
     assert server.location == f"grpc+tls://executor-3.example:{server.port}"
     out = RemoteChannel(f"grpc+tls://127.0.0.1:{server.port}", 0, TOKEN, tls=tls)
