@@ -262,9 +262,6 @@ def spark_arrow_schema(struct: Any, timezone: str = "UTC") -> pa.Schema:
     return pa.schema([pa.field(f.name, _arrow_type(f.dataType, timezone), f.nullable) for f in struct.fields])
 
 
-_arrow_schema = spark_arrow_schema
-
-
 _PRIMITIVE = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean, pa.types.is_string, pa.types.is_binary)
 
 
@@ -333,6 +330,16 @@ def _hashable(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return tuple(_hashable(x) for x in v)
     return v
+
+
+def _key_tuple(v: Any, what: str) -> Tuple[Any, ...]:
+    """A map key of several fields as stored: ``_store_tuple``'s, hashable (the second
+    pass only for a key with a nested field, rare)."""
+    t = _store_tuple(v, what)
+    for x in t:
+        if x.__class__ is list or x.__class__ is tuple:
+            return _hashable(t)  # type: ignore[no-any-return]
+    return t
 
 
 def _one(v: Any, what: str) -> Any:
@@ -449,7 +456,7 @@ class _MapState:
         self._scalar_value = scalar_value
         self._what = what
         self._key: Callable[[Any], Any] = (
-            (lambda k: _one(k, what + " key")) if scalar_key else (lambda k: _hashable(_store_tuple(k, what + " key")))
+            (lambda k: _one(k, what + " key")) if scalar_key else (lambda k: _key_tuple(k, what + " key"))
         )
 
     def _out_value(self, v: Any) -> Any:
@@ -632,20 +639,23 @@ class _Handle:
         self._kinds.pop(stateName, None)
 
 
+def _descriptor_of(name: str, kind: str, like: Any = None) -> Any:
+    """A descriptor of state ``name`` of ``kind``, with the types of ``like`` (a stored
+    table's descriptor) if given: what ``_purge`` and ``_keep_empty`` register."""
+    if kind == "value":
+        return ValueStateDescriptor(name, None, getattr(like, "type", None))
+    if kind == "list":
+        return ListStateDescriptor(name, getattr(like, "type", None))
+    if kind == "map":
+        return MapStateDescriptor(name, getattr(like, "key_type", None), getattr(like, "value_type", None))
+    raise ValueError(f"deleteIfExists({name!r}): a {kind} state is not a Spark state")
+
+
 def _keep_empty(backend: Any, name: str, kind: str) -> None:
     """Registers state ``name`` with no entries (checkpointed by name, as ``_purge``
     leaves a purged state), then forgets the state object, so the name can be
     registered again with another schema."""
-    descriptor: Any
-    if kind == "value":
-        descriptor = ValueStateDescriptor(name, None)
-    elif kind == "list":
-        descriptor = ListStateDescriptor(name)
-    elif kind == "map":
-        descriptor = MapStateDescriptor(name, None, None)
-    else:
-        raise ValueError(f"deleteIfExists({name!r}): a {kind} state is not a Spark state")
-    backend.get_state(descriptor)
+    backend.get_state(_descriptor_of(name, kind))
     backend._states.pop(name, None)
 
 
@@ -657,17 +667,7 @@ def _purge(backend: Any, name: str) -> None:
     The backend has no public "drop state" yet (patch h2-drop-state.patch proposes
     ``drop_state``); until then this reads two attributes of the heap backend."""
     table = backend._tables[name]
-    kind = table.descriptor.kind
-    descriptor: Any
-    if kind == "value":
-        descriptor = ValueStateDescriptor(name, None, getattr(table.descriptor, "type", None))
-    elif kind == "list":
-        descriptor = ListStateDescriptor(name, getattr(table.descriptor, "type", None))
-    elif kind == "map":
-        d = table.descriptor
-        descriptor = MapStateDescriptor(name, getattr(d, "key_type", None), getattr(d, "value_type", None))
-    else:
-        raise ValueError(f"deleteIfExists({name!r}): a {kind} state is not a Spark state")
+    descriptor = _descriptor_of(name, table.descriptor.kind, table.descriptor)
     backend._states.pop(name, None)
     state = backend.get_state(descriptor)
     previous = backend.current_key
@@ -751,7 +751,7 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         self.key_column: Optional[str] = getattr(key_selector, "column", None)
         self.processor = processor
         self.output_struct = parse_schema(output_schema, "output schema")
-        self.output_schema = _arrow_schema(self.output_struct)
+        self.output_schema = spark_arrow_schema(self.output_struct)
         self.output_names = list(self.output_schema.names)
         self._exact = {f.name: _exact(f.type) for f in self.output_schema}
         self.flavour = flavour
@@ -1109,7 +1109,7 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         if watermark <= self.current_watermark:
             return []
         upto = watermark
-        if watermark >= MAX_WATERMARK:
+        if watermark >= MAX_WATERMARK and self.time_mode == "EventTime":
             # The end of a bounded input: every timer still pending fires, but Spark never
             # shows a watermark of Long.MAX (a processor re-arming a timer at the watermark
             # plus a delay would overflow). The final watermark is the latest pending

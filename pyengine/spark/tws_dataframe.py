@@ -135,7 +135,7 @@ def _run(
 
     import pyengine as pe
 
-    from .tws import _arrow_schema
+    from .tws import spark_arrow_schema
 
     if not isinstance(grouped, GroupedData):
         raise TypeError(f"transform_with_state takes df.groupBy(...) (a GroupedData), got {type(grouped).__name__}")
@@ -172,7 +172,7 @@ def _run(
         # (the source's and the processor's): as many as the cluster's slots allow.
         env = pe.StreamEnvironment(parallelism=max(1, int(spark.sparkContext.defaultParallelism) // 2))
     out = path or tempfile.mkdtemp(prefix="pyengine-tws-")
-    sink = pe.sinks.FileSink(out, format="parquet", mode="overwrite", schema=_arrow_schema(struct))
+    sink = pe.sinks.FileSink(out, format="parquet", mode="overwrite", schema=spark_arrow_schema(struct))
     keyed = env.from_dataframe(df, "transform_with_state-input").key_by(_key_selector(columns))
     method = keyed.transform_with_state_in_pandas if pandas else keyed.transform_with_state
     method(processor, struct, time_mode=mode, initial_state=initial).uid("transform_with_state").sink_to(sink)
