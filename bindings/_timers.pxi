@@ -3,7 +3,8 @@
 # The timers themselves are keyed state: "slots", typed int64 value states keyed by
 # the record key, per key group a ColumnarGroup. A key's timers fill slots 0..m-1
 # (one timestamp each, no holes: removing one moves the key's last into its place);
-# past the last slot they go to an overflow state that Python keeps. TimerHeap is the
+# past the last slot they go to an overflow state that Python keeps (a dict per key,
+# so a hot key's thousands of pending timers cost O(1) each there too). TimerHeap is the
 # index over them for int keys: a binary min-heap of (timestamp, arrival) entries
 # with their key and key-group index, never snapshotted (rebuilt from the state on
 # restore). The heap says which timer may be due next; the slots say whether it
@@ -83,6 +84,7 @@ cdef enum:  # results of TimerHeap._remove
     ABSENT = 0
     ASK_PYTHON = -1  # all slots taken and ts not in them (it may be in the overflow), or not columnar
     REMOVED_FULL = 2  # removed from a key whose every slot was taken: Python refills from the overflow
+    IN_OVERFLOW = -3  # every slot taken and ts not in them: only the key's overflow may hold it
 
 
 cdef class TimerHeap:
@@ -101,10 +103,11 @@ cdef class TimerHeap:
     cdef public list slots  # the slot states' names, in order (Python appends one when it makes it)
     cdef public Py_ssize_t max_slots  # slots a key may use before the overflow
     cdef object fallback  # fallback(ts): registers through Python
+    cdef object overflow  # overflow(ts): the current key's slots are all taken, ts in none: its overflow
     cdef list groups  # per slot: its table's list of groups (cached; the tables stay while columnar)
     cdef public bint disabled  # the state left columnar storage: everything goes to Python
 
-    def __cinit__(self, backend, tables, list slots, Py_ssize_t max_slots, fallback):
+    def __cinit__(self, backend, tables, list slots, Py_ssize_t max_slots, fallback, overflow):
         self.cap = 256
         self.entries = <TimerEntry*>malloc(self.cap * sizeof(TimerEntry))
         self.run_cap = 256
@@ -119,6 +122,7 @@ cdef class TimerHeap:
         self.slots = slots
         self.max_slots = max_slots
         self.fallback = fallback
+        self.overflow = overflow
         self.groups = []
         self.disabled = False
 
@@ -240,7 +244,7 @@ cdef class TimerHeap:
 
     cdef int _remove(self, int64_t key, Py_ssize_t index, int64_t ts) except -2:
         """Removes timer ``ts`` of ``key`` from its slot, keeping the key's slots without
-        holes; see the REMOVED / ABSENT / ASK_PYTHON / REMOVED_FULL results."""
+        holes; see the REMOVED / ABSENT / ASK_PYTHON / REMOVED_FULL / IN_OVERFLOW results."""
         cdef Py_ssize_t j, m = 0, found = -1, nslots = len(self.slots)
         cdef ColumnarGroup g, last
         cdef int64_t pos, last_pos
@@ -259,7 +263,7 @@ cdef class TimerHeap:
             if found < 0 and timer_values(g)[pos] == ts:
                 found, found_group, found_pos = j, g, pos
         if found < 0:
-            return ASK_PYTHON if m == self.max_slots else ABSENT
+            return IN_OVERFLOW if m == self.max_slots else ABSENT
         if found != m - 1:  # the key's last timer fills the hole
             last = self.group(m - 1, index)
             last_pos = pe_i64map_get(&last.index, key)
@@ -308,8 +312,8 @@ cdef class TimerHeap:
 
     def register(self, ts):
         """The current key's timer at ``ts``: already there, nothing; else stored in the
-        key's first free slot and pushed; with every slot state taken (or anything
-        unusual), ``fallback(ts)``."""
+        key's first free slot and pushed; with every slot taken, ``overflow(ts)``; with
+        a slot state still to make (or anything unusual), ``fallback(ts)``."""
         cdef ColumnarGroup g
         cdef int64_t k, t, pos
         cdef Py_ssize_t j, i
@@ -338,12 +342,14 @@ cdef class TimerHeap:
                 return None
             if timer_values(g)[pos] == t:
                 return None  # registered already: one timer per key and timestamp
+        if len(self.slots) == self.max_slots:
+            return self.overflow(ts)
         return self.fallback(ts)
 
     def remove_current(self, int64_t ts):
         """Removes the current key's timer ``ts``: 1 removed, 0 not there, -1 Python
-        must look (overflow, or not columnar), 2 removed from a key whose slots were all
-        taken (Python refills from the overflow)."""
+        must look (not columnar), 2 removed from a key whose slots were all taken
+        (Python refills from the overflow), -3 only the key's overflow may hold it."""
         backend = self.backend
         key = backend._key
         index = backend._key_index
@@ -354,14 +360,15 @@ cdef class TimerHeap:
         except OverflowError:
             return ASK_PYTHON
 
-    def fire_due(self, int64_t upto, Py_ssize_t start, ctx, on_timer, list out, check, refill):
+    def fire_due(self, int64_t upto, Py_ssize_t start, ctx, on_timer, list out, check, refill, check_overflow):
         """Fires every timer at or before ``upto``, in order: for each, the backend's
         current key (``_key``, ``_key_group``, ``_key_index``) and ``ctx.current_key`` /
         ``ctx._timer_ts`` are set, the timer is removed from its slot, then
         ``on_timer(ts, ctx)`` runs and what it returns (an iterable, or None) goes into
         ``out``. Where the slots cannot tell, ``check(ts)`` (Python, key set) removes
-        the timer and says whether it was live; ``refill()`` after a removal from a key
-        whose slots were all taken. Entries of deleted timers are skipped. Returns how
+        the timer and says whether it was live (``check_overflow(ts)`` where only the
+        key's overflow may hold it); ``refill()`` after a removal from a key whose
+        slots were all taken. Entries of deleted timers are skipped. Returns how
         many fired."""
         cdef TimerEntry e
         cdef Py_ssize_t fired = 0
@@ -383,6 +390,8 @@ cdef class TimerHeap:
             elif r == REMOVED_FULL:
                 refill()
                 live = True
+            elif r == IN_OVERFLOW:
+                live = check_overflow(ts)
             else:
                 live = check(ts)
             if not live:
@@ -400,8 +409,8 @@ cdef class TimerHeap:
 
     def pop_due(self, int64_t upto, Py_ssize_t start):
         """The next timer at or before ``upto``, with the backend's current key set to its
-        key: ``(key, ts, code)``, ``code`` as ``remove_current``'s (1 or 2: removed; -1:
-        Python decides); None when nothing more is due. Entries of deleted timers are
+        key: ``(key, ts, code)``, ``code`` as ``remove_current``'s (1 or 2: removed; -1
+        or -3: Python decides); None when nothing more is due. Entries of deleted timers are
         skipped."""
         cdef TimerEntry e
         cdef int r

@@ -167,7 +167,13 @@ class TimerHeap:
     max_slots: int
     disabled: bool
     def __init__(
-        self, backend: Any, tables: Any, slots: List[str], max_slots: int, fallback: Callable[[int], None]
+        self,
+        backend: Any,
+        tables: Any,
+        slots: List[str],
+        max_slots: int,
+        fallback: Callable[[int], None],
+        overflow: Callable[[int], None],
     ) -> None: ...
     def __len__(self) -> int: ...
     def push(self, ts: int, key: int, index: int) -> None: ...
@@ -176,9 +182,11 @@ class TimerHeap:
     def drain(self) -> Tuple[List[int], List[int], List[int]]: ...
     def register(self, ts: int) -> None:
         """The backend's current key's timer at ``ts``: stored in the key's first free slot and
-        pushed when new; already there: nothing; else ``fallback(ts)``."""
+        pushed when new; already there: nothing; every slot taken: ``overflow(ts)``; else
+        ``fallback(ts)``."""
     def remove_current(self, ts: int) -> int:
-        """Removes the current key's timer: 1 removed, 0 absent, -1 ask Python, 2 removed (refill)."""
+        """Removes the current key's timer: 1 removed, 0 absent, -1 ask Python, 2 removed (refill),
+        -3 only the key's overflow may hold it."""
     def pop_due(self, upto: int, start: int) -> Optional[Tuple[int, int, int]]:
         """The next timer at or before ``upto`` as (key, ts, code) with the backend's key set."""
     def fire_due(
@@ -190,6 +198,7 @@ class TimerHeap:
         out: List[Any],
         check: Callable[[int], bool],
         refill: Callable[[], None],
+        check_overflow: Callable[[int], bool],
     ) -> int:
         """Fires every timer at or before ``upto`` in order, calling ``on_timer(ts, ctx)`` with the
         backend's current key and ``ctx`` set, its results into ``out``; returns how many fired."""

@@ -124,6 +124,91 @@ def test_timers_fill_typed_slots_then_the_overflow_and_keep_no_holes() -> None:
     assert all(len(tables[_name]) == 0 for _name in tables if _name.startswith("_timer_state/"))
 
 
+@pytest.mark.parametrize("kind", ["heap", "incremental"])
+@pytest.mark.parametrize("keys", ["int", "str"])
+def test_a_hot_key_with_thousands_of_pending_timers_against_a_set_model(tmp_path: Any, kind: str, keys: str) -> None:
+    """One key with ~2,000 pending timers (its overflow, past the slots, is a dict), two
+    cold keys beside it: random registrations (duplicates among them), deletions and
+    firings against a set per key; a snapshot taken midway and then changed under
+    (registered, deleted, fired after it) restores what the model held at it."""
+    import random
+
+    rng = random.Random(11)
+    storage = checkpoint_storage(str(tmp_path / "ckpt"), "job")
+    backend = create_keyed_backend(kind)
+    service = InternalTimerService(backend, MIN_WATERMARK)
+    hot, cold = (7, [8, 9]) if keys == "int" else ("hot", ["c1", "c2"])
+    model: Dict[Any, set] = {hot: set(), cold[0]: set(), cold[1]: set()}
+
+    def register(key: Any, ts: int) -> None:
+        _register(service, backend, key, ts)
+        model[key].add(ts)
+
+    def delete(key: Any, ts: int) -> None:
+        backend.set_current_key(key)
+        assert service.event.delete(ts) == (ts in model[key])
+        model[key].discard(ts)
+
+    def fire(upto: int) -> None:
+        got = list(service.advance_watermark(upto))
+        expected = sorted((t, k) for k, times in model.items() for t in times if t <= upto)
+        assert sorted((t, k) for k, t in got) == expected
+        assert [t for _, t in got] == sorted(t for _, t in got), "fired in timestamp order"
+        for t, k in expected:
+            model[k].discard(t)
+
+    for i in range(3000):
+        register(hot, rng.randrange(10_000, 14_000))  # ~2,000 distinct: duplicates deduplicated
+        if i % 50 == 0:
+            register(cold[i % 100 // 50], 10_000 + i)
+    for ts in rng.sample(range(10_000, 14_000), 400):
+        delete(hot, ts)
+    backend.set_current_key(hot)
+    assert service.event.timestamps() == tuple(sorted(model[hot]))
+    assert len(model[hot]) > 1500
+    at_snapshot = {k: set(v) for k, v in model.items()}
+    snapshot = backend.snapshot(1, storage.location(1))
+    fire(11_000)  # after the snapshot: its view must keep them
+    for ts in rng.sample(range(11_000, 14_000), 300):
+        delete(hot, ts)
+    register(hot, 20_000)
+    handles = snapshot.run().handles
+    fire(12_500)
+    fire(10**9)
+    assert all(not v for v in model.values())
+
+    restored_backend = create_keyed_backend(kind)
+    restored_backend.restore(handles)
+    restored = InternalTimerService(restored_backend, MIN_WATERMARK)
+    for key, times in at_snapshot.items():
+        restored_backend.set_current_key(key)
+        assert restored.event.timestamps() == tuple(sorted(times))
+    got = list(restored.advance_watermark(10**9))
+    assert sorted((t, k) for k, t in got) == sorted((t, k) for k, v in at_snapshot.items() for t in v)
+
+
+def test_an_overflow_from_an_older_checkpoint_a_tuple_is_read_and_changed() -> None:
+    """Checkpoints written before the overflow was a dict hold a tuple (a list once
+    through msgpack): it is read as it is and becomes a dict at its first change."""
+    from pyengine.state.timers import MAX_SLOTS
+
+    backend = create_keyed_backend("heap")
+    service = InternalTimerService(backend, MIN_WATERMARK)
+    for ts in range(100, 100 + MAX_SLOTS):
+        _register(service, backend, 5, ts)
+    more = backend.get_state(ValueStateDescriptor("_timer_state/event_timers_more"))
+    more.update([500, 400, 600])  # as an older checkpoint restores it
+    for ts in (500, 400, 600):
+        service.event._index(ts, 5, backend._key_index)
+    assert service.event.timestamps() == (*range(100, 100 + MAX_SLOTS), 400, 500, 600)
+    service.event.register(400)  # there already
+    service.event.register(700)
+    assert service.event.delete(500)
+    assert isinstance(more.value(), dict)
+    fired = list(service.advance_watermark(10**6))
+    assert fired == [(5, ts) for ts in (*range(100, 100 + MAX_SLOTS), 400, 600, 700)]
+
+
 def _random_timer_run(
     seed: int, int_keys: bool, nkeys: int
 ) -> Tuple[List[Tuple[int, int]], Dict[int, Tuple[int, ...]], int]:

@@ -12,8 +12,11 @@ keyed state, by either backend, with no code of their own:
   ``MAX_SLOTS``, typed int64: a key's timers fill slots 0, 1, ... without holes
   (removing one moves the key's last one into its place); with int keys these
   are columnar, written as Arrow columns;
-* ``_timer_state/<domain>_timers_more``: a key's further timestamps (a tuple)
-  once all its slots are taken.
+* ``_timer_state/<domain>_timers_more``: a key's further timestamps once all
+  its slots are taken, a dict of them (to ``None``), so that a hot key with
+  thousands of pending timers registers, deletes and fires each in O(1), as
+  Flink's heap timers do (a tuple, as it was, cost a copy of them all per call;
+  a tuple or list from an older checkpoint is read and becomes a dict).
 
 ``pe.state.read_keyed_state(checkpoint, uid, "_timer_state/event_timers")``
 lists the first slot (most keys have one timer). The synchronous part of a
@@ -44,7 +47,7 @@ SEVERAL = -(2**63)
 """Never a timer's timestamp (Flink's ``Long.MIN_VALUE``: before any watermark)."""
 
 MAX_SLOTS = 8
-"""Slot states per domain: a key's timers past this many go to the overflow tuple."""
+"""Slot states per domain: a key's timers past this many go to the overflow dict."""
 
 EVENT, PROCESSING = "event", "processing"
 
@@ -79,7 +82,9 @@ class TimerQueue:
         while _slot_name(self._base, len(self._slots)) in self._tables:  # restored ones
             self._add_slot()
         self._more = backend.get_state(ValueStateDescriptor(self._more_name))
-        self._native: Any = _native.TimerHeap(backend, self._tables, self._slots, MAX_SLOTS, self._register)
+        self._native: Any = _native.TimerHeap(
+            backend, self._tables, self._slots, MAX_SLOTS, self._register, self._register_overflow
+        )
         self._heap: List[int] = []  # the Python index: distinct timestamps
         self._keys: Dict[int, List[Tuple[Any, int]]] = {}  # timestamp -> (key, key group index)
         self.register: Callable[[int], None] = self._native.register
@@ -172,12 +177,65 @@ class TimerQueue:
             self._put(self._add_slot(), index, key, ts)
             self._index(ts, key, index)
             return
-        more_table = self._tables[self._more_name]
-        more = more_table.groups[index].get(key, ())
-        if ts in more:
+        self._add_overflow(ts, key, index)
+
+    def _register_overflow(self, ts: int) -> None:
+        """The native ``register``'s hand-over for a key whose every slot is taken by
+        another timestamp (``ts`` checked and the key current: only the overflow is left)."""
+        b = self._backend
+        self._add_overflow(ts, b._key, b._key_index)
+
+    # -- the overflow: a key's timers past its slots, a dict per key -----------------------
+
+    def _overflow(self, index: int, key: Any, change: bool) -> Optional[Dict[int, None]]:
+        """The key's overflow dict, or None; with ``change``, one that may be changed in
+        place (copied first while an unfinished snapshot holds it)."""
+        table = self._tables[self._more_name]
+        more = table.groups[index].get(key)
+        if more is None:
+            return None
+        if type(more) is not dict:  # a tuple (or, through msgpack, a list) from an older checkpoint
+            more = dict.fromkeys(more)
+            table.store(index, key, more)
+        elif change:
+            more = table.own(index, key, more)
+        return more  # type: ignore[no-any-return]
+
+    def _add_overflow(self, ts: int, key: Any, index: int) -> None:
+        table = self._tables[self._more_name]
+        more = table.groups[index].get(key)
+        if more is None:
+            table.store(index, key, {ts: None})
+        elif ts in more:
             return
-        more_table.store(index, key, (*more, ts))
+        elif type(more) is dict and not table.needs_private(index, key):  # the common case, inline
+            more[ts] = None
+            if table.changes is not None:
+                table.changes[index].add(key)
+        else:
+            self._overflow(index, key, True)[ts] = None  # type: ignore[index]
         self._index(ts, key, index)
+
+    def _delete_overflow(self, ts: int, key: Any, index: int) -> bool:
+        table = self._tables[self._more_name]
+        more = table.groups[index].get(key)
+        if more is None or ts not in more:
+            return False
+        if len(more) == 1:
+            table.delete(index, key)
+        elif type(more) is dict and not table.needs_private(index, key):  # the common case, inline
+            del more[ts]
+            if table.changes is not None:
+                table.changes[index].add(key)
+        else:
+            del self._overflow(index, key, True)[ts]  # type: ignore[union-attr]
+        return True
+
+    def _check_overflow(self, ts: int) -> bool:
+        """The native firing loop's question for a key whose slots are all taken by
+        other timestamps: removes ``ts`` from the current key's overflow; was it there?"""
+        b = self._backend
+        return self._delete_overflow(ts, b._key, b._key_index)
 
     def delete(self, ts: int) -> bool:
         """Removes the current key's timer at ``ts``; True if there was one."""
@@ -190,6 +248,8 @@ class TimerQueue:
             if code == 2:
                 self._refill()
                 return True
+            if code == -3:
+                return self._check_overflow(ts)
         return self._delete_python(ts)
 
     def _delete_python(self, ts: int) -> bool:
@@ -212,31 +272,20 @@ class TimerQueue:
             return True
         if not full:
             return False
-        more_table = self._tables[self._more_name]
-        more = more_table.groups[index].get(key, ())
-        if ts not in more:
-            return False
-        rest = tuple(t for t in more if t != ts)
-        if rest:
-            more_table.store(index, key, rest)
-        else:
-            more_table.delete(index, key)
-        return True
+        return self._delete_overflow(ts, key, index)
 
     def _refill(self) -> None:
         """A timer left a key whose slots were all taken: one from its overflow, if
         any, takes the last slot (a key's overflow exists only while its slots are full)."""
         b = self._backend
         key, index = b._key, b._key_index
-        more_table = self._tables[self._more_name]
-        more = more_table.groups[index].get(key)
+        more = self._overflow(index, key, True)
         if not more:
             return
-        self._put(self._slots[MAX_SLOTS - 1], index, key, more[0])
-        if len(more) > 1:
-            more_table.store(index, key, more[1:])
-        else:
-            more_table.delete(index, key)
+        ts, _ = more.popitem()  # the newest: O(1), where the oldest would walk the dict's holes
+        self._put(self._slots[MAX_SLOTS - 1], index, key, ts)
+        if not more:
+            self._tables[self._more_name].delete(index, key)
 
     def timestamps(self) -> Tuple[int, ...]:
         """The current key's timers, in order."""
@@ -275,6 +324,8 @@ class TimerQueue:
                     self._refill()
                 elif code == -1 and not self._delete_python(ts):
                     continue
+                elif code == -3 and not self._check_overflow(ts):
+                    continue
                 yield key, ts
                 continue
             heap = self._heap
@@ -298,7 +349,9 @@ class TimerQueue:
         iteration and the call per timer); the Python index, if any, follows."""
         if self._native is not None:
             start = self._backend.key_group_range.start
-            self._native.fire_due(upto, start, ctx, on_timer, out, self._delete_python, self._refill)
+            self._native.fire_due(
+                upto, start, ctx, on_timer, out, self._delete_python, self._refill, self._check_overflow
+            )
         for key, ts in self.due(upto):
             ctx.current_key = key
             ctx._timer_ts = ts
