@@ -197,15 +197,18 @@ def test_a_timer_per_record_against_the_same_function_without(
     # slot entry was written without NumPy item assignment), then 40-46% once the value
     # state's calls went to C (ColumnarValueCalls): that made both variants faster
     # (without timers 0.54 -> 0.97 M/s, with them 0.26 -> 0.45 M/s at p=1 and p=2) and
-    # the function without timers the more, to ~1 us a record. A timer adds ~1.5 us,
-    # mostly not the timer's: on_timer is a second Python call per record, its
-    # count.clear() a third, and the next record of the key re-inserts the count
-    # instead of updating it in place. The timer's own part (the C register, and the C
-    # firing loop's setattrs and call) is ~0.5 us, and it is instruction-bound, not
-    # memory-bound: firing a no-op on_timer costs the same per timer with 10k keys as
-    # with 300k, prefetching the next keys' slots gained nothing, and a hash map with
-    # key and value in one cache line (one miss per probe, not three) ran the job at
-    # the same speed. The guard catches a regression from there.
+    # the function without timers the more, to ~1.3 us a record. Where the other ~2 us
+    # go (measured at p=2, best of 3, 00577bd): not to the function's own second call: the
+    # same function calling its on_timer itself after each record (a second Python call
+    # and the clear, no timer) runs at 87% of the one without. Registering the same
+    # timestamp each record (deduplicated, never due) adds ~0.8 us; registering a new one
+    # each record and firing a no-op on_timer ~1.8 us. The timer service alone, out of a
+    # job, takes ~0.4 us a registration and ~0.3 us a firing at 100k keys; the rest is
+    # the per-record Python around it (timer_service(), the bound method, the timestamp's
+    # arithmetic) and the firing loop's five attribute writes and its call, each small:
+    # the profile is flat (pe_i64map_get ~11% with cache misses on the slot tables, the
+    # interpreter ~20%), with no hot spot to remove. Prefetching the next keys' slots and a
+    # one-cache-line hash map gained nothing. The guard catches a regression from there.
     assert ratio >= 0.3, f"timers at {ratio:.0%} of the function without them"
 
 
