@@ -980,6 +980,15 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
+def _unviewed(values: List[Any]) -> Optional[List[Any]]:
+    """``values`` with each ``ListState.view()`` (or another of the engine's read-only
+    sequences) as the list it shows, or None when there is none: pyarrow takes lists,
+    not other sequences. Asked only once a column failed, so rows cost nothing for it."""
+    if not any(type(v) in STORED_AS_LISTS for v in values):
+        return None
+    return [list(v) if type(v) in STORED_AS_LISTS else v for v in values]
+
+
 def _jsonl(records: Any) -> bytes:
     """One JSON document per line; refuses what JSON cannot say (``RecordRejectedError``)
     instead of writing ``NaN`` or a value's ``str``."""
@@ -1033,11 +1042,20 @@ def _table_of(records: Any, schema: Optional[pa.Schema] = None, who: str = "File
         values = [r.get(name) for r in rows]
         try:
             arrays.append(pa.array(values))
+            continue
         except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
-            raise RecordRejectedError(
-                f"{who} cannot write field {name!r}: its values do not make one column ({exc}); "
-                "give them one type, or declare FileSink(..., schema=pyarrow.schema([...]))"
-            ) from None
+            problem = str(exc)
+        unviewed = _unviewed(values)
+        if unviewed is not None:
+            try:
+                arrays.append(pa.array(unviewed))
+                continue
+            except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+                problem = str(exc)
+        raise RecordRejectedError(
+            f"{who} cannot write field {name!r}: its values do not make one column ({problem}); "
+            "give them one type, or declare FileSink(..., schema=pyarrow.schema([...]))"
+        )
     return pa.Table.from_arrays(arrays, names=list(names))
 
 
@@ -1071,6 +1089,12 @@ def _column(field: pa.Field, values: List[Any], rows: List[Any], who: str = "Fil
         return pa.array(values, type=field.type)
     except (pa.ArrowException, TypeError, ValueError, OverflowError):
         pass
+    unviewed = _unviewed(values)
+    if unviewed is not None:
+        try:
+            return pa.array(unviewed, type=field.type)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            values = unviewed
     for i, v in enumerate(values):
         try:
             pa.array([v], type=field.type)
@@ -1109,7 +1133,9 @@ def _misfit(value: Any, type_: pa.DataType) -> Optional[str]:
             if problem is not None:
                 return f"[{k!r}] {problem}"
         return None
-    if (pa.types.is_list(type_) or pa.types.is_large_list(type_)) and isinstance(value, (list, tuple)):
+    if (pa.types.is_list(type_) or pa.types.is_large_list(type_)) and (
+        isinstance(value, (list, tuple)) or type(value) in STORED_AS_LISTS
+    ):
         for v in value:
             problem = _misfit(v, type_.value_type)
             if problem is not None:

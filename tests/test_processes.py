@@ -394,3 +394,34 @@ def test_a_collection_source_without_its_records_refuses_to_be_read() -> None:
     assert source.read(1, 2, 0, 10) is None  # the other subtasks read nothing anyway
     with pytest.raises(RuntimeError, match="only to the worker process of the source's first subtask"):
         source.read(0, 2, 0, 10)
+
+
+TRACEBACK_SCRIPT = """
+import traceback
+import pyengine as pe
+
+def check(record):
+    if record == 7:
+        raise ValueError("seven")  # the line the traceback must show
+    return record
+
+if __name__ == "__main__":
+    env = pe.StreamEnvironment(parallelism=2, executor="processes", restart_attempts=0)
+    env.from_collection(list(range(20))).map(check).sink_to(pe.sinks.DiscardSink())
+    result = env.execute_async("tb").wait(60, raise_failure=False)
+    print("".join(traceback.format_exception(result.cause)))
+"""
+
+
+def test_a_worker_traceback_names_the_scripts_file_and_shows_its_line(tmp_path) -> None:
+    """A function of the job's script travels by value (cloudpickle); cloudpickle 3.1
+    names its code's file ``<dynamic-code>``, so a worker's traceback showed neither
+    the file nor the line's source. The runner keeps the file: the workers are on the
+    driver's machine."""
+    script = tmp_path / "job.py"
+    script.write_text(TRACEBACK_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f'File "{script}", line 7, in check' in done.stdout, done.stdout
+    assert "# the line the traceback must show" in done.stdout
+    assert "<dynamic-code>" not in done.stdout

@@ -155,3 +155,68 @@ def test_a_timer_registered_in_open_fails_at_once_and_says_where_timers_go() -> 
     )
     cause = _failed(env)
     assert "no current key" in str(cause) and "process_element or on_timer" in str(cause)
+
+
+# -- found by a new-user trial of per-record state (issue #19) ---------------------------------
+
+
+def test_an_arrow_type_as_a_value_states_default_is_refused_with_the_way_out() -> None:
+    """PyFlink's ``ValueStateDescriptor(name, type)``: here the second argument is the
+    default, and ``value()`` returned the Arrow type itself, so ``is None`` checks
+    silently failed."""
+    import pyarrow as pa
+
+    from pyengine.state import ValueStateDescriptor
+
+    with pytest.raises(TypeError, match=r"second argument is the default.*type=pa\.int64\(\)"):
+        ValueStateDescriptor("n", pa.int64())
+    with pytest.raises(TypeError, match=r"type=the type"):
+        ValueStateDescriptor("t", pa.timestamp("ms"))
+    assert ValueStateDescriptor("n", type=pa.int64()).default is None
+
+
+def test_a_default_that_does_not_fit_the_declared_type_is_refused_at_get_state() -> None:
+    import pyarrow as pa
+
+    from pyengine.state import ValueStateDescriptor, create_keyed_backend
+
+    backend = create_keyed_backend("heap")
+    with pytest.raises(TypeError, match=r"value state 'n' default: 'zero' is not a int64 value"):
+        backend.get_state(ValueStateDescriptor("n", "zero", pa.int64()))
+    backend.set_current_key(1)
+    assert backend.get_state(ValueStateDescriptor("f", 0, pa.float64())).value() == 0  # an int is a float64 value
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_list_state_view_emitted_downstream_is_written_to_parquet_as_the_list_it_shows(
+    tmp_path: Any, declared: bool
+) -> None:
+    """The docs say ``get()`` for values going downstream; a view sent anyway was
+    refused by the parquet sink with advice to declare a schema (pyarrow takes
+    lists, not other sequences), where the jsonl sink wrote it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pyengine.state import ListStateDescriptor
+
+    seen = ListStateDescriptor[int]("seen", pa.int64())
+
+    class Seen(pe.KeyedProcessFunction):
+        def open(self, ctx: Any) -> None:
+            self.seen = ctx.get_list_state(seen)
+
+        def process_element(self, value: Any, ctx: Any) -> Any:
+            self.seen.add(value["x"])
+            yield {"k": value["k"], "seen": self.seen.view()}
+
+    schema = pa.schema([("k", pa.int64()), ("seen", pa.list_(pa.int64()))]) if declared else None
+    env = pe.StreamEnvironment(parallelism=1)
+    records = [{"k": i % 2, "x": i} for i in range(6)]
+    out = tmp_path / "out"
+    sink = pe.sinks.FileSink(str(out), format="parquet", schema=schema)
+    env.from_collection(records).key_by("k").process(Seen()).sink_to(sink)
+    assert env.execute("views").status == "FINISHED"
+    rows = pq.read_table(str(out)).to_pylist()
+    assert sorted((r["k"], r["seen"]) for r in rows) == sorted(
+        (k, [x for x in range(n + 1) if x % 2 == k]) for n, k in ((x, x % 2) for x in range(6))
+    )

@@ -47,8 +47,9 @@ import signal
 import sys
 import threading
 import time
+import types
 import uuid
-from collections import deque
+from collections import ChainMap, deque
 from multiprocessing.connection import Connection, wait
 from typing import Any, Deque, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
@@ -119,13 +120,33 @@ def _cloudpickle() -> Any:
 # -- the job, pickled for a worker ------------------------------------------------------------
 
 
+def _code_keeping_its_file(reduce: Any) -> Any:
+    """cloudpickle's reducer of code objects, but keeping the file the code came from:
+    cloudpickle 3.1 writes ``<dynamic-code>`` instead (a payload that does not depend
+    on where the code is), and a worker's traceback through a function of the job's
+    script then showed neither its file nor its line's source. The workers run on the
+    driver's machine, where the file is."""
+
+    def reduce_code(code: Any) -> Any:
+        rebuild, args = reduce(code)
+        return rebuild, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+
+    return reduce_code
+
+
 def _pickler_class() -> Any:
     cloudpickle = _cloudpickle()
+    reduce = getattr(getattr(cloudpickle, "cloudpickle", None), "_code_reduce", None)
+    base_table = getattr(cloudpickle.Pickler, "dispatch_table", None)
 
     class JobPickler(cloudpickle.Pickler):  # type: ignore[misc, name-defined]
         """cloudpickle, with the driver-memory sinks replaced by references to the
         driver's objects (``reducer_override``: called for objects of classes only, never
-        for the lists, tuples and dicts of a collection source, which stay in C)."""
+        for the lists, tuples and dicts of a collection source, which stay in C), and
+        code objects that keep their file (``_code_keeping_its_file``)."""
+
+        if reduce is not None and base_table is not None:
+            dispatch_table = ChainMap({types.CodeType: _code_keeping_its_file(reduce)}, base_table)
 
         def __init__(self, file: Any, proxied: List[Sink], collections: Optional[List[Any]] = None) -> None:
             super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)

@@ -153,6 +153,14 @@ class ValueStateDescriptor(StateDescriptor, Generic[T]):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if isinstance(self.default, pa.DataType):  # PyFlink's habit: the type second
+            spelled = f"pa.{self.default}()" if str(self.default).isidentifier() else "the type"
+            raise TypeError(
+                f"ValueStateDescriptor {self.name!r}: the second argument is the default value (what a key "
+                f"without one reads), and {self.default} is an Arrow type; pass the type as type=: "
+                f"ValueStateDescriptor({self.name!r}, type={spelled}), or after a default: "
+                f"ValueStateDescriptor({self.name!r}, <default>, {spelled})"
+            )
         _check_type("ValueStateDescriptor type", self.type)
 
 

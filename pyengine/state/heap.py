@@ -1489,6 +1489,11 @@ class HeapKeyedStateBackend:
         cls = _STATE_CLASSES.get(descriptor.kind)
         if cls is None:
             raise TypeError(f"not a keyed state descriptor: {descriptor!r}")
+        default = getattr(descriptor, "default", None)
+        if default is not None:  # a key without a value reads it: it must fit the type as an update must
+            check_default = _validator(getattr(descriptor, "type", None), f"value state {descriptor.name!r} default")
+            if check_default is not None:
+                check_default(default)
         from .columnar import ColumnarValueState, ColumnarValueTable, columnar_dtype
 
         dtype = columnar_dtype(descriptor) if self._columnar else None
