@@ -220,3 +220,34 @@ def test_a_list_state_view_emitted_downstream_is_written_to_parquet_as_the_list_
     assert sorted((r["k"], r["seen"]) for r in rows) == sorted(
         (k, [x for x in range(n + 1) if x % 2 == k]) for n, k in ((x, x % 2) for x in range(6))
     )
+
+
+def test_checkpoints_far_longer_than_their_interval_are_said_once(caplog: Any) -> None:
+    """``interval_ms=2`` meant as 2 s: checkpoints ran back to back, the job spent its
+    time checkpointing, and nothing said so."""
+    import logging
+
+    env = pe.StreamEnvironment(parallelism=2, checkpointing=pe.CheckpointConfig(interval_ms=2), monitoring=None)
+    env.from_generator(lambda i: {"k": i % 50_000, "v": i}, 400_000).key_by("k").process(_Counter()).sink_to(
+        pe.sinks.DiscardSink()
+    )
+    with caplog.at_level(logging.WARNING, logger="pyengine.coordinator.coordinator"):
+        result = env.execute("back-to-back")
+    assert result.status == "FINISHED"
+    said = [r.getMessage() for r in caplog.records if "checkpoints in a row took more than twice" in r.getMessage()]
+    # 50,000 keys' state takes more than 4 ms to checkpoint on any machine, many times over the run
+    assert result.checkpoints.summary()["end_to_end_duration_ms"]["p50"] > 4
+    assert result.checkpoints.counts["completed"] > 3
+    assert len(said) == 1, said
+    assert "interval of 2 ms" in said[0] and "in milliseconds" in said[0]
+
+
+class _Counter(pe.KeyedProcessFunction):
+    def open(self, ctx: Any) -> None:
+        from pyengine.state import ValueStateDescriptor
+
+        self.n = ctx.get_state(ValueStateDescriptor("n", 0))
+
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        self.n.update(self.n.value() + 1)
+        return ()

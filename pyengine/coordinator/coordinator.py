@@ -260,6 +260,7 @@ class CheckpointCoordinator:
         self._restore_mark: Optional[Tuple[int, int]] = None  # (when a restore began, its state size)
         self._catching_up = False  # restored, and no checkpoint completed since
         self._first_checkpoint = True  # none completed since the scheduler (re)started
+        self._longer_than_interval = 0  # completed checkpoints in a row that took longer than the interval
         self._rate_mark: Optional[Tuple[int, int]] = None  # (when, records read) at the last sample
         self._publish_interval()
 
@@ -712,6 +713,34 @@ class CheckpointCoordinator:
             pending.future.set_result(metadata)
             self._execute_queued()
 
+    BACK_TO_BACK = 3  # completed checkpoints in a row over twice the interval before it is said
+
+    def _warn_if_back_to_back(self, duration_ms: float) -> None:
+        """Says once, as a warning, that checkpoints take more than twice their interval:
+        each then starts as the last ends, and the job spends its time checkpointing,
+        which nothing else shows (an interval given in seconds where milliseconds go, 2
+        for 2 s, ran 16 checkpoints back to back without a word). Twice, not once: a
+        checkpoint a little longer than its interval only spaces them a little more."""
+        interval = self._current_interval()
+        if interval is None or self._policy is not None or self._longer_than_interval < 0:
+            return
+        if duration_ms <= 2 * interval:
+            self._longer_than_interval = 0
+            return
+        self._longer_than_interval += 1
+        if self._longer_than_interval >= self.BACK_TO_BACK:
+            self._longer_than_interval = -1  # said
+            log.warning(
+                "job %r: %d checkpoints in a row took more than twice the checkpoint interval of %d ms (the "
+                "last %.0f ms): each starts as the previous one ends, and the job keeps checkpointing. "
+                "CheckpointConfig(interval_ms=...) is in milliseconds; give an interval longer than the "
+                "checkpoints, min_pause_ms=... for time between them, or interval_ms='auto'",
+                self.job_name,
+                self.BACK_TO_BACK,
+                interval,
+                duration_ms,
+            )
+
     def _on_completed(self) -> None:
         """A checkpoint completed: what it measured goes to the interval's policy, and
         the next checkpoint is rescheduled when the interval changed."""
@@ -719,6 +748,8 @@ class CheckpointCoordinator:
         self._catching_up = False
         self._update_backlog()
         stats = self.stats.latest_completed
+        if stats is not None:
+            self._warn_if_back_to_back(stats.end_to_end_duration_ms)
         if self._policy is None or stats is None:
             return
         slowest = max((s.async_duration_ms + s.sync_duration_ms for s in stats.subtasks.values()), default=0.0)

@@ -233,14 +233,33 @@ def _percentiles(values: np.ndarray, weights: Optional[np.ndarray] = None) -> Tu
     return percentile(50), percentile(99)
 
 
-def _instrument(env: Any, probe: _Probe) -> None:
+def _instrument(env: Any, probe: _Probe, outputs: Optional[str] = None) -> None:
     for source in env._sources:
         probe.wrap_source(source)
     sinks = [s._sink for s in env._streams if s._sink is not None]
     if not sinks:
         raise ValueError("tune: the job has no sink; the build function must end its pipeline with .sink_to(...)")
+    if outputs is not None:
+        _redirect_outputs(sinks, outputs)
     for sink in sinks:
         probe.wrap_sink(sink)
+
+
+def _redirect_outputs(sinks: List[Any], directory: str) -> None:
+    """Points the job's file and Delta sinks at ``directory`` (the trial's own, deleted
+    after it): a trial is a measurement, not a run of the job, so it must not leave
+    output where the job's runs write. Each trial writes as the job would (same sink,
+    format and commits), into a directory of its own, so no trial finds another's
+    output (the second trial into the job's own directory refused it, a FileSink's
+    ``mode="error"``)."""
+    from ..sinks import FileSink
+
+    for i, sink in enumerate(sinks):
+        if isinstance(sink, FileSink):
+            sink.path = os.path.join(directory, f"sink-{i}")
+        elif type(sink).__name__ == "DeltaSink" and hasattr(sink, "table_uri"):
+            sink.table_uri = os.path.join(directory, f"sink-{i}")
+            sink.storage_options = None
 
 
 def _environment(setting: Setting, parallelism: int, storage: Optional[str], checkpointing: bool) -> Any:
@@ -264,10 +283,12 @@ def _run(
     seconds: Optional[float],
     restore_from: Optional[str] = None,
     stop_at_output: bool = False,
+    outputs: Optional[str] = None,
 ) -> Tuple[Any, float, float]:
-    """(result, wall time of the run, the moment it ended or was stopped)."""
+    """(result, wall time of the run, the moment it ended or was stopped); the job's
+    file sinks write under ``outputs`` (``_redirect_outputs``)."""
     build(env)
-    _instrument(env, probe)
+    _instrument(env, probe, outputs)
     start = probe.started = time.time()
     if seconds is None and not stop_at_output:
         result = (
@@ -337,7 +358,7 @@ def measure(
         storage = os.path.join(root, "ckpt")
         probe = _Probe(latency_field)
         env = _environment(setting, parallelism, storage, checkpointing)
-        result, _, ended = _run(build, env, probe, name, seconds)
+        result, _, ended = _run(build, env, probe, name, seconds, outputs=os.path.join(root, "output"))
         if result.status == "FAILED":
             raise RuntimeError(f"tune: the job failed at {setting.label}: {result.cause}") from result.cause
         records, elapsed, rate = probe.rate(seconds is not None and result.status != "FINISHED", ended)
@@ -387,7 +408,8 @@ def _restore(build: JobBuilder, setting: Setting, parallelism: int, storage: str
     makes progress."""
     probe = _Probe(None)
     env = _environment(setting, parallelism, storage, True)
-    _result, _, _ = _run(build, env, probe, name, None, restore_from=path, stop_at_output=True)
+    outputs = os.path.join(os.path.dirname(storage), "restored-output")
+    _result, _, _ = _run(build, env, probe, name, None, restore_from=path, stop_at_output=True, outputs=outputs)
     first = probe.first_output if probe.first_output is not None else (probe.reads[0][0] if probe.reads else None)
     if first is None:
         return math.nan
