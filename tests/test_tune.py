@@ -361,3 +361,27 @@ def test_the_recommendation_is_measured_again_against_the_defaults(defaults, rec
     message = _against_the_defaults(run, "throughput", chosen, start, 1.0, first)
     assert order == [start, chosen, start, chosen], "alternately"
     assert said in message and "best of 3 and 3 runs" in message
+
+
+def test_a_recommended_interval_shorter_than_its_checkpoints_is_said_and_trials_stay_quiet() -> None:
+    """``--intervals-ms 2`` (meant as seconds): tune recommended 2 ms beside a 399 ms
+    checkpoint p50, silently. The recommendation says it; the trials, which try such
+    intervals on purpose, leave out the coordinator's run-time warning."""
+    import logging
+
+    from pyengine.coordinator.coordinator import BACK_TO_BACK_WARNING
+    from pyengine.tune.measure import _QuietBackToBack
+
+    m = _m(4096, 3e5, p99=900, recovery=1)
+    m.setting = Setting(interval_ms=2)
+    m.interval_ms, m.checkpoints, m.checkpoint_p50_ms = 2.0, 5, 399.0
+    _, _, messages = recommend([m], "throughput")
+    assert any("interval of 2 ms is under half of its checkpoints' p50 (399 ms)" in x for x in messages), messages
+    m.checkpoint_p50_ms = 3.0
+    assert not any("back to back" in x for x in recommend([m], "throughput")[2])
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("pyengine.coordinator.coordinator", logging.WARNING, __file__, 1, msg, (), None)
+
+    assert not _QuietBackToBack().filter(record(BACK_TO_BACK_WARNING))
+    assert _QuietBackToBack().filter(record("another warning"))

@@ -44,6 +44,15 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# Said once a job's checkpoints run back to back (``_warn_if_back_to_back``); a tuning
+# trial, which tries such intervals on purpose, leaves it out (``pyengine.tune.measure``).
+BACK_TO_BACK_WARNING = (
+    "job %r: %d checkpoints in a row took more than twice the checkpoint interval of %d ms (the "
+    "last %.0f ms): each starts as the previous one ends, and the job keeps checkpointing. "
+    "CheckpointConfig(interval_ms=...) is in milliseconds; give an interval longer than the "
+    "checkpoints, min_pause_ms=... for time between them, or interval_ms='auto'"
+)
+
 # Failures that say nothing about the job's health: they never count against
 # tolerable_failures (as Flink's CheckpointFailureManager ignores them).
 _NOT_COUNTED = {
@@ -731,10 +740,7 @@ class CheckpointCoordinator:
         if self._longer_than_interval >= self.BACK_TO_BACK:
             self._longer_than_interval = -1  # said
             log.warning(
-                "job %r: %d checkpoints in a row took more than twice the checkpoint interval of %d ms (the "
-                "last %.0f ms): each starts as the previous one ends, and the job keeps checkpointing. "
-                "CheckpointConfig(interval_ms=...) is in milliseconds; give an interval longer than the "
-                "checkpoints, min_pause_ms=... for time between them, or interval_ms='auto'",
+                BACK_TO_BACK_WARNING,
                 self.job_name,
                 self.BACK_TO_BACK,
                 interval,

@@ -29,6 +29,7 @@ What is measured, and how:
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
@@ -354,6 +355,9 @@ def measure(
     capacity). ``measure_restore``: restore the job from the run's latest checkpoint and
     time it (one more short run)."""
     root = tempfile.mkdtemp(prefix="pyengine-tune-")
+    quiet = _QuietBackToBack()
+    coordinator_log = logging.getLogger("pyengine.coordinator.coordinator")
+    coordinator_log.addFilter(quiet)
     try:
         storage = os.path.join(root, "ckpt")
         probe = _Probe(latency_field)
@@ -399,7 +403,18 @@ def measure(
                 m.notes.append(NO_RECOVERY_NOTE)
         return m
     finally:
+        coordinator_log.removeFilter(quiet)
         shutil.rmtree(root, ignore_errors=True)
+
+
+class _QuietBackToBack(logging.Filter):
+    """Leaves out the coordinator's warning that checkpoints run back to back: a trial
+    tries such intervals on purpose, and ``recommend`` says it of the recommendation."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from ..coordinator.coordinator import BACK_TO_BACK_WARNING
+
+        return record.msg is not BACK_TO_BACK_WARNING
 
 
 def _restore(build: JobBuilder, setting: Setting, parallelism: int, storage: str, name: str, path: str) -> float:

@@ -144,6 +144,12 @@ def recommend(
                 else f"max recovery {max_recovery_s:,.2f} s NOT honoured: no setting tried reached it "
                 f"(the closest: {best.recovery_s:,.2f} s)"
             )
+    if best.checkpoints and best.interval_ms > 0 and best.checkpoint_p50_ms > 2 * best.interval_ms:
+        messages.append(
+            f"the recommended interval of {best.interval_ms:,.0f} ms is under half of its checkpoints' p50 "
+            f"({best.checkpoint_p50_ms:,.0f} ms): they ran back to back, one starting as the last ended, which "
+            "the job can sustain here but spends its time on; a longer interval costs little throughput"
+        )
     # what a measurement says of the job, not of its setting, said once
     notes = {n for m in measurements for n in m.notes}
     messages.extend(n for n in (BOUNDED_NOTE, NO_RECOVERY_NOTE) if n in notes)
