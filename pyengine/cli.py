@@ -81,7 +81,12 @@ def _main(argv: Optional[List[str]] = None) -> int:
     tune.add_argument("--goal", choices=("throughput", "latency"), default="throughput", help="what to optimise")
     tune.add_argument("--max-latency-ms", type=float, help="constraint: end-to-end latency p99")
     tune.add_argument("--max-recovery-s", type=float, help="constraint: restore plus replay of one interval")
-    tune.add_argument("--budget-s", type=float, default=120.0, help="time for the search (default 120 s)")
+    tune.add_argument(
+        "--budget-s",
+        type=float,
+        default=120.0,
+        help="time for the search (default 120 s); the finalists' and the confirming runs come after it",
+    )
     tune.add_argument("--trial-s", type=float, default=1.0, help="length of the shortest run (default 1 s)")
     tune.add_argument("--parallelism", type=int, default=2, help="subtasks per operator (default 2)")
     tune.add_argument("--latency-field", help="a column or key holding each record's creation time (s since epoch)")

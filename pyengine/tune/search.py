@@ -346,7 +346,9 @@ def tune(
     to read), and the result's messages say so. ``goal``: ``"throughput"`` (records/s) or ``"latency"``
     (end-to-end p99); ``max_latency_ms`` and ``max_recovery_s`` are constraints, honoured
     when a setting tried meets them, and reported as not honoured when none does.
-    ``budget_s`` bounds the search (the finalists' runs come after it). ``space``: the
+    ``budget_s`` bounds the search (the finalists' runs come after it, and, when the
+    recommendation is not the defaults, two more runs of each, alternately, that say
+    whether it beats them by more than the runs' spread). ``space``: the
     values to try per setting (default ``pyengine.tune.settings.DEFAULT_SPACE``).
     ``latency_field``: a column/key with each record's creation time (s since the
     epoch) carried to the sink, for measured latency (else it is derived from checkpoint
