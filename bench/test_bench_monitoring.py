@@ -153,6 +153,7 @@ def scraper() -> Any:
 class Run:
     def __init__(self, elapsed: float, requests: int = 0, cpu_s: float = 0.0) -> None:
         self.elapsed, self.requests, self.cpu_s = elapsed, requests, cpu_s
+        self.extra = False  # a retry's run (``RETRIES``): counts for the best, not for the spread
 
 
 def _run(build: Any, monitored: bool, scraper: Scraper) -> Run:
@@ -209,8 +210,9 @@ def _rows(benchmark: Any, monitored: bool, what: str, build: Any, scraper: Scrap
     runs = {False: off, True: on}
     extra = 0
     while extra < RETRIES and _failing(runs):  # perhaps a slow spell: more pairs, untimed, best of all
-        off.append(_run(build, False, scraper))
-        on.append(_run(build, True, scraper))
+        for monitored, runs_of in ((False, off), (True, on)):
+            runs_of.append(_run(build, monitored, scraper))
+            runs_of[-1].extra = True
         _served(on, scraper)
         extra += 1
     return runs
@@ -223,8 +225,10 @@ def _failing(runs: Dict[bool, List[Run]]) -> bool:
 
 
 def _spread(runs: List[Run]) -> float:
-    """The median run's time over the best's: how far this machine let the runs wander."""
-    times = sorted(r.elapsed for r in runs)
+    """The median run's time over the best's: how far this machine let the runs wander,
+    over the timed rounds (and the runs between them) only: a retry's runs must not make
+    a failing ratio "unresolved" by widening it."""
+    times = sorted(r.elapsed for r in runs if not r.extra)
     return times[len(times) // 2] / times[0]
 
 
