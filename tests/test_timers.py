@@ -188,8 +188,11 @@ def test_a_hot_key_with_thousands_of_pending_timers_against_a_set_model(tmp_path
 
 
 def test_an_overflow_from_an_older_checkpoint_a_tuple_is_read_and_changed() -> None:
-    """Checkpoints written before the overflow was a dict hold a tuple (a list once
-    through msgpack): it is read as it is and becomes a dict at its first change."""
+    """Checkpoints written before the overflow was a ``TimerSet`` hold a tuple (and
+    ``TimerSet`` is written as a list): either is read and becomes a ``TimerSet`` at its
+    first change."""
+    from pyengine.state.timers import TimerSet
+
     from pyengine.state.timers import MAX_SLOTS
 
     backend = create_keyed_backend("heap")
@@ -197,16 +200,21 @@ def test_an_overflow_from_an_older_checkpoint_a_tuple_is_read_and_changed() -> N
     for ts in range(100, 100 + MAX_SLOTS):
         _register(service, backend, 5, ts)
     more = backend.get_state(ValueStateDescriptor("_timer_state/event_timers_more"))
-    more.update([500, 400, 600])  # as an older checkpoint restores it
+    more.update((500, 400, 600))  # as an older checkpoint restores it
     for ts in (500, 400, 600):
         service.event._index(ts, 5, backend._key_index)
     assert service.event.timestamps() == (*range(100, 100 + MAX_SLOTS), 400, 500, 600)
     service.event.register(400)  # there already
     service.event.register(700)
     assert service.event.delete(500)
-    assert isinstance(more.value(), dict)
+    assert isinstance(more.value(), TimerSet)
     fired = list(service.advance_watermark(10**6))
     assert fired == [(5, ts) for ts in (*range(100, 100 + MAX_SLOTS), 400, 600, 700)]
+    # written as the list of its timestamps, as the tuple was: a reader sees list<int64>
+    from pyengine.state.serializers import serializer_for
+
+    safe = serializer_for("safe")
+    assert safe.loads(safe.dumps(TimerSet((3, 1, 2)))) == [3, 1, 2]
 
 
 def _random_timer_run(

@@ -13,10 +13,10 @@ keyed state, by either backend, with no code of their own:
   (removing one moves the key's last one into its place); with int keys these
   are columnar, written as Arrow columns;
 * ``_timer_state/<domain>_timers_more``: a key's further timestamps once all
-  its slots are taken, a dict of them (to ``None``), so that a hot key with
-  thousands of pending timers registers, deletes and fires each in O(1), as
-  Flink's heap timers do (a tuple, as it was, cost a copy of them all per call;
-  a tuple or list from an older checkpoint is read and becomes a dict).
+  its slots are taken, a ``TimerSet`` (a dict of them inside), so that a hot key
+  with thousands of pending timers registers, deletes and fires each in O(1), as
+  Flink's heap timers do (a tuple, as it was, cost a copy of them all per call).
+  It is checkpointed as the list of its timestamps, as the tuple was.
 
 ``pe.state.read_keyed_state(checkpoint, uid, "_timer_state/event_timers")``
 lists the first slot (most keys have one timer). The synchronous part of a
@@ -32,7 +32,7 @@ which firing skips by checking the state (the state is the truth)."""
 from __future__ import annotations
 
 import heapq
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -40,6 +40,7 @@ import pyarrow as pa
 from ..errors import NonRetryableError, not_records
 from .columnar import ColumnarValueTable
 from .descriptors import ValueStateDescriptor
+from .serializers import stored_as_list
 
 __all__ = ["EVENT", "MAX_SLOTS", "PROCESSING", "SEVERAL", "InternalTimerService", "TimerQueue"]
 
@@ -47,7 +48,7 @@ SEVERAL = -(2**63)
 """Never a timer's timestamp (Flink's ``Long.MIN_VALUE``: before any watermark)."""
 
 MAX_SLOTS = 8
-"""Slot states per domain: a key's timers past this many go to the overflow dict."""
+"""Slot states per domain: a key's timers past this many go to the overflow (``TimerSet``)."""
 
 EVENT, PROCESSING = "event", "processing"
 
@@ -185,50 +186,54 @@ class TimerQueue:
         b = self._backend
         self._add_overflow(ts, b._key, b._key_index)
 
-    # -- the overflow: a key's timers past its slots, a dict per key -----------------------
+    # -- the overflow: a key's timers past its slots, a TimerSet per key --------------------
 
-    def _overflow(self, index: int, key: Any, change: bool) -> Optional[Dict[int, None]]:
-        """The key's overflow dict, or None; with ``change``, one that may be changed in
+    def _overflow(self, index: int, key: Any, change: bool) -> Optional[TimerSet]:
+        """The key's overflow, or None; with ``change``, one that may be changed in
         place (copied first while an unfinished snapshot holds it)."""
         table = self._tables[self._more_name]
         more = table.groups[index].get(key)
         if more is None:
             return None
-        if type(more) is not dict:  # a tuple (or, through msgpack, a list) from an older checkpoint
-            more = dict.fromkeys(more)
+        if type(more) is not TimerSet:  # a tuple or list, as a checkpoint restores it
+            more = TimerSet(more)
             table.store(index, key, more)
         elif change:
-            more = table.own(index, key, more)
+            if table.needs_private(index, key):
+                more = TimerSet(more)
+                table.store(index, key, more)
+            elif table.changes is not None:
+                table.changes[index].add(key)
         return more  # type: ignore[no-any-return]
 
     def _add_overflow(self, ts: int, key: Any, index: int) -> None:
         table = self._tables[self._more_name]
         more = table.groups[index].get(key)
         if more is None:
-            table.store(index, key, {ts: None})
-        elif ts in more:
+            table.store(index, key, TimerSet((ts,)))
+        elif ts in (more.times if more.__class__ is TimerSet else more):
             return
-        elif type(more) is dict and not table.needs_private(index, key):  # the common case, inline
-            more[ts] = None
+        elif more.__class__ is TimerSet and not table.needs_private(index, key):  # the common case, inline
+            more.times[ts] = None
             if table.changes is not None:
                 table.changes[index].add(key)
         else:
-            self._overflow(index, key, True)[ts] = None  # type: ignore[index]
+            self._overflow(index, key, True).times[ts] = None  # type: ignore[union-attr]
         self._index(ts, key, index)
 
     def _delete_overflow(self, ts: int, key: Any, index: int) -> bool:
         table = self._tables[self._more_name]
         more = table.groups[index].get(key)
-        if more is None or ts not in more:
+        if more is None or ts not in (more.times if more.__class__ is TimerSet else more):
             return False
         if len(more) == 1:
             table.delete(index, key)
-        elif type(more) is dict and not table.needs_private(index, key):  # the common case, inline
-            del more[ts]
+        elif more.__class__ is TimerSet and not table.needs_private(index, key):  # the common case, inline
+            del more.times[ts]
             if table.changes is not None:
                 table.changes[index].add(key)
         else:
-            del self._overflow(index, key, True)[ts]  # type: ignore[union-attr]
+            del self._overflow(index, key, True).times[ts]  # type: ignore[union-attr]
         return True
 
     def _check_overflow(self, ts: int) -> bool:
@@ -282,7 +287,7 @@ class TimerQueue:
         more = self._overflow(index, key, True)
         if not more:
             return
-        ts, _ = more.popitem()  # the newest: O(1), where the oldest would walk the dict's holes
+        ts, _ = more.times.popitem()  # the newest: O(1), where the oldest would walk the dict's holes
         self._put(self._slots[MAX_SLOTS - 1], index, key, ts)
         if not more:
             self._tables[self._more_name].delete(index, key)
@@ -412,6 +417,41 @@ class TimerQueue:
                     self._to_dicts()
                 for ts in times:
                     self._index(ts, key, index)
+
+
+@stored_as_list
+class TimerSet:
+    """A key's timers past its slot states: a set of timestamps in a dict (insertion
+    ordered, O(1) to add, find and remove), checkpointed as the list of them, as the
+    tuple it replaces was (so a checkpoint's overflow reads as ``list<int64>``, either
+    version). Changed in place only while no unfinished snapshot holds it."""
+
+    __slots__ = ("times",)
+
+    def __init__(self, times: Iterable[int] = ()) -> None:
+        self.times: Dict[int, None] = dict.fromkeys(times)
+
+    def __contains__(self, ts: object) -> bool:
+        return ts in self.times
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.times)
+
+    def __len__(self) -> int:
+        return len(self.times)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TimerSet):
+            return self.times.keys() == other.times.keys()
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # changed in place
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return (TimerSet, (list(self.times),))
+
+    def __repr__(self) -> str:
+        return f"TimerSet({list(self.times)!r})"
 
 
 class InvalidTimerError(NonRetryableError, ValueError):
