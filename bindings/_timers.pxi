@@ -3,7 +3,7 @@
 # The timers themselves are keyed state: "slots", typed int64 value states keyed by
 # the record key, per key group a ColumnarGroup. A key's timers fill slots 0..m-1
 # (one timestamp each, no holes: removing one moves the key's last into its place);
-# past the last slot they go to an overflow state that Python keeps (a dict per key,
+# past the last slot they go to an overflow state that Python keeps (a TimerSet per key,
 # so a hot key's thousands of pending timers cost O(1) each there too). TimerHeap is the
 # index over them for int keys: a binary min-heap of (timestamp, arrival) entries
 # with their key and key-group index, never snapshotted (rebuilt from the state on

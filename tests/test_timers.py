@@ -127,7 +127,7 @@ def test_timers_fill_typed_slots_then_the_overflow_and_keep_no_holes() -> None:
 @pytest.mark.parametrize("kind", ["heap", "incremental"])
 @pytest.mark.parametrize("keys", ["int", "str"])
 def test_a_hot_key_with_thousands_of_pending_timers_against_a_set_model(tmp_path: Any, kind: str, keys: str) -> None:
-    """One key with ~2,000 pending timers (its overflow, past the slots, is a dict), two
+    """One key with ~2,000 pending timers (its overflow, past the slots, is a TimerSet), two
     cold keys beside it: random registrations (duplicates among them), deletions and
     firings against a set per key; a snapshot taken midway and then changed under
     (registered, deleted, fired after it) restores what the model held at it."""
@@ -191,9 +191,7 @@ def test_an_overflow_from_an_older_checkpoint_a_tuple_is_read_and_changed() -> N
     """Checkpoints written before the overflow was a ``TimerSet`` hold a tuple (and
     ``TimerSet`` is written as a list): either is read and becomes a ``TimerSet`` at its
     first change."""
-    from pyengine.state.timers import TimerSet
-
-    from pyengine.state.timers import MAX_SLOTS
+    from pyengine.state.timers import MAX_SLOTS, TimerSet
 
     backend = create_keyed_backend("heap")
     service = InternalTimerService(backend, MIN_WATERMARK)
