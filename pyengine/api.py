@@ -773,6 +773,12 @@ def _call_of(step: _Step) -> str:
     return calls.get(name, name) + "()"
 
 
+# KeyedStream's methods that a stream must be keyed for (``DataStream.__getattr__``)
+_KEYED_ONLY = frozenset(
+    {"aggregate", "interval_join", "transform_with_state", "transform_with_state_in_pandas", "window"}
+)
+
+
 class DataStream:
     """A stream at one point of its job's graph: each transformation returns a new
     handle after it. A handle may be continued more than once (fan-out: each branch
@@ -783,6 +789,18 @@ class DataStream:
     def __init__(self, env: StreamEnvironment, node: _Step) -> None:
         self._env = env
         self._node = node
+
+    if not TYPE_CHECKING:  # at run time only: a type checker must still flag a misspelt name
+
+        def __getattr__(self, name: str) -> Any:
+            """A keyed stream's method called on a stream that is not keyed: says so
+            and how to key it, where Python would only say the attribute is missing."""
+            if name in _KEYED_ONLY:
+                raise AttributeError(
+                    f"{name}() is a keyed stream's: key the stream first, stream.key_by(key).{name}(...) "
+                    "(key: a field name or a function of the record)"
+                )
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def _steps(self) -> List[_Step]:

@@ -251,3 +251,12 @@ class _Counter(pe.KeyedProcessFunction):
     def process_element(self, value: Any, ctx: Any) -> Any:
         self.n.update(self.n.value() + 1)
         return ()
+
+
+@pytest.mark.parametrize("name", ["window", "aggregate", "interval_join", "transform_with_state"])
+def test_a_keyed_streams_method_on_a_stream_not_keyed_says_to_key_it(name: str) -> None:
+    stream = pe.StreamEnvironment().from_collection([{"k": 1}])
+    with pytest.raises(AttributeError, match=rf"{name}\(\) is a keyed stream's: .*key_by\(key\)\.{name}\("):
+        getattr(stream, name)
+    with pytest.raises(AttributeError, match="has no attribute 'windw'"):
+        stream.windw  # noqa: B018  # a misspelt name stays Python's error
