@@ -982,11 +982,34 @@ def _json_default(value: Any) -> Any:
 
 def _unviewed(values: List[Any]) -> Optional[List[Any]]:
     """``values`` with each ``ListState.view()`` (or another of the engine's read-only
-    sequences) as the list it shows, or None when there is none: pyarrow takes lists,
-    not other sequences. Asked only once a column failed, so rows cost nothing for it."""
-    if not any(type(v) in STORED_AS_LISTS for v in values):
+    sequences), at any depth, as the list it shows, or None when there is none: pyarrow
+    takes lists, not other sequences. Asked only once a column failed, so rows cost
+    nothing for it."""
+    if not any(_has_view(v) for v in values):
         return None
-    return [list(v) if type(v) in STORED_AS_LISTS else v for v in values]
+    return [_as_lists(v) for v in values]
+
+
+def _has_view(value: Any) -> bool:
+    t = type(value)
+    if t in STORED_AS_LISTS:
+        return True
+    if t is dict:
+        return any(_has_view(v) for v in value.values())
+    if t is list or t is tuple:
+        return any(_has_view(v) for v in value)
+    return False
+
+
+def _as_lists(value: Any) -> Any:
+    t = type(value)
+    if t in STORED_AS_LISTS or t is list:
+        return [_as_lists(v) for v in value]
+    if t is tuple:
+        return tuple(_as_lists(v) for v in value)
+    if t is dict:
+        return {k: _as_lists(v) for k, v in value.items()}
+    return value
 
 
 def _jsonl(records: Any) -> bytes:

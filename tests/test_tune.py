@@ -334,33 +334,38 @@ def test_the_first_job_benchmark_of_a_process_warms_up_untimed(monkeypatch) -> N
 
 
 @pytest.mark.parametrize(
-    ("defaults", "recommended", "said"),
+    ("defaults", "recommended", "said", "instead"),
     [
-        ((100, 98, 101), (140, 138, 141), "more than the"),
-        ((100, 80, 120), (110, 90, 105), "within this machine's noise"),
+        ((100, 98, 101), (140, 138, 141), "more than the", False),
+        ((100, 80, 120), (110, 90, 105), "within this machine's noise", False),
+        ((140, 139, 141), (100, 99, 101), "the defaults are the recommendation", True),
     ],
 )
-def test_the_recommendation_is_measured_again_against_the_defaults(defaults, recommended, said) -> None:
+def test_the_recommendation_is_measured_again_against_the_defaults(defaults, recommended, said, instead) -> None:
     """A new user's A/B of tune's recommendation against the defaults found no gain: the
     search had picked the best of single short runs, 7% apart, where one setting's runs
-    differed by 20-40%. More runs of both, alternately, say whether the gain is more
-    than that spread."""
+    differed by 20-40%. Runs of both, alternately, as many of each, say whether the gain
+    is more than that spread, within it, or the defaults are ahead (then they are the
+    recommendation)."""
     from pyengine.tune.search import _against_the_defaults
 
-    start, chosen = Setting(), Setting(buffer_size=4096)
+    start, chosen = Setting(), Setting(buffer_size=4096, interval_ms=2000)
     planned = {start: list(defaults), chosen: list(recommended)}
     order = []
+    lengths = {start: 2.0, chosen: 5.2}  # a long interval's runs are longer (Search.seconds)
 
     def run(setting, seconds, restore):
+        assert seconds == lengths[setting]
         order.append(setting)
         rate = planned[setting].pop()
         return Measurement(setting, int(rate * seconds), seconds, float(rate), status="CANCELED")
 
-    first = {s: [run(s, 1.0, False)] for s in (start, chosen)}
-    order.clear()
-    message = _against_the_defaults(run, "throughput", chosen, start, 1.0, first)
-    assert order == [start, chosen, start, chosen], "alternately"
-    assert said in message and "best of 3 and 3 runs" in message
+    message, ahead = _against_the_defaults(run, "throughput", chosen, start, lengths.__getitem__)
+    assert order == [start, chosen] * 3, "alternately"
+    assert said in message and "best of 3 runs each" in message
+    assert (ahead is not None) == instead
+    if instead:
+        assert ahead.setting == start and ahead.throughput == 141
 
 
 def test_a_recommended_interval_shorter_than_its_checkpoints_is_said_and_trials_stay_quiet() -> None:
@@ -380,8 +385,30 @@ def test_a_recommended_interval_shorter_than_its_checkpoints_is_said_and_trials_
     m.checkpoint_p50_ms = 3.0
     assert not any("back to back" in x for x in recommend([m], "throughput")[2])
 
-    def record(msg: str) -> logging.LogRecord:
-        return logging.LogRecord("pyengine.coordinator.coordinator", logging.WARNING, __file__, 1, msg, (), None)
+    def record(msg: str, job: str) -> logging.LogRecord:
+        return logging.LogRecord(
+            "pyengine.coordinator.coordinator", logging.WARNING, __file__, 1, msg, (job, 3, 2, 399.0), None
+        )
 
-    assert not _QuietBackToBack().filter(record(BACK_TO_BACK_WARNING))
-    assert _QuietBackToBack().filter(record("another warning"))
+    quiet = _QuietBackToBack("tune-build")
+    assert not quiet.filter(record(BACK_TO_BACK_WARNING, "tune-build"))
+    assert quiet.filter(record(BACK_TO_BACK_WARNING, "production"))  # another job of the process still hears it
+    assert quiet.filter(record("another warning %r %d %d %f", "tune-build"))
+
+
+def test_a_sink_made_outside_the_build_function_writes_where_it_says_after_trials(tmp_path) -> None:
+    """A trial redirects the job's FileSink into its own directory; a sink made outside
+    ``build`` is the job's own object, and a run after the trials wrote into the deleted
+    trial directory, reporting FINISHED (the review's reproducer)."""
+    out = tmp_path / "out"
+    sink = pe.sinks.FileSink(str(out), format="jsonl")
+
+    def build(env):
+        env.from_collection([{"k": i % 3} for i in range(100)]).key_by("k").aggregate(pe.agg.count()).sink_to(sink)
+
+    measure(build, Setting(interval_ms=100), measure_restore=True)
+    assert sink.path == str(out)
+    env = pe.StreamEnvironment(parallelism=1, monitoring=None)
+    build(env)
+    assert env.execute("after-tuning").status == "FINISHED"
+    assert any(p.name.endswith(".jsonl") for p in out.rglob("*"))

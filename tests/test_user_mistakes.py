@@ -172,16 +172,21 @@ def test_an_arrow_type_as_a_value_states_default_is_refused_with_the_way_out() -
         ValueStateDescriptor("n", pa.int64())
     with pytest.raises(TypeError, match=r"type=the type"):
         ValueStateDescriptor("t", pa.timestamp("ms"))
+    # named as code that exists: pa.float64() prints as "double", pa.bool_() as "bool"
+    with pytest.raises(TypeError, match=r"type=pa\.float64\(\)"):
+        ValueStateDescriptor("f", pa.float64())
+    with pytest.raises(TypeError, match=r"type=pa\.bool_\(\)"):
+        ValueStateDescriptor("b", pa.bool_())
     assert ValueStateDescriptor("n", type=pa.int64()).default is None
 
 
 def test_a_default_that_does_not_fit_the_declared_type_is_refused_at_get_state() -> None:
     import pyarrow as pa
 
-    from pyengine.state import ValueStateDescriptor, create_keyed_backend
+    from pyengine.state import StateDescriptorError, ValueStateDescriptor, create_keyed_backend
 
     backend = create_keyed_backend("heap")
-    with pytest.raises(TypeError, match=r"value state 'n' default: 'zero' is not a int64 value"):
+    with pytest.raises(StateDescriptorError, match=r"value state 'n' default: 'zero' is not a int64 value"):
         backend.get_state(ValueStateDescriptor("n", "zero", pa.int64()))
     backend.set_current_key(1)
     assert backend.get_state(ValueStateDescriptor("f", 0, pa.float64())).value() == 0  # an int is a float64 value
@@ -220,6 +225,71 @@ def test_a_list_state_view_emitted_downstream_is_written_to_parquet_as_the_list_
     assert sorted((r["k"], r["seen"]) for r in rows) == sorted(
         (k, [x for x in range(n + 1) if x % 2 == k]) for n, k in ((x, x % 2) for x in range(6))
     )
+
+
+def test_a_list_state_view_nested_in_a_record_is_written_to_parquet_as_lists(tmp_path: Any) -> None:
+    """The review: a view inside a struct field or a list was still refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pyengine.state import ListStateDescriptor
+
+    seen = ListStateDescriptor[int]("seen", pa.int64())
+
+    class Nested(pe.KeyedProcessFunction):
+        def open(self, ctx: Any) -> None:
+            self.seen = ctx.get_list_state(seen)
+
+        def process_element(self, value: Any, ctx: Any) -> Any:
+            self.seen.add(value["x"])
+            view = self.seen.view()
+            yield {"k": value["k"], "s": {"seen": view}, "twice": [view, view]}
+
+    env = pe.StreamEnvironment(parallelism=1)
+    out = tmp_path / "out"
+    env.from_collection([{"k": 0, "x": i} for i in range(3)]).key_by("k").process(Nested()).sink_to(
+        pe.sinks.FileSink(str(out), format="parquet")
+    )
+    assert env.execute("nested-views").status == "FINISHED"
+    rows = sorted(pq.read_table(str(out)).to_pylist(), key=lambda r: len(r["s"]["seen"]))
+    assert [r["s"]["seen"] for r in rows] == [[0], [0, 1], [0, 1, 2]]
+    assert rows[2]["twice"] == [[0, 1, 2], [0, 1, 2]]
+
+
+def test_a_pause_between_checkpoints_is_no_back_to_back(caplog: Any) -> None:
+    """The review: with ``min_pause_ms`` the warning said "each starts as the previous
+    one ends" and advised the setting already given."""
+    import logging
+
+    env = pe.StreamEnvironment(
+        parallelism=2, checkpointing=pe.CheckpointConfig(interval_ms=2, min_pause_ms=100), monitoring=None
+    )
+    env.from_generator(lambda i: {"k": i % 50_000, "v": i}, 400_000).key_by("k").process(_Counter()).sink_to(
+        pe.sinks.DiscardSink()
+    )
+    with caplog.at_level(logging.WARNING, logger="pyengine.coordinator.coordinator"):
+        result = env.execute("paused")
+    assert result.status == "FINISHED" and result.checkpoints.counts["completed"] >= 3
+    assert not [r for r in caplog.records if "checkpoints in a row" in r.getMessage()]
+
+
+def test_a_default_not_of_its_type_fails_the_job_at_once() -> None:
+    import pyarrow as pa
+
+    from pyengine.state import ValueStateDescriptor
+
+    class Wrong(pe.KeyedProcessFunction):
+        def open(self, ctx: Any) -> None:
+            self.n = ctx.get_state(ValueStateDescriptor("n", "zero", pa.int64()))
+
+        def process_element(self, value: Any, ctx: Any) -> Any:
+            return ()
+
+    env = pe.StreamEnvironment(parallelism=1, restart_attempts=3, monitoring=None)
+    env.from_collection([{"k": 1}]).key_by("k").process(Wrong()).sink_to(pe.sinks.DiscardSink())
+    result = env.execute_async("wrong-default").wait(60, raise_failure=False)
+    assert result.status == "FAILED" and result.restarts == 0
+    assert "'zero' is not a int64 value" in str(result.cause)
 
 
 def test_checkpoints_far_longer_than_their_interval_are_said_once(caplog: Any) -> None:

@@ -733,6 +733,8 @@ class CheckpointCoordinator:
         interval = self._current_interval()
         if interval is None or self._policy is not None or self._longer_than_interval < 0:
             return
+        if getattr(self.config, "min_pause_ms", 0) or getattr(self.config, "max_concurrent", 1) > 1:
+            return  # a pause between checkpoints, or overlapping ones: the user chose how they follow
         if duration_ms <= 2 * interval:
             self._longer_than_interval = 0
             return

@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Any, Callable, Generic, Optional, Protocol, Ty
 
 import pyarrow as pa
 
+from ..errors import NonRetryableError
 from .serializers import serializer_for
 
 __all__ = [
     "AggregateFunction",
+    "StateDescriptorError",
     "AggregatingStateDescriptor",
     "ListStateDescriptor",
     "MapStateDescriptor",
@@ -48,6 +50,12 @@ if TYPE_CHECKING:
     OUT = _TypeVar("OUT", default=Any)
 else:
     T, K, V, IN, OUT = (TypeVar(n) for n in ("T", "K", "V", "IN", "OUT"))
+
+
+class StateDescriptorError(NonRetryableError, TypeError):
+    """A state descriptor that cannot work as written (an Arrow type where the default
+    goes, a default that is not of the declared type): the same code fails the same way
+    after any restart, so a job fails at once."""
 
 
 class TtlUpdateType(enum.Enum):
@@ -116,6 +124,21 @@ def _check_type(what: str, value: Any) -> None:
 
 _TTL = Optional[Union[StateTtlConfig, timedelta, int, float]]
 
+# pyarrow's factories of types without parameters, to name a type as code (``pa.float64()``
+# prints as ``double``, which is no pyarrow function)
+_FACTORIES = (
+    "bool_", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
+    "float64", "string", "large_string", "binary", "large_binary", "date32", "date64", "null",
+)  # fmt: skip
+
+
+def _spelled(arrow_type: pa.DataType) -> str:
+    """How to write ``arrow_type`` in code, or "the type" for one with parameters."""
+    for name in _FACTORIES:
+        if getattr(pa, name)() == arrow_type:
+            return f"pa.{name}()"
+    return "the type"
+
 
 @dataclass(frozen=True)
 class StateDescriptor:
@@ -154,8 +177,8 @@ class ValueStateDescriptor(StateDescriptor, Generic[T]):
     def __post_init__(self) -> None:
         super().__post_init__()
         if isinstance(self.default, pa.DataType):  # PyFlink's habit: the type second
-            spelled = f"pa.{self.default}()" if str(self.default).isidentifier() else "the type"
-            raise TypeError(
+            spelled = _spelled(self.default)
+            raise StateDescriptorError(
                 f"ValueStateDescriptor {self.name!r}: the second argument is the default value (what a key "
                 f"without one reads), and {self.default} is an Arrow type; pass the type as type=: "
                 f"ValueStateDescriptor({self.name!r}, type={spelled}), or after a default: "

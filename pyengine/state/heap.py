@@ -59,6 +59,7 @@ from .descriptors import (
     MapStateDescriptor,
     ReducingStateDescriptor,
     StateDescriptor,
+    StateDescriptorError,
     StateTtlConfig,
     StateVisibility,
     T,
@@ -1493,7 +1494,10 @@ class HeapKeyedStateBackend:
         if default is not None:  # a key without a value reads it: it must fit the type as an update must
             check_default = _validator(getattr(descriptor, "type", None), f"value state {descriptor.name!r} default")
             if check_default is not None:
-                check_default(default)
+                try:
+                    check_default(default)
+                except TypeError as exc:
+                    raise StateDescriptorError(str(exc)) from None
         from .columnar import ColumnarValueState, ColumnarValueTable, columnar_dtype
 
         dtype = columnar_dtype(descriptor) if self._columnar else None

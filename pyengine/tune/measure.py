@@ -234,33 +234,46 @@ def _percentiles(values: np.ndarray, weights: Optional[np.ndarray] = None) -> Tu
     return percentile(50), percentile(99)
 
 
-def _instrument(env: Any, probe: _Probe, outputs: Optional[str] = None) -> None:
+def _instrument(env: Any, probe: _Probe, outputs: Optional[str] = None, undo: Optional[List[Any]] = None) -> None:
     for source in env._sources:
         probe.wrap_source(source)
     sinks = [s._sink for s in env._streams if s._sink is not None]
     if not sinks:
         raise ValueError("tune: the job has no sink; the build function must end its pipeline with .sink_to(...)")
     if outputs is not None:
-        _redirect_outputs(sinks, outputs)
+        _redirect_outputs(sinks, outputs, undo if undo is not None else [])
     for sink in sinks:
         probe.wrap_sink(sink)
 
 
-def _redirect_outputs(sinks: List[Any], directory: str) -> None:
+def _redirect_outputs(sinks: List[Any], directory: str, undo: List[Any]) -> None:
     """Points the job's file and Delta sinks at ``directory`` (the trial's own, deleted
     after it): a trial is a measurement, not a run of the job, so it must not leave
     output where the job's runs write. Each trial writes as the job would (same sink,
     format and commits), into a directory of its own, so no trial finds another's
     output (the second trial into the job's own directory refused it, a FileSink's
-    ``mode="error"``)."""
+    ``mode="error"``). What it changes goes into ``undo`` as (sink, attribute, value),
+    for ``measure`` to put back: a sink made outside the build function is the job's own
+    object, and must write where the job says once the trial is over."""
     from ..sinks import FileSink
 
     for i, sink in enumerate(sinks):
+        changes: Dict[str, Any]
         if isinstance(sink, FileSink):
-            sink.path = os.path.join(directory, f"sink-{i}")
+            changes = {"path": os.path.join(directory, f"sink-{i}")}
         elif type(sink).__name__ == "DeltaSink" and hasattr(sink, "table_uri"):
-            sink.table_uri = os.path.join(directory, f"sink-{i}")
-            sink.storage_options = None
+            changes = {"table_uri": os.path.join(directory, f"sink-{i}"), "storage_options": None}
+        else:
+            continue
+        for attribute, value in changes.items():
+            undo.append((sink, attribute, getattr(sink, attribute)))
+            setattr(sink, attribute, value)
+
+
+def _undo(undo: List[Any]) -> None:
+    for sink, attribute, value in reversed(undo):
+        setattr(sink, attribute, value)
+    undo.clear()
 
 
 def _environment(setting: Setting, parallelism: int, storage: Optional[str], checkpointing: bool) -> Any:
@@ -285,11 +298,12 @@ def _run(
     restore_from: Optional[str] = None,
     stop_at_output: bool = False,
     outputs: Optional[str] = None,
+    undo: Optional[List[Any]] = None,
 ) -> Tuple[Any, float, float]:
     """(result, wall time of the run, the moment it ended or was stopped); the job's
-    file sinks write under ``outputs`` (``_redirect_outputs``)."""
+    file sinks write under ``outputs`` (``_redirect_outputs``, recorded in ``undo``)."""
     build(env)
-    _instrument(env, probe, outputs)
+    _instrument(env, probe, outputs, undo)
     start = probe.started = time.time()
     if seconds is None and not stop_at_output:
         result = (
@@ -355,14 +369,15 @@ def measure(
     capacity). ``measure_restore``: restore the job from the run's latest checkpoint and
     time it (one more short run)."""
     root = tempfile.mkdtemp(prefix="pyengine-tune-")
-    quiet = _QuietBackToBack()
+    undo: List[Any] = []
+    quiet = _QuietBackToBack(name)
     coordinator_log = logging.getLogger("pyengine.coordinator.coordinator")
     coordinator_log.addFilter(quiet)
     try:
         storage = os.path.join(root, "ckpt")
         probe = _Probe(latency_field)
         env = _environment(setting, parallelism, storage, checkpointing)
-        result, _, ended = _run(build, env, probe, name, seconds, outputs=os.path.join(root, "output"))
+        result, _, ended = _run(build, env, probe, name, seconds, outputs=os.path.join(root, "output"), undo=undo)
         if result.status == "FAILED":
             raise RuntimeError(f"tune: the job failed at {setting.label}: {result.cause}") from result.cause
         records, elapsed, rate = probe.rate(seconds is not None and result.status != "FINISHED", ended)
@@ -397,34 +412,46 @@ def measure(
             if input_rate_per_s is not None and input_rate_per_s >= rate:
                 m.notes.append(f"input rate {input_rate_per_s:,.0f}/s is at or above the measured {rate:,.0f}/s")
         if measure_restore and result.latest_checkpoint:
-            m.restore_s = _restore(build, setting, parallelism, storage, name, result.latest_checkpoint)
+            _undo(undo)
+            m.restore_s = _restore(build, setting, parallelism, storage, name, result.latest_checkpoint, undo)
             m.restore_measured = not math.isnan(m.restore_s)
             if not m.restore_measured:
                 m.notes.append(NO_RECOVERY_NOTE)
         return m
     finally:
+        _undo(undo)
         coordinator_log.removeFilter(quiet)
         shutil.rmtree(root, ignore_errors=True)
 
 
 class _QuietBackToBack(logging.Filter):
-    """Leaves out the coordinator's warning that checkpoints run back to back: a trial
-    tries such intervals on purpose, and ``recommend`` says it of the recommendation."""
+    """Leaves out the coordinator's warning that checkpoints run back to back for the
+    trial's job (named ``job``): a trial tries such intervals on purpose, and
+    ``recommend`` says it of the recommendation. Other jobs of the process still get it."""
+
+    def __init__(self, job: str) -> None:
+        super().__init__()
+        self.job = job
 
     def filter(self, record: logging.LogRecord) -> bool:
         from ..coordinator.coordinator import BACK_TO_BACK_WARNING
 
-        return record.msg is not BACK_TO_BACK_WARNING
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg is BACK_TO_BACK_WARNING and args[:1] == (self.job,))
 
 
-def _restore(build: JobBuilder, setting: Setting, parallelism: int, storage: str, name: str, path: str) -> float:
+def _restore(
+    build: JobBuilder, setting: Setting, parallelism: int, storage: str, name: str, path: str, undo: List[Any]
+) -> float:
     """Seconds from starting the job restored from ``path`` to its first output (or
     first read, for a job whose output is sparse): what a restart costs before it
     makes progress."""
     probe = _Probe(None)
     env = _environment(setting, parallelism, storage, True)
     outputs = os.path.join(os.path.dirname(storage), "restored-output")
-    _result, _, _ = _run(build, env, probe, name, None, restore_from=path, stop_at_output=True, outputs=outputs)
+    _result, _, _ = _run(
+        build, env, probe, name, None, restore_from=path, stop_at_output=True, outputs=outputs, undo=undo
+    )
     first = probe.first_output if probe.first_output is not None else (probe.reads[0][0] if probe.reads else None)
     if first is None:
         return math.nan

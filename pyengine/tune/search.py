@@ -260,7 +260,7 @@ class _Search:
         return current
 
 
-CONFIRMING_RUNS = 2  # more runs each of the recommendation and the defaults, alternately
+CONFIRMING_RUNS = 3  # runs each of the recommendation and the defaults, alternately
 
 
 def _against_the_defaults(
@@ -268,41 +268,49 @@ def _against_the_defaults(
     goal: str,
     recommended: Setting,
     start: Setting,
-    seconds: float,
-    runs: Dict[Setting, List[Measurement]],
-) -> Optional[str]:
-    """The recommendation against the defaults (the search's start), on more runs of
-    each, alternately: whether its gain is more than this machine's noise, the spread of
-    each setting's own runs. A search picks the best of single short runs, which on a
-    shared machine can be a lucky one (a user measured the recommendation 7% ahead where
-    the same setting's runs differed by 20-40%)."""
+    seconds_of: Callable[[Setting], float],
+) -> Tuple[Optional[str], Optional[Measurement]]:
+    """The recommendation against the defaults (the search's start) on runs of their
+    own, alternately, as many of each: whether it is ahead by more than this machine's
+    noise (the spread of each setting's own runs), within it, or behind. A search picks
+    the best of single short runs, which on a shared machine can be a lucky one (a user
+    measured the recommendation 7% ahead where the same setting's runs differed by
+    20-40%). Returns what to say, and the defaults' best run when they came out ahead."""
+    runs: Dict[Setting, List[Measurement]] = {start: [], recommended: []}
     for _ in range(CONFIRMING_RUNS):
         for setting in (start, recommended):
-            runs.setdefault(setting, []).append(run(setting, seconds, False))
-    scores = {
-        s: [v for v in (_score(m, goal) for m in runs.get(s, [])) if math.isfinite(v)] for s in (start, recommended)
-    }
+            runs[setting].append(run(setting, seconds_of(setting), False))
+    scores = {s: [v for v in (_score(m, goal) for m in ms) if math.isfinite(v)] for s, ms in runs.items()}
     if any(len(v) < 2 for v in scores.values()):
-        return None
+        return None, None
     best = {s: max(v) for s, v in scores.items()}
-    spread = max((max(v) - min(v)) / abs(max(v)) for v in scores.values() if max(v))
+    spread = max([(max(v) - min(v)) / abs(max(v)) for v in scores.values() if max(v)] or [0.0])
     if goal == "throughput":
-        gain = best[recommended] / best[start] - 1 if best[start] > 0 else math.inf
+        if best[start] <= 0:
+            return None, None
+        gain = best[recommended] / best[start] - 1
         figures = f"{best[recommended]:,.0f} against {best[start]:,.0f} records/s"
     else:  # scores are -p99: lower latency is better
         gain = best[start] / best[recommended] - 1 if best[recommended] else 0.0
         figures = f"p99 {-best[recommended]:,.0f} against {-best[start]:,.0f} ms"
-    counts = f"best of {len(scores[recommended])} and {len(scores[start])} runs"
+    counts = f"best of {CONFIRMING_RUNS} runs each"
     if gain > spread:
         return (
             f"against the defaults ({start.label}): {figures}, {counts}, {gain:+.0%}, more than the "
             f"{spread:.0%} that runs of one setting differed by here"
-        )
+        ), None
+    if gain < -spread:
+        ahead = max(runs[start], key=lambda m: _score(m, goal))
+        return (
+            f"the defaults ({start.label}) came out ahead of the search's pick ({recommended.label}) on runs "
+            f"of their own: {figures}, {counts}, {gain:+.0%}, beyond the {spread:.0%} that runs of one setting "
+            "differed by here: the defaults are the recommendation"
+        ), ahead
     return (
         f"within this machine's noise: the recommendation against the defaults ({start.label}) measured "
         f"{figures}, {counts}, {gain:+.0%}, where runs of one setting differed by up to {spread:.0%}; "
         "the defaults are as good on this evidence (a longer --trial-s, on a quieter machine, resolves more)"
-    )
+    ), None
 
 
 def _start(space: Dict[str, Tuple[Any, ...]]) -> Setting:
@@ -311,7 +319,7 @@ def _start(space: Dict[str, Tuple[Any, ...]]) -> Setting:
     changes: Dict[str, Any] = {}
     for name, values in space.items():
         default = getattr(base, name)
-        if name == "buffer_size" and default is None:
+        if name == "buffer_size" and default is None and None not in values:
             default = 1024  # "auto" moves to the nearest size to its Python-record buffers
         if default not in values:
             numeric = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
@@ -405,12 +413,16 @@ def tune(
     best, honoured, messages = recommend(final, goal, max_latency_ms, max_recovery_s)
     start = _start(checked)
     if best.setting != start and all(honoured.values()):
-        by_setting: Dict[Setting, List[Measurement]] = {}
-        for m in final:  # the finalists' runs are as long as the confirming ones
-            by_setting.setdefault(m.setting, []).append(m)
-        message = _against_the_defaults(run, goal, best.setting, start, trial_s * 2, by_setting)
+        message, ahead = _against_the_defaults(
+            run, goal, best.setting, start, lambda setting: search.seconds(setting, trial_s * 2)
+        )
         if message is not None:
             messages.append(message)
+        if ahead is not None and max_latency_ms is None and max_recovery_s is None:
+            ahead.restore_s = _restore_estimate(ahead, search.base)
+            best = ahead
+        elif ahead is not None:
+            messages.append("the pick stays, as the defaults' runs were not measured against the constraints")
     result = TuneResult(
         goal,
         best.setting,
