@@ -269,7 +269,7 @@ class CheckpointCoordinator:
         self._restore_mark: Optional[Tuple[int, int]] = None  # (when a restore began, its state size)
         self._catching_up = False  # restored, and no checkpoint completed since
         self._first_checkpoint = True  # none completed since the scheduler (re)started
-        self._longer_than_interval = 0  # completed checkpoints in a row that took longer than the interval
+        self._longer_than_interval = 0  # completed checkpoints in a row over twice the interval (-1: said)
         self._rate_mark: Optional[Tuple[int, int]] = None  # (when, records read) at the last sample
         self._publish_interval()
 
