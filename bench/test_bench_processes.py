@@ -20,18 +20,24 @@ absolute times: these machines are shared and noisy. Run with ``-p no:randomly``
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import RESULTS, SUMMARY, best_seconds
+from conftest import RESULTS, SUMMARY, best_seconds, measured_again
 
 import pyengine as pe
 from pyengine.state import ValueStateDescriptor
 
 RECORDS = int(os.environ.get("PYENGINE_BENCH_RECORDS", 10_000_000))
-COUNTER_RECORDS = max(RECORDS // 10, 200_000)  # a Python call per record: a tenth is seconds per round
+# A Python call per record: seconds per round. Three tenths of RECORDS, not one: a job in
+# worker processes starts in ~0.17 s (forking, wiring, the last checkpoint), which at 1 M
+# records was a sixth of the round at parallelism 2 and measured the start-up as much as
+# the rate; a per-record job runs for minutes, so its rate is what it reaches once running.
+# The small job below measures the start-up on its own.
+COUNTER_RECORDS = max(RECORDS * 3 // 10, 200_000)
 AGG_RECORDS = max(RECORDS // 2, 500_000)
 SMALL_RECORDS = 1_000
 KEYS = 100_000
@@ -41,11 +47,12 @@ COUNT = ValueStateDescriptor("count", 0, pa.int64())
 TARGET_SPEEDUP = 1.7
 TARGET_RATE = 1e6
 # The process runner's speed-up is asserted at this guard when it misses the target. The
-# speed-up needs a free core per busy worker: on the 2-core machine shared with other jobs
-# (load average 6-13 while measured) processes at p=2 ran at 0.65-1.10x threads at p=1 in
-# four runs, at p=1 at 0.46-1.34x. The guard catches a collapse (a stall per buffer in the
-# sockets, a worker start-up gone slow), not the noise of a busy machine.
-GUARD_SPEEDUP = 0.4
+# speed-up needs a free core per busy worker, and these machines share theirs with other
+# work: with a worker per slot, pinned, and fewer records in flight (``processes``), p=2
+# ran at 1.3-2.0x threads at p=1 in a quiet spell and 1.1x in a busy one (with a worker per
+# subtask, before: 0.65-1.10x). The guard catches a collapse (a stall per buffer in the
+# sockets, records pickled within a worker again), not the noise of a busy machine.
+GUARD_SPEEDUP = 0.9
 
 
 class Count(pe.KeyedProcessFunction):
@@ -93,10 +100,16 @@ def _run(executor: str, parallelism: int, build: Callable[[Any], None], checkpoi
 
 
 def _row(
-    benchmark: Any, key: Any, executor: str, parallelism: int, build: Callable[[Any], None], records: int
+    benchmark: Any,
+    key: Any,
+    executor: str,
+    parallelism: int,
+    build: Callable[[Any], None],
+    records: int,
+    rounds: int = ROUNDS,
 ) -> float:
     benchmark.group = key[0]
-    benchmark.pedantic(_run, args=(executor, parallelism, build), rounds=ROUNDS, iterations=1)
+    benchmark.pedantic(_run, args=(executor, parallelism, build), rounds=rounds, iterations=1)
     seconds = best_seconds(benchmark)
     RESULTS[key] = seconds
     rate = records / seconds
@@ -107,13 +120,23 @@ def _row(
 COUNTER_ROWS = [("threads", 1), ("threads", 2), ("processes", 1), ("processes", 2)]
 
 
+def _counter(env: Any) -> None:
+    stream = env.from_generator(clicks_of, COUNTER_RECORDS)
+    stream.key_by(0).process(Count()).uid("count").sink_to(pe.sinks.DiscardSink())
+
+
 @pytest.mark.parametrize(("executor", "parallelism"), COUNTER_ROWS, ids=[f"{e}-p{p}" for e, p in COUNTER_ROWS])
 def test_per_record_counter(benchmark, executor: str, parallelism: int) -> None:
-    def build(env: Any) -> None:
-        stream = env.from_generator(clicks_of, COUNTER_RECORDS)
-        stream.key_by(0).process(Count()).uid("count").sink_to(pe.sinks.DiscardSink())
-
-    rate = _row(benchmark, ("executors-counter", executor, parallelism), executor, parallelism, build, COUNTER_RECORDS)
+    compared = (executor, parallelism) in (("threads", 1), ("processes", 2))  # the rest: 2 rounds, for the record
+    rate = _row(
+        benchmark,
+        ("executors-counter", executor, parallelism),
+        executor,
+        parallelism,
+        _counter,
+        COUNTER_RECORDS,
+        ROUNDS if compared else 2,
+    )
     SUMMARY.append(
         f"per-record counter, {COUNTER_RECORDS:,} Python records, {executor} p={parallelism}: {rate / 1e6:.3f} M/s"
     )
@@ -127,6 +150,20 @@ def test_per_record_counter(benchmark, executor: str, parallelism: int) -> None:
         return
     met = ratio >= TARGET_SPEEDUP
     asserted = TARGET_SPEEDUP if met else GUARD_SPEEDUP
+
+    def again() -> float:  # both once more, alternately: a slow spell of the machine, or not
+        for ex, p in (("threads", 1), ("processes", 2)):
+            began = time.perf_counter()
+            _run(ex, p, _counter)
+            key = ("executors-counter", ex, p)
+            RESULTS[key] = min(RESULTS[key], time.perf_counter() - began)
+        return RESULTS[("executors-counter", "threads", 1)] / RESULTS[("executors-counter", "processes", 2)]
+
+    ratio, retried = measured_again(ratio, asserted, again)
+    rate = COUNTER_RECORDS / RESULTS[("executors-counter", "processes", 2)]
+    met = ratio >= TARGET_SPEEDUP
+    if retried:
+        SUMMARY.append(f"  measured again {retried}x (both variants, alternately): {ratio:.2f}x")
     SUMMARY.append(
         f"  target >= {TARGET_SPEEDUP}x and >= {TARGET_RATE / 1e6:.0f} M/s: speed-up {'met' if met else 'NOT MET'}, "
         f"rate {'met' if rate >= TARGET_RATE else 'NOT MET'} (asserted: >= {asserted}x)"
@@ -173,5 +210,5 @@ def test_small_job_start_up(benchmark, executor: str) -> None:
         benchmark.extra_info["start_up_s"] = extra
         SUMMARY.append(
             f"small job ({SMALL_RECORDS:,} records, p=2, two vertices): {threads:.2f} s on threads, "
-            f"{best_seconds(benchmark):.2f} s in processes (start-up of 4 workers: +{extra:.2f} s)"
+            f"{best_seconds(benchmark):.2f} s in processes (start-up of 2 workers: +{extra:.2f} s)"
         )

@@ -83,6 +83,7 @@ EXECUTORS = ("threads", "processes")
 
 
 DEFAULT_BUFFER_SIZE = 1024  # records per buffer of Python records
+DEFAULT_CHANNEL_CAPACITY = 8  # buffers per channel (threads; worker processes choose their own)
 BATCH_BYTES = 256 * 1024  # the slice of a columnar source, when buffer_size is left to choose
 
 
@@ -323,7 +324,7 @@ class StreamEnvironment:
         buffer_timeout_ms: int = 100,
         restart_attempts: int = 3,
         restart_delay_ms: int = 0,
-        channel_capacity: int = 8,
+        channel_capacity: Optional[int] = None,
         auto_watermark_interval_ms: int = 200,
         monitoring: Optional[Monitoring] = Monitoring(),  # noqa: B008 - frozen, so one default serves all
         executor: str = "threads",
@@ -356,7 +357,8 @@ class StreamEnvironment:
         _positive_int("buffer_timeout_ms", buffer_timeout_ms, 0)
         _positive_int("restart_attempts", restart_attempts, 0)
         _positive_int("restart_delay_ms", restart_delay_ms, 0)
-        _positive_int("channel_capacity", channel_capacity)
+        if channel_capacity is not None:
+            _positive_int("channel_capacity", channel_capacity)
         _positive_int("buffer_debloat_target_ms", buffer_debloat_target_ms)
         _positive_int("auto_watermark_interval_ms", auto_watermark_interval_ms)
         if monitoring is not None and not isinstance(monitoring, Monitoring):
@@ -376,7 +378,10 @@ class StreamEnvironment:
         self.buffer_timeout_ms = buffer_timeout_ms
         self.restart_attempts = restart_attempts
         self.restart_delay_ms = restart_delay_ms
-        self.channel_capacity = channel_capacity
+        # channel_capacity=None chooses per executor: 8 buffers on threads; worker processes
+        # keep fewer records in flight (pyengine.runners.processes.worker_environment).
+        self.channel_capacity = DEFAULT_CHANNEL_CAPACITY if channel_capacity is None else channel_capacity
+        self.capacity_chosen = channel_capacity is None  # left to the engine, as buffer_size=None
         self.auto_watermark_interval_ms = auto_watermark_interval_ms  # how often watermarks are generated
         self.monitoring = monitoring
         self.executor = executor

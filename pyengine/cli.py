@@ -177,15 +177,15 @@ def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if given is not None:
             try:
                 space[setting] = tuple(
-                    (None if setting == "buffer_size" else "auto")
-                    if setting in ("buffer_size", "interval_ms") and v.strip() == "auto"
+                    (None if setting in ("buffer_size", "channel_capacity") else "auto")
+                    if setting in ("buffer_size", "channel_capacity", "interval_ms") and v.strip() == "auto"
                     else int(v)
                     for v in given.split(",")
                     if v.strip()
                 )
             except ValueError:
                 parser.error(
-                    f"--{option.replace('_', '-')} takes integers (or auto, for sizes and intervals) "
+                    f"--{option.replace('_', '-')} takes integers (or auto, for sizes, capacities and intervals) "
                     f"separated by commas, got {given!r}"
                 )
     if args.aligned_only:

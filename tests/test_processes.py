@@ -425,3 +425,126 @@ def test_a_worker_traceback_names_the_scripts_file_and_shows_its_line(tmp_path) 
     assert f'File "{script}", line 7, in check' in done.stdout, done.stdout
     assert "# the line the traceback must show" in done.stdout
     assert "<dynamic-code>" not in done.stdout
+
+
+# -- a worker per slot ------------------------------------------------------------------------
+
+
+class Tallied:
+    """A record that adds a line to a file named after each process that unpickles it."""
+
+    def __init__(self, key: int, where: str) -> None:
+        self.key, self.where = key, where
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        with open(os.path.join(self.where, str(os.getpid())), "a") as out:
+            out.write("x\n")
+
+
+class KeyOf(pe.KeyedProcessFunction):
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        yield (value.key, os.getpid())
+
+
+def test_a_worker_runs_its_slot_and_pickles_only_what_crosses_slots(tmp_path) -> None:
+    """Parallelism 2, three vertices (source, keyed function, sink): two worker
+    processes, worker s running subtask s of each. The collection is read by the
+    source's subtask 0, so its records are unpickled once, in worker 0 (the payload);
+    of those, exactly the ones whose key belongs to subtask 1 are pickled again, to
+    worker 1. With a worker per subtask every record crossed a process (three
+    processes unpickled them, the keyed ones all N between them)."""
+    from pyengine.state.keygroups import assign_to_key_group
+
+    where = tmp_path / "unpickled"
+    where.mkdir()
+    e = env("processes", checkpointing=None)
+    sink = pe.sinks.CollectSink()
+    records = [Tallied(i % 50, str(where)) for i in range(600)]
+    e.from_collection(records).key_by(lambda r: r.key).process(KeyOf()).sink_to(sink)
+    result = e.execute("slots")
+    assert result.status == "FINISHED"
+    to_second = sum(1 for r in records if assign_to_key_group(r.key, 128) * 2 // 128 == 1)
+    assert 0 < to_second < len(records)
+    counts = sorted(len((where / name).read_text().splitlines()) for name in os.listdir(where))
+    assert counts == sorted([len(records), to_second]), counts
+    assert len({pid for _, pid in sink.records}) == 2  # the keyed subtasks: one in each worker
+    assert sorted(k for k, _ in sink.records) == sorted(r.key for r in records)
+
+
+def test_workers_are_pinned_when_they_fill_the_cores(monkeypatch) -> None:
+    from pyengine.runners import processes
+
+    monkeypatch.setattr(processes.os, "sched_getaffinity", lambda _: {3, 5}, raising=False)
+    assert processes._cores_for(2) == [3, 5]
+    assert processes._cores_for(3) == [3, 5, 3]  # round the cores
+    assert processes._cores_for(1) == [None]  # fewer workers than cores: other jobs may use the first
+
+    def unsupported(_: int) -> Any:
+        raise OSError("no affinity here")
+
+    monkeypatch.setattr(processes.os, "sched_getaffinity", unsupported, raising=False)
+    assert processes._cores_for(2) == [None, None]
+
+
+class Affinity(pe.KeyedProcessFunction):
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        yield (os.getpid(), tuple(sorted(os.sched_getaffinity(0))))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux's")
+@pytest.mark.parametrize("pin", [True, False])
+def test_a_pinned_worker_runs_all_its_threads_on_its_core(monkeypatch, pin: bool) -> None:
+    """The driver picks the cores (here: both workers on the first core this process may
+    use, whatever the machine); each worker pins itself before its threads start, so its
+    tasks' threads inherit the core. ``pin_workers=False`` leaves them anywhere."""
+    from pyengine.runners import processes
+
+    first = min(os.sched_getaffinity(0))
+    monkeypatch.setattr(processes, "_cores_for", lambda count: [first] * count)
+    e = env("processes", checkpointing=None)
+    sink = pe.sinks.CollectSink()
+    e.from_collection(list(range(200))).key_by(lambda x: x % 7).process(Affinity()).sink_to(sink)
+    result = e.execute("pinned", runner=processes.ProcessRunner(pin_workers=pin))
+    assert result.status == "FINISHED"
+    seen = set(sink.records)
+    assert len({pid for pid, _ in seen}) == 2
+    expected = (first,) if pin else tuple(sorted(os.sched_getaffinity(0)))
+    assert {cores for _, cores in seen} == {expected}
+
+
+def test_the_workers_own_defaults_only_where_the_job_left_them_to_the_engine() -> None:
+    from pyengine.runners.processes import WORKER_BUFFER_SIZE, WORKER_CHANNEL_CAPACITY, worker_environment
+
+    chosen = pe.StreamEnvironment(executor="processes")
+    assert (chosen.buffer_size, chosen.channel_capacity) == (1024, 8)  # the threads' defaults, on the driver
+    shipped = worker_environment(chosen)
+    assert (shipped.buffer_size, shipped.channel_capacity) == (WORKER_BUFFER_SIZE, WORKER_CHANNEL_CAPACITY)
+    assert (chosen.buffer_size, chosen.channel_capacity) == (1024, 8)  # a copy went to the workers
+    given = pe.StreamEnvironment(executor="processes", buffer_size=2048, channel_capacity=16)
+    assert worker_environment(given) is given
+    half = worker_environment(pe.StreamEnvironment(executor="processes", channel_capacity=16))
+    assert (half.buffer_size, half.channel_capacity) == (WORKER_BUFFER_SIZE, 16)
+    with pytest.raises(ValueError, match="channel_capacity"):
+        pe.StreamEnvironment(channel_capacity=0)
+
+
+def test_a_socket_channel_pickles_a_buffer_when_pushed_and_gives_back_records_when_overtaken() -> None:
+    """Buffers wait in a socket channel's queue pickled (their records die at once); an
+    unaligned barrier that overtakes them gets them back as the records they were, for
+    the checkpoint, while events stay as they are."""
+    from pyengine.runners.processes import SocketChannel, _Pickled
+
+    channel = SocketChannel.__new__(SocketChannel)  # the queue's side only: no socket, no sender thread
+    channel.capacity, channel.error, channel._closed, channel._sending = 2, None, False, 0
+    channel._queue, channel._cond = __import__("collections").deque(), threading.Condition()
+    first, second = [{"k": 1}, {"k": 2}], [("a", 3)]
+    assert channel.push(0, first) and channel.put(0, second, timeout=1)
+    first.append({"k": 99})  # changed after it was emitted: what was sent stays as it was
+    assert [type(item) for item in channel._queue] == [_Pickled, _Pickled]
+    assert not channel.push(0, [{"k": 3}])  # full: backpressure, nothing pickled
+    assert len(channel._queue) == 2
+    barrier = object()
+    overtaken = channel.push_overtaking(barrier)
+    assert overtaken == [[{"k": 1}, {"k": 2}], [("a", 3)]]
+    assert channel._queue[0] is barrier

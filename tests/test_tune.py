@@ -412,3 +412,20 @@ def test_a_sink_made_outside_the_build_function_writes_where_it_says_after_trial
     build(env)
     assert env.execute("after-tuning").status == "FINISHED"
     assert any(p.name.endswith(".jsonl") for p in out.rglob("*"))
+
+
+def test_auto_settings_start_the_search_inside_its_space() -> None:
+    """``buffer_size`` and ``channel_capacity`` default to None (the engine chooses, per
+    stream and per executor). A space without None starts from the value nearest to
+    what auto means on threads, that value itself when the space has it (before, a
+    space holding 1,024 kept buffer_size at None, outside the space)."""
+    from pyengine.tune.search import _start
+
+    start = _start({"buffer_size": (256, 1024, 4096), "channel_capacity": (2, 8, 32)})
+    assert (start.buffer_size, start.channel_capacity) == (1024, 8)
+    start = _start({"buffer_size": (256, 4096), "channel_capacity": (2, 4)})
+    assert (start.buffer_size, start.channel_capacity) == (256, 4)
+    start = _start({"buffer_size": (None, 256), "channel_capacity": (None, 2)})
+    assert (start.buffer_size, start.channel_capacity) == (None, None)
+    assert "cap=auto" in Setting().label and "channel_capacity" not in Setting().snippet()
+    assert "channel_capacity=2," in Setting(channel_capacity=2).snippet()

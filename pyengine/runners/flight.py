@@ -646,6 +646,8 @@ class RemoteChannel:
     reach a ``grpc+tls://`` location. Arrow batches over ``split_batch_bytes`` are sent
     as row slices, so they stay under the receiver's bound."""
 
+    _DATA_ITEMS: Tuple[type, ...] = (list, pa.RecordBatch)  # queued items that are data (overtaken, persisted)
+
     def __init__(
         self,
         location: str,
@@ -727,7 +729,7 @@ class RemoteChannel:
         """Puts ``barrier`` ahead of the queued data; returns the data it overtook."""
         with self._cond:
             self._check()
-            overtaken = [item for item in self._queue if isinstance(item, (list, pa.RecordBatch))]
+            overtaken = [item for item in self._queue if isinstance(item, self._DATA_ITEMS)]
             self._queue.appendleft(barrier)
             self._cond.notify_all()
             return overtaken

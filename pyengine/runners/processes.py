@@ -2,9 +2,19 @@
 
 The embedded runner runs every subtask as a thread of one interpreter, so per-record
 Python work (a ``KeyedProcessFunction``, ``map`` over Python records) never uses more
-than one core: the GIL lets one thread run Python at a time. This runner starts one
-worker process per subtask instead, as Bytewax and Spark do, and is selected with
+than one core: the GIL lets one thread run Python at a time. This runner starts a
+worker process per parallel slot instead, as Bytewax and Spark do, and is selected with
 ``StreamEnvironment(executor="processes")`` or ``execute(runner="processes")``.
+
+Slots are Flink's slot sharing: worker ``s`` runs subtask ``s`` of every vertex, each a
+thread, so a job at parallelism p is p processes whatever its number of vertices. What
+goes from a subtask to one in the same worker (a forward edge; the share of a hash
+exchange that stays in its slot) is handed to the downstream gate as the threads
+runner hands it, never pickled; only what crosses slots goes over a socket. Measured
+on the per-record counter (a source and a keyed function, 4 M records, this 2-core
+machine): with a process per subtask, every record was pickled once and four processes
+shared two cores, and parallelism 2 ran at 1.1x parallelism 1; see ``bench/test_bench_processes.py``
+for the figures with slots.
 
 It is the Spark runner without Spark: the same task body (``spark._run_subtask``:
 a ``StreamTask`` serving its input gate to its upstream subtasks, here on a Unix socket
@@ -36,6 +46,7 @@ JSON, and checkpoint files never hold pickles."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import gc
 import io
@@ -94,6 +105,13 @@ _PRELOAD = [
     "pyarrow.parquet",
 ]
 START_METHODS = ("forkserver", "spawn")
+# A worker collects its youngest generation every this many container allocations
+# (CPython's default is 700). Records that cross a socket are unpickled into new tuples
+# and lists, so at parallelism 2 a worker allocated about half as many containers again
+# as at parallelism 1, and each collection walks the buffers in flight: on the per-record
+# counter the collector took ~0.25 us a record, most of it gone at 20,000. What is
+# garbage only through a cycle lives a little longer; nothing else changes.
+WORKER_GC_THRESHOLD = 20_000
 KILL_WAIT_S = 10.0
 
 
@@ -291,6 +309,16 @@ _DATA, _EVENT = b"D", b"E"
 SOCKET_QUEUE_FACTOR = 4
 
 
+class _Pickled:
+    """A buffer of records in a ``SocketChannel``'s queue, pickled already (the message
+    it is sent as: ``_DATA`` and the pickle)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, records: bytes) -> None:
+        self.data = _DATA + records
+
+
 class SocketChannel(RemoteChannel):
     """One output channel to a downstream worker's ``SocketChannelServer``: the Flight
     channel's queue, backpressure and unaligned overtaking (``RemoteChannel``), with each
@@ -301,6 +329,8 @@ class SocketChannel(RemoteChannel):
     challenge both ways), and the token reached only the workers this process forked,
     over their pipes; that is ``multiprocessing``'s own trust for what it unpickles. The
     Spark runner, whose channels cross machines, never pickles."""
+
+    _DATA_ITEMS = (list, pa.RecordBatch, _Pickled)
 
     def __init__(self, location: str, channel: int, token: str, capacity: int = 8, **_: Any) -> None:
         from multiprocessing.connection import Client
@@ -322,8 +352,50 @@ class SocketChannel(RemoteChannel):
         self._thread = threading.Thread(target=self._send_loop, name=f"socket-out-{channel}", daemon=True)
         self._thread.start()
 
+    # A buffer of Python records is pickled as it is pushed, by the task that made it,
+    # not later by the sender thread: its records are still in the core's cache then,
+    # and die at once instead of waiting in the queue as objects (on the per-record
+    # counter, a full queue of object buffers was ~4 MB of tuples, twice the core's L2
+    # cache, and every record was read back from memory when it was finally sent). It
+    # also sends what the record was when emitted, as a local channel's consumer sees
+    # it. Only the task's thread pushes to a channel, so the room seen before pickling
+    # is still there after.
+
+    def push(self, channel: int, item: Any) -> bool:
+        if type(item) is not list:
+            return super().push(channel, item)
+        with self._cond:
+            self._check()
+            if len(self._queue) >= self.capacity:
+                return False
+        return self._append(item)
+
+    def put(self, channel: int, item: Any, timeout: Optional[float] = None) -> bool:
+        if type(item) is not list:
+            return super().put(channel, item, timeout)
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self._queue) < self.capacity or self.error is not None, timeout):
+                return False
+            self._check()
+        return self._append(item)
+
+    def _append(self, records: List[Any]) -> bool:
+        pickled = _Pickled(pickle.dumps(records, protocol=pickle.HIGHEST_PROTOCOL))
+        with self._cond:
+            self._check()
+            self._queue.append(pickled)
+            self._cond.notify_all()
+        return True
+
+    def push_overtaking(self, barrier: Any) -> List[Any]:
+        # what the barrier overtook goes into the checkpoint as records
+        overtaken = super().push_overtaking(barrier)
+        return [pickle.loads(memoryview(item.data)[1:]) if type(item) is _Pickled else item for item in overtaken]
+
     def _send(self, item: Any) -> None:
-        if type(item) is list or type(item) is pa.RecordBatch:
+        if type(item) is _Pickled:
+            self._conn.send_bytes(item.data)
+        elif type(item) is list or type(item) is pa.RecordBatch:
             self._conn.send_bytes(_DATA + pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL))
         else:
             self._conn.send_bytes(_EVENT + encode_event(item))
@@ -334,6 +406,48 @@ class SocketChannel(RemoteChannel):
             self._cond.notify_all()
         self._thread.join(timeout=10)
         self._conn.close()
+
+
+class _SlotChannel:
+    """A channel to a subtask of the same worker (its slot): the downstream gate
+    itself, as the threads runner wires it. ``Output`` pushes buffers and events
+    straight into it, no copy, no pickle, no sender thread; with no ``push_overtaking``
+    an unaligned barrier takes the gate's own event room, as on threads. ``flush`` and
+    ``close`` have nothing to do: nothing waits in between."""
+
+    __slots__ = ("capacity", "channel", "error", "gate", "location", "push", "put", "queued")
+
+    def __init__(self, gate: Any, location: str, channel: int) -> None:
+        self.gate = gate
+        self.location = location
+        self.channel = channel
+        self.capacity = gate.capacity
+        self.error: Optional[BaseException] = None
+        # bound once: Output calls these per buffer
+        self.push = gate.push
+        self.put = gate.put
+        self.queued = gate.queued
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+# The gates this worker serves, by location: a channel to one of them is a _SlotChannel.
+_SLOT_GATES: Dict[str, Any] = {}
+_SLOT_LOCK = threading.Lock()
+
+
+def open_channel(location: str, channel: int, token: str, capacity: int = 8, **options: Any) -> Any:
+    """The channel to ``location``: the gate itself when this process serves it (a
+    subtask of the same slot), else a ``SocketChannel`` to the worker that does."""
+    with _SLOT_LOCK:
+        gate = _SLOT_GATES.get(location)
+    if gate is not None:
+        return _SlotChannel(gate, location, channel)
+    return SocketChannel(location, channel, token, capacity, **options)
 
 
 def _address(location: str) -> str:
@@ -398,6 +512,8 @@ class SocketChannelServer:
 
     def shutdown(self) -> None:
         self.closed.set()
+        with _SLOT_LOCK:
+            _SLOT_GATES.pop(self.location, None)
         try:
             self._listener.close()
         except OSError:
@@ -414,19 +530,25 @@ class SocketChannelServer:
 def serve_sockets(gate: Any, token: str, host: str = "127.0.0.1", **_: Any) -> Tuple[SocketChannelServer, Any]:
     """``flight.serve``'s counterpart for the process runner's workers (this machine only)."""
     server = SocketChannelServer(gate, token)
+    with _SLOT_LOCK:
+        _SLOT_GATES[server.location] = gate
     return server, server._thread
 
 
 # -- a worker -------------------------------------------------------------------------------
 
 
-def _worker_main(payload: Tuple[bytes, bytes, bytes], index: int, conn: Connection, where: Dict[str, Any]) -> None:
-    """A worker process: subtask ``index`` of the job in ``payload`` (the job, the
-    attempt, and the records of its collection sources if this subtask reads them,
-    else ``b""``). The driver's
-    working directory, ``sys.path`` and environment first (a fork server's are those of
-    when it started), then the job; the end goes to the driver as ``("done", ...)`` or
-    ``("error", description)`` before the process exits."""
+def _worker_main(
+    payload: Tuple[bytes, bytes, bytes], indexes: List[int], conn: Connection, where: Dict[str, Any]
+) -> None:
+    """A worker process: the subtasks ``indexes`` of the job in ``payload`` (a slot:
+    subtask s of every vertex), a thread each; ``payload`` is the job, the attempt, and
+    the records of its collection sources if one of them reads them, else ``b""``. The
+    driver's working directory, ``sys.path`` and environment first (a fork server's are
+    those of when it started), then the job; the end goes to the driver as
+    ``("done", ...)`` once every subtask finished, or ``("error", description, index)``
+    as soon as one failed, before the process exits (its other subtasks with it: the
+    driver fails the attempt either way)."""
     try:
         os.chdir(where["cwd"])
     except OSError:
@@ -448,22 +570,42 @@ def _worker_main(payload: Tuple[bytes, bytes, bytes], index: int, conn: Connecti
         # collector's sight, a collection of the oldest generation does not walk it again
         # (nor touch, and so copy, the fork server's pages).
         gc.freeze()
+        # Fewer collections of the youngest generation: see WORKER_GC_THRESHOLD.
+        threshold, older, oldest = gc.get_threshold()
+        gc.set_threshold(max(threshold, WORKER_GC_THRESHOLD), older, oldest)
+        if where.get("cpu") is not None:  # before any thread starts: they all inherit it
+            os.sched_setaffinity(0, {where["cpu"]})
     except BaseException as exc:
         link.post(("load-error", f"{type(exc).__name__}: {exc}"))
         conn.close()
         os._exit(3)
     from .spark import _run_subtask
 
-    try:
-        lines = list(_run_subtask(spec, index))
-    except BaseException as exc:
+    lines: Dict[int, List[str]] = {}
+    failed = threading.Event()
+
+    def run(index: int) -> None:
         try:
-            link.post(("error", _describe_failure(exc.__cause__ if exc.__cause__ is not None else exc)))
-        except Exception:  # the driver is gone
-            pass
-        conn.close()
-        os._exit(1)
-    link.post(("done", lines, time.process_time()))
+            lines[index] = list(_run_subtask(spec, index))
+        except BaseException as exc:
+            if failed.is_set():
+                return  # a later failure: the first one is what the driver hears
+            failed.set()
+            try:
+                link.post(("error", _describe_failure(exc.__cause__ if exc.__cause__ is not None else exc), index))
+            except Exception:  # the driver is gone
+                pass
+            conn.close()
+            os._exit(1)
+
+    threads = [
+        threading.Thread(target=run, args=(index,), name=f"pyengine-subtask-{index}", daemon=True) for index in indexes
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    link.post(("done", [line for index in indexes for line in lines[index]], time.process_time()))
     conn.close()
 
 
@@ -471,13 +613,13 @@ def _worker_main(payload: Tuple[bytes, bytes, bytes], index: int, conn: Connecti
 
 
 class WorkerFailed(RuntimeError):
-    """A worker process ended without finishing its subtask."""
+    """A worker process ended without finishing its subtasks."""
 
     def __init__(
         self, message: str, *, index: int = -1, crashed: bool = False, load_error: bool = False, described: bool = False
     ) -> None:
         super().__init__(message)
-        self.index = index  # the subtask's index in the stage (-1: none in particular)
+        self.index = index  # the failed subtask's index in the job (-1: none in particular)
         self.described = described  # the message is ``_describe_failure``'s text
         self.crashed = crashed  # died without a word: killed, out of memory, os._exit
         self.load_error = load_error  # could not unpickle the job: no restart helps
@@ -497,7 +639,7 @@ def _exit_reason(code: Optional[int]) -> str:
 class _Payload:
     """What an attempt's workers are sent: the job and the attempt, pickled, and the
     records of the job's collection sources, pickled apart and sent only to the
-    workers that read them (``readers``: each collection source's subtask 0)."""
+    workers that read them (``readers``: the slots of the sources' subtask 0)."""
 
     job: bytes
     attempt: bytes
@@ -509,16 +651,54 @@ class _Payload:
         return self.job, self.attempt, self.collections if index in self.readers else b""
 
 
-class _Stage:
-    """One attempt's worker processes: started, served (their sinks' calls, their
-    ends) and, on ``cancel``, killed."""
+def _cores_for(count: int) -> List[Optional[int]]:
+    """The core each of ``count`` workers is pinned to, or None for each to leave them to
+    the kernel: pinned when the workers are at least as many as the cores this process
+    may use (worker w on the w-th core, round the cores), else not (nor where the
+    platform cannot pin).
 
-    def __init__(self, context: Any, count: int, payload: _Payload, proxied: List[Sink], names: List[str]) -> None:
+    Why pin: a worker runs its slot's subtasks as threads under one GIL, so it never
+    uses more than one core at a time, but unpinned the kernel moves its threads between
+    cores, and every record a task hands to the next (source to keyed function) is then
+    read from the other core's cache. Measured on the per-record counter at parallelism
+    2 (two workers, two cores): ~1,100 migrations a run instead of ~300 at parallelism 1,
+    and the same Python work (the modulo of the source's function) sampled 2.6 times as
+    often; pinned, the job ran up to ~40% faster. Why only when the workers fill the
+    cores: a job with fewer workers than cores cannot know which cores other jobs use,
+    and two such jobs would both pin to the first. ``ProcessRunner(pin_workers=False)``
+    never pins (a machine busy with other work, where a fixed core may be the busy one)."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return [None] * count
+    if not cpus or count < len(cpus):
+        return [None] * count
+    return [cpus[w % len(cpus)] for w in range(count)]
+
+
+class _Stage:
+    """One attempt's worker processes, one per slot: started, served (their sinks'
+    calls, their ends) and, on ``cancel``, killed."""
+
+    def __init__(
+        self,
+        context: Any,
+        slots: List[List[int]],
+        payload: _Payload,
+        proxied: List[Sink],
+        names: List[str],
+        pin: bool = True,
+    ) -> None:
         self.context = context
-        self.count = count
+        self.pin = pin  # each worker on one core, when they fill the cores (_cores_for)
+        self.slots = slots  # per worker, the subtasks it runs (their indexes in the job)
+        self.count = len(slots)
         self.payload = payload
         self.proxied = proxied
-        self.names = names  # what each index runs, for messages
+        # what each worker runs, for messages: "slot 1/2: v0 (1/2), v1 (1/2)"
+        self.names = [
+            f"slot {w + 1}/{len(slots)}: {', '.join(names[i] for i in members)}" for w, members in enumerate(slots)
+        ]
         self.cancelled = threading.Event()
         self.lock = threading.Lock()
         self.procs: List[Any] = []
@@ -528,6 +708,7 @@ class _Stage:
 
     def _start(self) -> None:
         where = {"cwd": os.getcwd(), "sys_path": list(sys.path), "environ": dict(os.environ)}
+        cpus = _cores_for(self.count) if self.pin else [None] * self.count
         began = time.monotonic()
         for index in range(self.count):
             with self.lock:
@@ -536,8 +717,8 @@ class _Stage:
                 parent, child = self.context.Pipe(duplex=True)
                 proc = self.context.Process(
                     target=_worker_main,
-                    args=(self.payload.for_worker(index), index, child, where),
-                    name=f"pyengine-worker-{self.names[index]}",
+                    args=(self.payload.for_worker(index), self.slots[index], child, {**where, "cpu": cpus[index]}),
+                    name=f"pyengine-worker-{index + 1}-of-{self.count}",
                     daemon=True,
                 )
                 with _without_main():
@@ -623,7 +804,7 @@ class _Stage:
                 load_error=True,
             )
         if kind == "error":
-            raise WorkerFailed(str(message[1]), index=index, described=True)
+            raise WorkerFailed(str(message[1]), index=int(message[2]), described=True)
         return True
 
     def cancel(self) -> None:
@@ -649,8 +830,9 @@ class _ProcessBackend:
     master = "processes"
     local = True
 
-    def __init__(self, start_method: str) -> None:
+    def __init__(self, start_method: str, pin_workers: bool = True) -> None:
         self.context = _context(start_method)
+        self.pin_workers = pin_workers
         self._stage: Optional[_Stage] = None
         self._lock = threading.Lock()
 
@@ -660,18 +842,18 @@ class _ProcessBackend:
     def driver_host(self) -> str:
         return "127.0.0.1"
 
-    def stage(self, count: int, payload: _Payload, proxied: List[Sink], names: List[str]) -> _Stage:
+    def stage(self, slots: List[List[int]], payload: _Payload, proxied: List[Sink], names: List[str]) -> _Stage:
         """A new attempt's stage, current from now on (``cancel`` kills it)."""
-        stage = _Stage(self.context, count, payload, proxied, names)
+        stage = _Stage(self.context, slots, payload, proxied, names, self.pin_workers)
         with self._lock:
             self._stage = stage
         return stage
 
     def run_barrier(self, count: int, fn: Any, group: str, description: str) -> List[str]:
-        """Runs ``count`` tasks at once (``fn`` a ``(payload, proxied, names)`` triple,
-        see ``stage``); raises when one fails."""
+        """Runs ``count`` tasks at once, a worker each (``fn`` a ``(payload, proxied,
+        names)`` triple, see ``stage``); raises when one fails."""
         (job, attempt), proxied, names = fn
-        return self.stage(count, _Payload(job, attempt), proxied, names).run()
+        return self.stage([[i] for i in range(count)], _Payload(job, attempt), proxied, names).run()
 
     def cancel(self, group: str) -> None:
         with self._lock:
@@ -738,8 +920,9 @@ class _ProcessJob(_SparkJob):
     _where = "a worker process"
 
     def _transport(self) -> Optional[Tuple[Any, Any]]:
-        """Unix sockets between the workers this process forked: see ``SocketChannel``."""
-        return (SocketChannel, serve_sockets)
+        """Unix sockets between the workers this process forked (``SocketChannel``), the
+        gate itself within a worker (``_SlotChannel``): see ``open_channel``."""
+        return (open_channel, serve_sockets)
 
     def __init__(
         self,
@@ -749,31 +932,33 @@ class _ProcessJob(_SparkJob):
         restore_from: Optional[str] = None,
         resume: str = "auto",
         start_method: str = "forkserver",
+        pin_workers: bool = True,
     ) -> None:
         super().__init__(graph, env, name, restore_from, None, resume)
         self._start_method = start_method
+        self._pin_workers = pin_workers
         self._backend_obj: Optional[_ProcessBackend] = None
         self._job_payload = b""
         self._collections_payload = b""  # the collection sources' records, for their readers only
         self._proxied: List[Sink] = []
         self.worker_start_s: List[float] = []  # each attempt's start of its workers, measured
-        # CPU seconds of each worker of the last attempt, by task name: where a job's time goes
+        # CPU seconds of each worker of the last attempt, by its name (its slot and subtasks)
         self.worker_cpu_s: Dict[str, float] = {}
 
     def _check_sinks(self) -> None:
         """Every sink runs here: driver-memory sinks through proxies, the rest copied."""
 
     def _open_backend(self) -> Any:
-        count = len(self._attempts())
+        count = len(self._slots())
         cores = os.cpu_count() or 1
         limit = max(32, 8 * cores)
         if count > limit:
             raise ValueError(
-                f"parallelism={self.env.parallelism} needs {count} worker processes ({len(self.graph.vertices)} "
-                f"vertices), more than the process runner starts on {cores} core(s) (at most {limit}): lower "
+                f"parallelism={self.env.parallelism} needs {count} worker processes (one per parallel slot), "
+                f"more than the process runner starts on {cores} core(s) (at most {limit}): lower "
                 "parallelism, run threads (executor='threads'), or run on Spark (runner='spark')"
             )
-        self._backend_obj = _ProcessBackend(self._start_method)
+        self._backend_obj = _ProcessBackend(self._start_method, self._pin_workers)
         return self._backend_obj
 
     def _collected(self) -> List[Any]:
@@ -782,12 +967,20 @@ class _ProcessJob(_SparkJob):
     def _task_names(self) -> List[str]:
         return [f"{a.vertex} ({a.subtask + 1}/{self.env.parallelism})" for a in self._attempts()]
 
+    def _slots(self) -> List[List[int]]:
+        """The workers' subtasks: worker ``s`` runs subtask ``s`` of every vertex (Flink's
+        slot sharing), by their indexes in ``_attempts()``."""
+        slots: Dict[int, List[int]] = {}
+        for i, a in enumerate(self._attempts()):
+            slots.setdefault(a.subtask, []).append(i)
+        return [slots[s] for s in sorted(slots)]
+
     def _check_picklable(self, spec: _TaskSpec) -> None:
         """Pickles the job (graph and environment) once for every attempt: with a large
         collection source that is most of the driver's work (~0.5 s per 600,000 records)."""
         try:
             collections: List[Any] = []
-            self._job_payload, self._proxied = dumps_job((spec.graph, spec.env), collections)
+            self._job_payload, self._proxied = dumps_job((spec.graph, worker_environment(spec.env)), collections)
             if collections:
                 out = io.BytesIO()
                 _pickler_class()(out, self._proxied).dump(collections)
@@ -799,11 +992,15 @@ class _ProcessJob(_SparkJob):
         # the attempt's own part (restored state, attempt number) apart from the job's
         attempt, _ = dumps_job(dataclasses.replace(spec, graph=None, env=None))
         attempts = self._attempts()
-        count = len(attempts)
+        slots = self._slots()
         sources = {v.name for v in self.graph.vertices if not v.inputs}
-        readers = frozenset(i for i, a in enumerate(attempts) if a.vertex in sources and a.subtask == 0)
+        readers = frozenset(
+            w
+            for w, members in enumerate(slots)
+            if any(attempts[i].vertex in sources and attempts[i].subtask == 0 for i in members)
+        )
         payload = _Payload(self._job_payload, attempt, self._collections_payload, readers)
-        stage = backend.stage(count, payload, self._proxied, self._task_names())
+        stage = backend.stage(slots, payload, self._proxied, self._task_names())
 
         def job() -> None:
             try:
@@ -830,13 +1027,45 @@ class _ProcessJob(_SparkJob):
             finally:
                 if stage.started_s:
                     self.worker_start_s.append(stage.started_s)
-                names = self._task_names()
-                self.worker_cpu_s = {names[i]: cpu for i, cpu in sorted(stage.cpu_s.items())}
+                self.worker_cpu_s = {stage.names[w]: cpu for w, cpu in sorted(stage.cpu_s.items())}
                 self._wake.set()
 
         self._spark_error = None
         self._spark_thread = threading.Thread(target=job, name="pyengine-process-job", daemon=True)
         self._spark_thread.start()
+
+
+# -- what the workers run with ---------------------------------------------------------------
+
+# A worker's buffers of Python records and channels, where the job left them to the engine
+# (buffer_size=None, channel_capacity=None): 512 records a buffer and 2 buffers a channel,
+# against 1,024 and 8 on threads. What decides it is the records in flight, not the
+# buffers' fixed cost: a worker's tasks share one core, and every record a task reads was
+# made by another task of that worker (or unpickled by its socket thread) a queue earlier.
+# With 8,192 records a channel, a keyed task's gate held ~2 MB of tuples at parallelism 2,
+# the core's whole L2 cache, and each record came back from memory. On the per-record counter
+# at parallelism 2 (3 M records, best of 3): 0.85 M records/s with 1,024 x 8, 1.32 with
+# 1,024 x 2, 1.42 with 512 x 2, 1.36 with 512 x 4, 1.33 with 1,024 x 1. Threads keep theirs:
+# there a smaller buffer is one more switch of the GIL per buffer, and 256 x 2 ran the
+# same counter ~10% slower at parallelism 1.
+WORKER_BUFFER_SIZE = 512
+WORKER_CHANNEL_CAPACITY = 2
+
+
+def worker_environment(env: Any) -> Any:
+    """``env`` as the workers get it: the settings the job left to the engine set to
+    the workers' own (``WORKER_BUFFER_SIZE``, ``WORKER_CHANNEL_CAPACITY``), everything
+    else as it is. A copy: the driver's environment stays as the user made it."""
+    chose_buffers = getattr(env, "batch_bytes", None) is not None  # buffer_size=None
+    chose_capacity = getattr(env, "capacity_chosen", False)
+    if not chose_buffers and not chose_capacity:
+        return env
+    shipped = copy.copy(env)
+    if chose_buffers:
+        shipped.buffer_size = WORKER_BUFFER_SIZE
+    if chose_capacity:
+        shipped.channel_capacity = WORKER_CHANNEL_CAPACITY
+    return shipped
 
 
 # -- naming what does not pickle ---------------------------------------------------------------
@@ -878,27 +1107,35 @@ def _pickles(pickler: Any, value: Any) -> bool:
 
 class ProcessRunner:
     """Runs a job's subtasks in worker processes of this machine, each its own Python
-    interpreter, so per-record Python work uses every core; exchange between subtasks
-    goes over loopback Flight channels, checkpoints and failover are the embedded
+    interpreter, so per-record Python work uses every core: a worker per parallel slot,
+    running subtask s of every vertex; exchange between slots goes over Unix sockets,
+    within a slot straight into the gate; checkpoints and failover are the embedded
     runner's. ``StreamEnvironment(executor="processes")`` selects it for ``execute``.
 
     ``start_method``: "forkserver" (default where the platform has it: workers fork
     from a server that has pyengine imported, in milliseconds) or "spawn" (a fresh
-    interpreter per worker, about a second each)."""
+    interpreter per worker, about a second each).
+
+    ``pin_workers``: each worker stays on one core (Linux, when the workers are at least
+    as many as the cores; see ``_cores_for``); False leaves them to the kernel (a
+    machine busy with other work, where a fixed core may be the busy one)."""
 
     supports_graphs = True
     supports_event_time = True
 
-    def __init__(self, start_method: str = "forkserver") -> None:
+    def __init__(self, start_method: str = "forkserver", pin_workers: bool = True) -> None:
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
+        if not isinstance(pin_workers, bool):
+            raise ValueError(f"pin_workers must be True or False, got {pin_workers!r}")
         self.start_method = start_method
+        self.pin_workers = pin_workers
 
     def job(
         self, graph: Any, env: Any, name: str, restore_from: Optional[str] = None, resume: str = "auto"
     ) -> _ProcessJob:
         """The job, ready to ``run()`` (``env.execute`` calls this)."""
-        return _ProcessJob(graph, env, name, restore_from, resume, self.start_method)
+        return _ProcessJob(graph, env, name, restore_from, resume, self.start_method, self.pin_workers)
 
     def run(
         self, graph: Any, env: Any, name: str, restore_from: Optional[str] = None, resume: str = "auto"

@@ -313,14 +313,21 @@ def _against_the_defaults(
     ), None
 
 
+_AUTO_AS = {"buffer_size": 1024, "channel_capacity": 8}  # what None ("auto") is on threads
+
+
 def _start(space: Dict[str, Tuple[Any, ...]]) -> Setting:
     """The engine's defaults, each moved to the nearest value the space allows."""
     base = Setting()
     changes: Dict[str, Any] = {}
     for name, values in space.items():
         default = getattr(base, name)
-        if name == "buffer_size" and default is None and None not in values:
-            default = 1024  # "auto" moves to the nearest size to its Python-record buffers
+        if default is None and None not in values and name in _AUTO_AS:
+            # "auto" is not in the space: it moves to the value nearest to what it means on
+            # threads (1,024 Python records a buffer, 8 buffers a channel), that value too
+            default = _AUTO_AS[name]
+            if default in values:
+                changes[name] = default
         if default not in values:
             numeric = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
             changes[name] = min(numeric, key=lambda v: abs(v - default)) if numeric else values[0]

@@ -21,11 +21,12 @@ class Setting:
     ``unaligned`` and ``aligned_timeout_ms``. The defaults are the engine's own
     defaults, so ``Setting()`` is what a job gets when nobody tuned it
     (``buffer_size=None``: the engine chooses per stream, 1,024 Python records per
-    buffer and slices of about 256 KiB from a source of Arrow batches)."""
+    buffer and slices of about 256 KiB from a source of Arrow batches;
+    ``channel_capacity=None``: 8 buffers a channel on threads, 2 in worker processes)."""
 
     buffer_size: Optional[int] = None
     buffer_timeout_ms: int = 100
-    channel_capacity: int = 8
+    channel_capacity: Optional[int] = None
     interval_ms: Union[int, str] = 500
     unaligned: bool = False
     aligned_timeout_ms: int = 0
@@ -89,14 +90,12 @@ class Setting:
         if self.unaligned and self.aligned_timeout_ms:
             mode = f"aligned→unaligned@{self.aligned_timeout_ms}ms"
         buf = "auto" if self.buffer_size is None else self.buffer_size
+        cap = "auto" if self.channel_capacity is None else self.channel_capacity
         interval = "auto" if self.interval_ms == "auto" else f"{self.interval_ms}ms"
         debloat = "" if self.buffer_debloat else " debloat=off"
         if self.buffer_debloat and self.buffer_debloat_target_ms != 1000:
             debloat = f" debloat={self.buffer_debloat_target_ms}ms"
-        return (
-            f"buf={buf} timeout={self.buffer_timeout_ms}ms cap={self.channel_capacity} "
-            f"interval={interval} {mode}{debloat}"
-        )
+        return f"buf={buf} timeout={self.buffer_timeout_ms}ms cap={cap} interval={interval} {mode}{debloat}"
 
     def snippet(self, parallelism: int = 1) -> str:
         """The setting as code to paste into a job."""
@@ -108,7 +107,7 @@ class Setting:
             f"    parallelism={parallelism},\n"
             + (f"    buffer_size={self.buffer_size},\n" if self.buffer_size is not None else "")
             + f"    buffer_timeout_ms={self.buffer_timeout_ms},\n"
-            f"    channel_capacity={self.channel_capacity},\n"
+            + (f"    channel_capacity={self.channel_capacity},\n" if self.channel_capacity is not None else "")
             + ("" if self.buffer_debloat else "    buffer_debloat=False,\n")
             + (
                 f"    buffer_debloat_target_ms={self.buffer_debloat_target_ms},\n"
