@@ -381,7 +381,13 @@ class StreamEnvironment:
         # channel_capacity=None chooses per executor: 8 buffers on threads; worker processes
         # keep fewer records in flight (pyengine.runners.processes.worker_environment).
         self.channel_capacity = DEFAULT_CHANNEL_CAPACITY if channel_capacity is None else channel_capacity
-        self.capacity_chosen = channel_capacity is None  # left to the engine, as buffer_size=None
+        # What was left to the engine, with the value it chose here (a runner may choose its
+        # own instead while the attribute still holds this value: then nobody set it since).
+        self.engine_chosen: Dict[str, int] = {}
+        if buffer_size is None:
+            self.engine_chosen["buffer_size"] = self.buffer_size
+        if channel_capacity is None:
+            self.engine_chosen["channel_capacity"] = self.channel_capacity
         self.auto_watermark_interval_ms = auto_watermark_interval_ms  # how often watermarks are generated
         self.monitoring = monitoring
         self.executor = executor

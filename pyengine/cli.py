@@ -97,7 +97,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
     for flag, values in (
         ("buffer-sizes", "buffer sizes ('auto': the engine's choice)"),
         ("buffer-timeouts-ms", "buffer timeouts"),
-        ("channel-capacities", "channel capacities"),
+        ("channel-capacities", "channel capacities ('auto': the engine's choice)"),
         ("intervals-ms", "checkpoint intervals"),
     ):
         tune.add_argument(f"--{flag}", help=f"the {values} to try, comma-separated (default: a built-in range)")

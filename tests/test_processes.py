@@ -329,7 +329,7 @@ def test_a_script_without_a_main_guard_runs_its_job_once(tmp_path) -> None:
 
 def test_worker_start_up_is_measured_and_quick() -> None:
     """Workers fork from a fork server that has pyengine imported: a warm start of a
-    two-vertex job's four workers takes well under a second (a fresh interpreter
+    two-vertex job's two workers takes well under a second (a fresh interpreter
     each would take about a second apiece)."""
     e = env("processes", checkpointing=None)
     e.from_collection(RECORDS).key_by("user").process(Count()).sink_to(pe.sinks.CollectSink())
@@ -374,7 +374,7 @@ class Unpickled:
 
 def test_a_collections_records_go_only_to_the_worker_that_reads_them(tmp_path) -> None:
     """A collection is read by its source's first subtask alone: its records are sent to
-    that worker, not to every worker of the job (four at parallelism 2 here)."""
+    that worker, not to every worker of the job (two at parallelism 2 here)."""
     where = tmp_path / "unpickled"
     where.mkdir()
     e = env("processes")
@@ -477,7 +477,8 @@ def test_workers_are_pinned_when_they_fill_the_cores(monkeypatch) -> None:
 
     monkeypatch.setattr(processes.os, "sched_getaffinity", lambda _: {3, 5}, raising=False)
     assert processes._cores_for(2) == [3, 5]
-    assert processes._cores_for(3) == [3, 5, 3]  # round the cores
+    assert processes._cores_for(4) == [3, 5, 3, 5]  # round the cores
+    assert processes._cores_for(3) == [None] * 3  # one core would run two workers, the other one
     assert processes._cores_for(1) == [None]  # fewer workers than cores: other jobs may use the first
 
     def unsupported(_: int) -> Any:
@@ -485,6 +486,8 @@ def test_workers_are_pinned_when_they_fill_the_cores(monkeypatch) -> None:
 
     monkeypatch.setattr(processes.os, "sched_getaffinity", unsupported, raising=False)
     assert processes._cores_for(2) == [None, None]
+    with pytest.raises(ValueError, match="pin_workers must be True or False"):
+        processes.ProcessRunner(pin_workers="yes")  # type: ignore[arg-type]
 
 
 class Affinity(pe.KeyedProcessFunction):
@@ -525,6 +528,9 @@ def test_the_workers_own_defaults_only_where_the_job_left_them_to_the_engine() -
     assert worker_environment(given) is given
     half = worker_environment(pe.StreamEnvironment(executor="processes", channel_capacity=16))
     assert (half.buffer_size, half.channel_capacity) == (WORKER_BUFFER_SIZE, 16)
+    later = pe.StreamEnvironment(executor="processes")
+    later.buffer_size, later.channel_capacity = 4096, 16  # set after construction: still the user's
+    assert worker_environment(later) is later
     with pytest.raises(ValueError, match="channel_capacity"):
         pe.StreamEnvironment(channel_capacity=0)
 
@@ -548,3 +554,64 @@ def test_a_socket_channel_pickles_a_buffer_when_pushed_and_gives_back_records_wh
     overtaken = channel.push_overtaking(barrier)
     assert overtaken == [[{"k": 1}, {"k": 2}], [("a", 3)]]
     assert channel._queue[0] is barrier
+
+
+CLASS_SCRIPT = """
+from dataclasses import dataclass
+import pyengine as pe
+
+@dataclass
+class Click:  # a record class of the script itself: it reaches the workers by value
+    user: int
+    n: int
+
+def make(i):
+    return Click(i % 7, i)
+
+if __name__ == "__main__":
+    for p, source in ((1, "generator"), (2, "generator"), (2, "collection")):
+        env = pe.StreamEnvironment(parallelism=p, executor="processes", monitoring=None, restart_attempts=0)
+        sink = pe.sinks.CollectSink()
+        if source == "generator":
+            stream = env.from_generator(make, 300)
+        else:
+            stream = env.from_collection([make(i) for i in range(300)])
+        stream.rebalance().map(lambda c: Click(c.user, c.n + 1)).sink_to(sink)
+        result = env.execute_async("clicks").wait(60, raise_failure=False)
+        ok = all(type(c) is Click for c in sink.records) and sorted(c.n for c in sink.records) == list(range(1, 301))
+        print("RESULT", p, source, result.status, ok, result.cause)
+"""
+
+
+def test_records_of_a_class_defined_in_the_script_cross_workers_and_reach_the_driver(tmp_path) -> None:
+    """A class of the job's script reaches the workers by value (cloudpickle), but its
+    records are pickled by reference after that: between workers and back to a
+    ``CollectSink``. Before, such a record could leave no worker (``attribute lookup
+    Click on __main__ failed``), at any parallelism; the driver's sink gets the script's
+    own class."""
+    script = tmp_path / "clicks.py"
+    script.write_text(CLASS_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
+    assert lines == [
+        "RESULT 1 generator FINISHED True None",
+        "RESULT 2 generator FINISHED True None",
+        "RESULT 2 collection FINISHED True None",
+    ], done.stdout + done.stderr
+
+
+class Locked:
+    def __init__(self, i: int) -> None:
+        self.i, self.lock = i, threading.Lock()
+
+
+def test_records_that_cannot_be_pickled_fail_once_naming_the_cause_and_the_way_out() -> None:
+    e = env("processes", checkpointing=None, restart_attempts=2)
+    e.from_generator(Locked, 200).rebalance().map(lambda r: r.i).sink_to(pe.sinks.DiscardSink())
+    result = e.execute_async("locked").wait(60, raise_failure=False)
+    assert result.status == "FAILED" and result.restarts == 0  # the same records would fail again
+    assert isinstance(result.cause, NonRetryableError)
+    message = str(result.cause)
+    assert "records going to another worker process cannot be pickled" in message and "Locked" in message
+    assert "executor='threads'" in message

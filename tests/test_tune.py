@@ -428,4 +428,7 @@ def test_auto_settings_start_the_search_inside_its_space() -> None:
     start = _start({"buffer_size": (None, 256), "channel_capacity": (None, 2)})
     assert (start.buffer_size, start.channel_capacity) == (None, None)
     assert "cap=auto" in Setting().label and "channel_capacity" not in Setting().snippet()
+    from pyengine.tune.settings import DEFAULT_SPACE
+
+    assert _start(DEFAULT_SPACE).channel_capacity is None  # the defaults' snippet leaves it to the engine
     assert "channel_capacity=2," in Setting(channel_capacity=2).snippet()

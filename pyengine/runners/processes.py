@@ -380,7 +380,11 @@ class SocketChannel(RemoteChannel):
         return self._append(item)
 
     def _append(self, records: List[Any]) -> bool:
-        pickled = _Pickled(pickle.dumps(records, protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            data = pickle.dumps(records, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise _unpicklable_records(records, exc) from exc
+        pickled = _Pickled(data)
         with self._cond:
             self._check()
             self._queue.append(pickled)
@@ -450,6 +454,18 @@ def open_channel(location: str, channel: int, token: str, capacity: int = 8, **o
     return SocketChannel(location, channel, token, capacity, **options)
 
 
+def _unpicklable_records(records: List[Any], error: BaseException) -> NonRetryableError:
+    """Why a buffer cannot go to another worker: its records (which type) do not pickle.
+    Not retryable: the same records come again after a restore."""
+    kinds = sorted({type(r).__name__ for r in records[:1000]})
+    return NonRetryableError(
+        f"records going to another worker process cannot be pickled ({type(error).__name__}: {error}; records of "
+        f"type {', '.join(kinds)}): with executor='processes', what a key_by, rebalance or broadcast sends to "
+        "another slot is pickled (what stays in a worker is not). Keep locks, open files and clients out of "
+        "records, or run the job with executor='threads'"
+    )
+
+
 def _address(location: str) -> str:
     if not location.startswith("unix:"):
         raise ValueError(f"not a worker's socket location: {location!r}")
@@ -457,7 +473,7 @@ def _address(location: str) -> str:
 
 
 class SocketChannelServer:
-    """A worker's input gate, served on a Unix socket: each upstream subtask connects
+    """A subtask's input gate, served on a Unix socket: each upstream subtask connects
     once per channel (after the authkey handshake), names its channel, then sends its
     items in order; a thread per connection puts them into the gate, waiting while the
     channel is full (backpressure: the socket fills, then the sender's queue)."""
@@ -556,14 +572,19 @@ def _worker_main(
     sys.path[:] = list(where["sys_path"])
     os.environ.clear()
     os.environ.update(where["environ"])
+    if where.get("cpu") is not None:  # first, before any thread starts: every thread inherits it
+        try:
+            os.sched_setaffinity(0, {where["cpu"]})
+        except OSError:  # the core went away since the driver looked (a cpuset changed): unpinned, as it was
+            pass
     link = _Link(conn)
     try:
         global _WORKER_LINK, _WORKER_COLLECTIONS
         _WORKER_LINK = link
         job, attempt, collections = payload
         if collections:  # this worker reads the job's collection sources
-            _WORKER_COLLECTIONS = pickle.loads(collections)
-        graph, env = pickle.loads(job)
+            _WORKER_COLLECTIONS = _load_by_value(collections)
+        graph, env = _load_by_value(job)
         spec = pickle.loads(attempt)
         spec.graph, spec.env = graph, env
         # What the fork server imported and the job just unpickled stays: out of the cyclic
@@ -573,8 +594,6 @@ def _worker_main(
         # Fewer collections of the youngest generation: see WORKER_GC_THRESHOLD.
         threshold, older, oldest = gc.get_threshold()
         gc.set_threshold(max(threshold, WORKER_GC_THRESHOLD), older, oldest)
-        if where.get("cpu") is not None:  # before any thread starts: they all inherit it
-            os.sched_setaffinity(0, {where["cpu"]})
     except BaseException as exc:
         link.post(("load-error", f"{type(exc).__name__}: {exc}"))
         conn.close()
@@ -582,15 +601,14 @@ def _worker_main(
     from .spark import _run_subtask
 
     lines: Dict[int, List[str]] = {}
-    failed = threading.Event()
+    first_failure = threading.Lock()
 
     def run(index: int) -> None:
         try:
             lines[index] = list(_run_subtask(spec, index))
         except BaseException as exc:
-            if failed.is_set():
-                return  # a later failure: the first one is what the driver hears
-            failed.set()
+            if not first_failure.acquire(blocking=False):
+                return  # a later failure: the first one is what the driver hears, then the process ends
             try:
                 link.post(("error", _describe_failure(exc.__cause__ if exc.__cause__ is not None else exc), index))
             except Exception:  # the driver is gone
@@ -609,6 +627,44 @@ def _worker_main(
     conn.close()
 
 
+_SKELETONS = ("_make_skeleton_class", "_make_skeleton_enum")  # cloudpickle's makers of classes sent by value
+
+
+def _load_by_value(data: bytes) -> Any:
+    """Unpickles what cloudpickle pickled on the driver, and makes the classes it sent by
+    value from the driver's script (``__main__``) findable in this worker's ``__main__``.
+
+    Why: a class defined in the script that runs the job (a ``@dataclass`` of records)
+    travels by value, but records of it are pickled by reference from here on, the way
+    ``pickle`` pickles any class (module and name): to another worker over a socket, to
+    the driver's ``CollectSink`` over the pipe. A worker's ``__main__`` is not the script,
+    so without this such a record could not leave its worker ("attribute lookup Click on
+    __main__ failed"). Registered under its name, the class pickles here, unpickles in a
+    worker as that worker's copy of it, and on the driver as the script's own class."""
+    made: List[Any] = []
+
+    class _Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            found = super().find_class(module, name)
+            if name in _SKELETONS and "cloudpickle" in module:
+
+                def tracked(*args: Any, **kwargs: Any) -> Any:
+                    made.append(found(*args, **kwargs))
+                    return made[-1]
+
+                return tracked
+            return found
+
+    loaded = _Unpickler(io.BytesIO(data)).load()
+    main = sys.modules.get("__main__")
+    for cls in made:
+        name = getattr(cls, "__qualname__", "")
+        if main is not None and getattr(cls, "__module__", None) == "__main__" and name.isidentifier():
+            if getattr(main, name, None) is None:  # never over something of the worker's own
+                setattr(main, name, cls)
+    return loaded
+
+
 # -- the driver's side ----------------------------------------------------------------------
 
 
@@ -619,7 +675,9 @@ class WorkerFailed(RuntimeError):
         self, message: str, *, index: int = -1, crashed: bool = False, load_error: bool = False, described: bool = False
     ) -> None:
         super().__init__(message)
-        self.index = index  # the failed subtask's index in the job (-1: none in particular)
+        # a described failure: the failed subtask's index in the job (``_attempts()``);
+        # a crash or a load error: the worker's (its slot); -1: none in particular
+        self.index = index
         self.described = described  # the message is ``_describe_failure``'s text
         self.crashed = crashed  # died without a word: killed, out of memory, os._exit
         self.load_error = load_error  # could not unpickle the job: no restart helps
@@ -653,9 +711,10 @@ class _Payload:
 
 def _cores_for(count: int) -> List[Optional[int]]:
     """The core each of ``count`` workers is pinned to, or None for each to leave them to
-    the kernel: pinned when the workers are at least as many as the cores this process
-    may use (worker w on the w-th core, round the cores), else not (nor where the
-    platform cannot pin).
+    the kernel: pinned when the workers are as many as the cores this process may use,
+    or a multiple (worker w on the w-th core, round the cores), else not (nor where the
+    platform cannot pin): three workers on two cores, pinned, would leave one core to
+    two of them, and a keyed exchange runs at its slowest slot.
 
     Why pin: a worker runs its slot's subtasks as threads under one GIL, so it never
     uses more than one core at a time, but unpinned the kernel moves its threads between
@@ -671,8 +730,8 @@ def _cores_for(count: int) -> List[Optional[int]]:
         cpus = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         return [None] * count
-    if not cpus or count < len(cpus):
-        return [None] * count
+    if not cpus or count < len(cpus) or count % len(cpus):
+        return [None] * count  # fewer than the cores, or some cores would get one more worker than others
     return [cpus[w % len(cpus)] for w in range(count)]
 
 
@@ -1056,8 +1115,10 @@ def worker_environment(env: Any) -> Any:
     """``env`` as the workers get it: the settings the job left to the engine set to
     the workers' own (``WORKER_BUFFER_SIZE``, ``WORKER_CHANNEL_CAPACITY``), everything
     else as it is. A copy: the driver's environment stays as the user made it."""
-    chose_buffers = getattr(env, "batch_bytes", None) is not None  # buffer_size=None
-    chose_capacity = getattr(env, "capacity_chosen", False)
+    # left to the engine at construction, and not set since (an attribute assigned later is the user's)
+    chosen = getattr(env, "engine_chosen", {})
+    chose_buffers = "buffer_size" in chosen and env.buffer_size == chosen["buffer_size"]
+    chose_capacity = "channel_capacity" in chosen and env.channel_capacity == chosen["channel_capacity"]
     if not chose_buffers and not chose_capacity:
         return env
     shipped = copy.copy(env)
