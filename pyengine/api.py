@@ -373,21 +373,26 @@ class StreamEnvironment:
         # Arrow batches read in slices of about BATCH_BYTES (a buffer's fixed cost in Python
         # is tens of microseconds per operator: 1,024 rows of two int64 columns spent most
         # of a keyed count's time on it). An explicit buffer_size is used for both.
-        self.buffer_size = DEFAULT_BUFFER_SIZE if buffer_size is None else buffer_size
+        # What was left to the engine (None), with the value it chose: a runner that
+        # chooses otherwise (worker processes) does so only while nobody set it since.
+        self.engine_chosen: Dict[str, int] = {}
+        chosen_buffers, chosen_capacity = DEFAULT_BUFFER_SIZE, DEFAULT_CHANNEL_CAPACITY
+        if executor == "processes":
+            from .runners.processes import WORKER_BUFFER_SIZE, WORKER_CHANNEL_CAPACITY
+
+            chosen_buffers, chosen_capacity = WORKER_BUFFER_SIZE, WORKER_CHANNEL_CAPACITY
+        self._buffer_size = chosen_buffers if buffer_size is None else buffer_size
+        if buffer_size is None:
+            self.engine_chosen["buffer_size"] = chosen_buffers
         self.batch_bytes: Optional[int] = BATCH_BYTES if buffer_size is None else None
         self.buffer_timeout_ms = buffer_timeout_ms
         self.restart_attempts = restart_attempts
         self.restart_delay_ms = restart_delay_ms
         # channel_capacity=None chooses per executor: 8 buffers on threads; worker processes
         # keep fewer records in flight (pyengine.runners.processes.worker_environment).
-        self.channel_capacity = DEFAULT_CHANNEL_CAPACITY if channel_capacity is None else channel_capacity
-        # What was left to the engine, with the value it chose here (a runner may choose its
-        # own instead while the attribute still holds this value: then nobody set it since).
-        self.engine_chosen: Dict[str, int] = {}
-        if buffer_size is None:
-            self.engine_chosen["buffer_size"] = self.buffer_size
+        self._channel_capacity = chosen_capacity if channel_capacity is None else channel_capacity
         if channel_capacity is None:
-            self.engine_chosen["channel_capacity"] = self.channel_capacity
+            self.engine_chosen["channel_capacity"] = chosen_capacity
         self.auto_watermark_interval_ms = auto_watermark_interval_ms  # how often watermarks are generated
         self.monitoring = monitoring
         self.executor = executor
@@ -529,6 +534,28 @@ class StreamEnvironment:
                 f"in this process, more than the embedded runner runs on {cores} core(s) (at most {limit}): "
                 "lower parallelism, or run on Spark with execute(runner='spark')"
             )
+
+    @property
+    def buffer_size(self) -> int:
+        """Records per buffer of Python records (the engine's choice when left as None:
+        1,024 on threads, 512 in worker processes)."""
+        return self._buffer_size
+
+    @buffer_size.setter
+    def buffer_size(self, value: int) -> None:
+        self._buffer_size = value
+        self.engine_chosen.pop("buffer_size", None)  # set by the user: every runner keeps it
+
+    @property
+    def channel_capacity(self) -> int:
+        """Buffers per channel (the engine's choice when left as None: 8 on threads, 2 in
+        worker processes)."""
+        return self._channel_capacity
+
+    @channel_capacity.setter
+    def channel_capacity(self, value: int) -> None:
+        self._channel_capacity = value
+        self.engine_chosen.pop("channel_capacity", None)
 
     def _runner(self, name: str, restore_from: Optional[str], resume: Any, runner: Any) -> Any:
         if not isinstance(name, str) or not name:

@@ -520,17 +520,20 @@ def test_the_workers_own_defaults_only_where_the_job_left_them_to_the_engine() -
     from pyengine.runners.processes import WORKER_BUFFER_SIZE, WORKER_CHANNEL_CAPACITY, worker_environment
 
     chosen = pe.StreamEnvironment(executor="processes")
-    assert (chosen.buffer_size, chosen.channel_capacity) == (1024, 8)  # the threads' defaults, on the driver
-    shipped = worker_environment(chosen)
+    assert (chosen.buffer_size, chosen.channel_capacity) == (WORKER_BUFFER_SIZE, WORKER_CHANNEL_CAPACITY)
+    assert worker_environment(chosen) is chosen  # what the environment says is what the workers get
+    threads = pe.StreamEnvironment()  # run with runner="processes" later
+    assert (threads.buffer_size, threads.channel_capacity) == (1024, 8)
+    shipped = worker_environment(threads)
     assert (shipped.buffer_size, shipped.channel_capacity) == (WORKER_BUFFER_SIZE, WORKER_CHANNEL_CAPACITY)
-    assert (chosen.buffer_size, chosen.channel_capacity) == (1024, 8)  # a copy went to the workers
+    assert (threads.buffer_size, threads.channel_capacity) == (1024, 8)  # a copy went to the workers
     given = pe.StreamEnvironment(executor="processes", buffer_size=2048, channel_capacity=16)
     assert worker_environment(given) is given
     half = worker_environment(pe.StreamEnvironment(executor="processes", channel_capacity=16))
     assert (half.buffer_size, half.channel_capacity) == (WORKER_BUFFER_SIZE, 16)
-    later = pe.StreamEnvironment(executor="processes")
-    later.buffer_size, later.channel_capacity = 4096, 16  # set after construction: still the user's
-    assert worker_environment(later) is later
+    later = pe.StreamEnvironment()
+    later.buffer_size, later.channel_capacity = 1024, 8  # set after construction, to the threads' values
+    assert worker_environment(later) is later  # still the user's
     with pytest.raises(ValueError, match="channel_capacity"):
         pe.StreamEnvironment(channel_capacity=0)
 
@@ -614,4 +617,17 @@ def test_records_that_cannot_be_pickled_fail_once_naming_the_cause_and_the_way_o
     assert isinstance(result.cause, NonRetryableError)
     message = str(result.cause)
     assert "records going to another worker process cannot be pickled" in message and "Locked" in message
+    assert "attribute 'lock'" in message, message  # down to the part that does not pickle
     assert "executor='threads'" in message
+
+
+def test_more_workers_than_cores_is_warned_with_the_parallelism_that_fits(monkeypatch, caplog) -> None:
+    from pyengine.runners import processes
+
+    monkeypatch.setattr(processes.os, "sched_getaffinity", lambda _: {0}, raising=False)  # one usable core
+    e = env("processes", checkpointing=None)
+    e.from_collection(RECORDS).key_by("user").process(Count()).sink_to(pe.sinks.CollectSink())
+    with caplog.at_level("WARNING", logger="pyengine.runners.processes"):
+        assert e.execute("crowded").status == "FINISHED"
+    warned = [r.getMessage() for r in caplog.records if "worker processes on 1 core" in r.getMessage()]
+    assert len(warned) == 1 and "fastest at parallelism=1" in warned[0], caplog.text

@@ -121,3 +121,22 @@ def test_a_key_read_that_empties_the_buffer_stops_the_native_routing_safely() ->
     buffers: List[List[Any]] = [[], []]
     routed = route_int_keys(records, operator.itemgetter(0), MAX_P, buffers)
     assert routed <= 2 and sum(map(len, buffers)) == routed  # no read past the end
+
+
+def test_key_by_a_name_on_records_with_attributes_says_how_to_key_them() -> None:
+    """``key_by("user")`` reads ``record["user"]``; a dataclass record has the attribute,
+    not the item: the error says so and gives the lambda (a new user's first guess was
+    that the record lacked the field)."""
+    from dataclasses import dataclass
+
+    from pyengine.runtime.operators import key_selector
+
+    @dataclass
+    class Click:
+        user: int
+
+    with pytest.raises(ColumnNotFoundError, match=r"reads record\['user'\].*key_by\(lambda r: r\.user\)"):
+        key_selector("user")(Click(1))
+    with pytest.raises(ColumnNotFoundError) as plain:
+        key_selector("user")({"name": 1})
+    assert "lambda" not in str(plain.value)  # a dict without the key: nothing to suggest

@@ -1,5 +1,5 @@
-"""Runners: ``local`` (embedded, every subtask a thread), ``processes`` (embedded, every
-subtask a worker process of this machine) and ``spark`` (every subtask a task of one
+"""Runners: ``local`` (embedded, every subtask a thread), ``processes`` (embedded, a
+worker process of this machine per parallel slot) and ``spark`` (every subtask a task of one
 barrier-mode Spark stage; imports pyspark only when used)."""
 
 from __future__ import annotations

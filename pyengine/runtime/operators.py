@@ -977,7 +977,15 @@ def key_selector(key: Any) -> Callable[[Any], Any]:
             try:
                 return record[name]
             except (KeyError, IndexError, TypeError):
-                raise ColumnNotFoundError(f"key_by({name!r}): record {record!r} has no field {name!r}") from None
+                hint = ""
+                if isinstance(name, str) and hasattr(record, name):  # a dataclass, a namedtuple's attribute...
+                    hint = (
+                        f": key_by({name!r}) reads record[{name!r}] (a dict's key, an Arrow column); for "
+                        f"an attribute, key_by(lambda r: r.{name})"
+                        if name.isidentifier()
+                        else ""
+                    )
+                raise ColumnNotFoundError(f"key_by({name!r}): record {record!r} has no field {name!r}{hint}") from None
 
         select.column = name  # type: ignore[attr-defined]  # lets Arrow batches be partitioned by column
         select.fast = operator.itemgetter(name)  # type: ignore[attr-defined]  # the same read, in C
