@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Dict
+from typing import Any, Dict
 
 import pytest
 
@@ -432,3 +432,16 @@ def test_auto_settings_start_the_search_inside_its_space() -> None:
 
     assert _start(DEFAULT_SPACE).channel_capacity is None  # the defaults' snippet leaves it to the engine
     assert "channel_capacity=2," in Setting(channel_capacity=2).snippet()
+
+
+def test_a_build_that_switches_to_worker_processes_is_refused_by_name() -> None:
+    """A trial's probes stay in this process; a build that sets executor='processes' was
+    refused with a pickling error about tune's own probe, read as the job's fault."""
+    build = keyed_count()
+
+    def in_processes(env: Any) -> None:
+        env.executor = "processes"
+        build(env)
+
+    with pytest.raises(ValueError, match=r"measure a job on threads; build\(env\) set executor='processes'"):
+        measure(in_processes, Setting(), seconds=0.2)

@@ -303,6 +303,15 @@ def _run(
     """(result, wall time of the run, the moment it ended or was stopped); the job's
     file sinks write under ``outputs`` (``_redirect_outputs``, recorded in ``undo``)."""
     build(env)
+    if getattr(env, "executor", "threads") != "threads":
+        # The trials' probes (a counter on each source and sink, with a lock) stay in this
+        # process; in worker processes they would have to be pickled, and would count there.
+        raise ValueError(
+            f"pyengine tune (and JobBenchmark) measure a job on threads; build(env) set executor="
+            f"{env.executor!r}. Tune it on threads (leave executor alone in build) and time the two executors "
+            "yourself (env.execute, start to end); channel_capacity and buffer_size left to the engine (auto) "
+            "are chosen per executor"
+        )
     _instrument(env, probe, outputs, undo)
     start = probe.started = time.time()
     if seconds is None and not stop_at_output:
