@@ -369,7 +369,8 @@ class StreamEnvironment:
         self.state_backend = state_backend
         self.checkpoint_storage = checkpoint_storage
         self.local_recovery = bool(local_recovery)
-        # buffer_size=None chooses per stream: buffers of 1,024 Python records, and sources of
+        # buffer_size=None chooses per stream: buffers of 1,024 Python records (512 in worker
+        # processes, pyengine.runners.processes.WORKER_BUFFER_SIZE), and sources of
         # Arrow batches read in slices of about BATCH_BYTES (a buffer's fixed cost in Python
         # is tens of microseconds per operator: 1,024 rows of two int64 columns spent most
         # of a keyed count's time on it). An explicit buffer_size is used for both.

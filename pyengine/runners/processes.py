@@ -460,8 +460,8 @@ def _unpicklable_records(records: List[Any], error: BaseException) -> NonRetryab
     Not retryable: the same records come again after a restore."""
     where = f"records of type {', '.join(sorted({type(r).__name__ for r in records[:1000]}))}"
     for record in records:
-        if not _plain_pickles(record):  # down to what does not pickle: "record -> key 'lock' -> lock object"
-            where = narrow(_plain_pickles, record, f"the record {reprlib.repr(record)}")
+        if not _pickles(record):  # down to what does not pickle: "record -> key 'lock' -> lock object"
+            where = narrow(_pickles, record, f"the record {reprlib.repr(record)}")
             break
     return NonRetryableError(
         f"records going to another worker process cannot be pickled ({type(error).__name__}: {error}; {where}): "
@@ -469,14 +469,6 @@ def _unpicklable_records(records: List[Any], error: BaseException) -> NonRetryab
         "stays in a worker is not). Keep locks, open files and clients out of records, or run the job with "
         "executor='threads'"
     )
-
-
-def _plain_pickles(value: Any) -> bool:
-    try:
-        pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-        return True
-    except Exception:
-        return False
 
 
 def _address(location: str) -> str:
@@ -722,6 +714,14 @@ class _Payload:
         return self.job, self.attempt, self.collections if index in self.readers else b""
 
 
+def _usable_cores() -> List[int]:
+    """The cores this process may run on, in order ([] where the platform does not say)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return []
+
+
 def _cores_for(count: int) -> List[Optional[int]]:
     """The core each of ``count`` workers is pinned to, or None for each to leave them to
     the kernel: pinned when the workers are as many as the cores this process may use,
@@ -739,10 +739,7 @@ def _cores_for(count: int) -> List[Optional[int]]:
     cores: a job with fewer workers than cores cannot know which cores other jobs use,
     and two such jobs would both pin to the first. ``ProcessRunner(pin_workers=False)``
     never pins (a machine busy with other work, where a fixed core may be the busy one)."""
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return [None] * count
+    cpus = _usable_cores()
     if not cpus or count < len(cpus) or count % len(cpus):
         return [None] * count  # fewer than the cores, or some cores would get one more worker than others
     return [cpus[w % len(cpus)] for w in range(count)]
@@ -1030,10 +1027,7 @@ class _ProcessJob(_SparkJob):
                 f"more than the process runner starts on {cores} core(s) (at most {limit}): lower "
                 "parallelism, run threads (executor='threads'), or run on Spark (runner='spark')"
             )
-        try:
-            usable = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            usable = cores
+        usable = len(_usable_cores()) or cores
         if count > usable:
             log.warning(
                 "job %r: parallelism=%d runs %d worker processes on %d core(s): the workers share cores, each "
@@ -1151,7 +1145,6 @@ def worker_environment(env: Any) -> Any:
     if not chose_buffers and not chose_capacity:
         return env
     shipped = copy.copy(env)
-    shipped.engine_chosen = dict(chosen)
     if chose_buffers:
         shipped._buffer_size = WORKER_BUFFER_SIZE
     if chose_capacity:
@@ -1183,14 +1176,19 @@ def _find_unpicklable(graph: Any) -> str:
         for step in getattr(vertex, "steps", []):
             for attr in ("source", "factory", "key", "sink", "timestamps"):
                 value = getattr(step, attr, None)
-                if value is not None and not _pickles(pickler, value):
-                    return narrow(lambda v: _pickles(pickler, v), value, f"step {step.name!r} ({attr})")
+                if value is not None and not _pickles(value, pickler):
+                    return narrow(lambda v: _pickles(v, pickler), value, f"step {step.name!r} ({attr})")
     return ""
 
 
-def _pickles(pickler: Any, value: Any) -> bool:
+def _pickles(value: Any, pickler: Any = None) -> bool:
+    """Whether ``value`` pickles: with the job's pickler (cloudpickle's, as the job goes to
+    a worker), or by default as a buffer of records goes between workers (plain pickle)."""
     try:
-        pickler(io.BytesIO(), []).dump(value)
+        if pickler is None:
+            pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        else:
+            pickler(io.BytesIO(), []).dump(value)
         return True
     except Exception:
         return False
