@@ -310,11 +310,11 @@ def test_a_checkpoint_with_a_million_pending_timers(benchmark: Any, pending_time
 
     The due times are per-record timeouts, not window ends: a million distinct
     timestamps spread over a second of event time, about 20 random bits each, so they
-    do not compress away. Measured: the checkpoint writes ~3.3x the bytes of the
-    counts alone (7.3 MB -> 24 MB: a key and a timestamp per timer, and with more
-    than one state in the file a dense-union type id and offset per row), and its
-    time grows with the bytes (the write is I/O-bound here: about a tenth of it is
-    CPU). The timers cost no more than the same timestamps as a value state (the
+    do not compress away. Measured: the checkpoint writes ~2.3x the bytes of the
+    counts alone (7.3 MB -> 16.5 MB: a key and a timestamp per timer; 24 MB before
+    the state file's value union became sparse, format version 3, which dropped an
+    offset per row), and its time grows with the bytes (the write is I/O-bound
+    here: about a tenth of it is CPU). The timers cost no more than the same timestamps as a value state (the
     asserted ratio). Against the counts alone the target (1.5x) is out of reach for
     such timers with a byte-level codec: the pairs hold ~3.5 bytes of entropy each (a
     key among a group's ~8k of a million, ~1 byte; a timestamp, ~2.5 bytes) against

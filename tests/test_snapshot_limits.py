@@ -1,7 +1,9 @@
-"""How many keyed states one operator may have: an Arrow union has at most 128
-children (int8 type codes), so a state file of more states shares the value
-union's children by storage type (format version 2, written only then); files of
-up to 128 states stay version 1, byte for byte the layout every pyengine reads."""
+"""How many keyed states one operator may have, and how they share a file: an
+Arrow union has at most 128 children (int8 type codes), so a state file of more
+states shares the value union's children by storage type (format version 2,
+written only then); several states of at most four storage types share them in
+a sparse union (version 3: no offset per row); other files of up to 128 states
+stay version 1, byte for byte the layout every pyengine reads."""
 
 from __future__ import annotations
 
@@ -124,8 +126,8 @@ def test_a_corrupt_state_to_child_map_is_refused(tmp_path: Any) -> None:
         broken = schema.with_metadata({b"pyengine": json.dumps({**meta, "value_children": bad}).encode()})
         with pytest.raises(CorruptStateError, match="value_children"):
             read_schema_info(broken, where="test file")
-    unknown = schema.with_metadata({b"pyengine": json.dumps({**meta, "version": 3}).encode()})
-    with pytest.raises(CorruptStateError, match="version 3; this pyengine reads versions 1, 2"):
+    unknown = schema.with_metadata({b"pyengine": json.dumps({**meta, "version": 4}).encode()})
+    with pytest.raises(CorruptStateError, match="version 4; this pyengine reads versions 1, 2, 3"):
         read_schema_info(unknown, where="test file")
 
 
@@ -217,3 +219,41 @@ def test_an_operator_with_150_states_checkpoints_restores_and_reads_back(tmp_pat
     assert dict(zip(table.column("key").to_pylist(), table.column("value").to_pylist(), strict=True)) == {
         k: len(v) * STATES for k, v in seen.items()
     }
+
+
+@pytest.mark.parametrize("count", [2, 4, 40])
+def test_states_of_a_few_types_share_a_sparse_union(tmp_path: Any, count: int, monkeypatch: Any) -> None:
+    """Several states of at most ``SPARSE_MAX_CHILDREN`` storage types: version 3, a
+    sparse union by type, which round-trips as the others do and is smaller than the
+    dense union it replaces by the offsets' 4 bytes a row (which LZ4 cannot shrink).
+    Four states are four types (int64, float64, string, binary); 40 are five (with a
+    typed list), written sparse here with the threshold raised to five."""
+    from pyengine.snapshot import format as fmt
+
+    if count > 4:
+        monkeypatch.setattr(fmt, "SPARSE_MAX_CHILDREN", 5)
+    columns = [_column(i) for i in range(count)]
+    handle, groups = _write(tmp_path, columns, keys=3000)
+    meta = _metadata(handle)
+    assert (meta["version"], meta["value_encoding"]) == (3, "union_by_type")
+    with open(handle.stream.path, "rb") as f:
+        value_type = ipc.open_file(pa.py_buffer(f.read())).schema.field("value").type
+    assert value_type.mode == "sparse" and value_type.num_fields == min(count, 5)
+    expected = {c.name: {k: v for g in groups[i] for k, v in g.items()} for i, c in enumerate(columns)}
+    assert _read_all(handle) == expected
+    last = columns[-1].name
+    part = _read_all(handle, KeyGroupRange(2, 3))  # a rescale: only these key groups' batches
+    assert part[last] == {k: v for k, v in expected[last].items() if k % MAX_P in (2, 3)}
+    _, entries = read_keyed_state(handle, ALL_GROUPS)
+    specs = {spec.name: spec for _, spec, _, _ in entries}
+    assert specs["s0"].arrow_type == pa.int64() and specs["s1"].arrow_type == pa.float64()
+    if count > 4:
+        assert specs["s4"].storage_type == pa.list_(pa.int64())
+
+    monkeypatch.setattr(fmt, "SPARSE_MAX_CHILDREN", 0)  # the same states, written as before: dense
+    (tmp_path / "dense").mkdir()
+    dense, _ = _write(tmp_path / "dense", columns, keys=3000)
+    assert _metadata(dense)["version"] == 1
+    assert _read_all(dense) == expected
+    rows = sum(len(expected[c.name]) for c in columns)
+    assert dense.stream.size - handle.stream.size >= 3 * rows, (dense.stream.size, handle.stream.size, rows)

@@ -7,12 +7,17 @@ Every file is readable with ``pyarrow.ipc.open_file`` alone. Columns:
 * ``key``: int64 when every key in the file is a 64-bit int, else a dense union
   of ``int`` (int64), ``str`` (utf8) and ``packed`` (binary: the key through the
   safe serializer), whichever holds a key exactly;
-* ``value``: with one state, that state's storage type; with several, a dense
-  union with one child per state (version 1), or, past the 128 children an Arrow
-  union can have (its type codes are int8), one child per distinct storage type,
-  the metadata mapping each state to its child (version 2, written only then: a
-  file of up to 128 states is the same version 1 file as before, which any
-  pyengine reads). A state with a declared Arrow type and no
+* ``value``: with one state, that state's storage type (version 1); with
+  several states of at most four distinct storage types (the usual case: a few
+  declared types, binary for untyped states, int64 for timers), a sparse union
+  with one child per storage type, the metadata mapping each state to its child
+  (version 3: a sparse union has no offset per row, where a dense one costs 4
+  bytes a row that LZ4 cannot shrink; the other children of a batch are nulls,
+  which it can); with more types, a dense union with one child per state
+  (version 1), or, past the 128 children an Arrow union can have (its type codes
+  are int8), one child per distinct storage type and the map (version 2). Files
+  of version 1 are the layout every pyengine reads; a pyengine that does not know
+  a version refuses the file by its number. A state with a declared Arrow type and no
   time-to-live stores its values as that type (lists as ``list<type>``, maps as
   ``map<key, value>``); any other state stores each entry through its
   serializer as binary. Deletions in a delta are null values.
@@ -62,9 +67,16 @@ __all__ = [
 ]
 
 FORMAT_NAME = "pyengine-keyed-state"
-FORMAT_VERSION = 1  # what a file of up to MAX_UNION_CHILDREN states is written as
+FORMAT_VERSION = 1  # what a file of one state, or of many states of many types, is written as
 FORMAT_VERSION_SHARED_CHILDREN = 2  # a file of more states: union children shared by storage type
-READ_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_SHARED_CHILDREN)
+FORMAT_VERSION_SPARSE = 3  # several states of at most SPARSE_MAX_CHILDREN storage types: a sparse union by type
+READ_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_SHARED_CHILDREN, FORMAT_VERSION_SPARSE)
+# A sparse union has no offsets (a dense one costs 4 bytes a row, which LZ4 cannot
+# shrink: they count 0, 1, 2...), but every child is as long as the batch: the
+# children other than the batch's own are zeros, which LZ4 reduces to nothing but
+# which are still made and compressed. With few children that costs less than the
+# offsets; with many, more.
+SPARSE_MAX_CHILDREN = 4
 # An Arrow union's type codes are int8 (0..127), so it has at most 128 children.
 MAX_UNION_CHILDREN = 128
 # The ``state`` column's run values are int16.
@@ -280,13 +292,17 @@ def _int_key_union(keys: Any) -> pa.Array:
     )
 
 
-def _union_of(children_types: Sequence[pa.DataType], names: Sequence[str], index: int, child: pa.Array) -> pa.Array:
+def _union_of(
+    children_types: Sequence[pa.DataType], names: Sequence[str], index: int, child: pa.Array, sparse: bool
+) -> pa.Array:
     n = len(child)
+    codes = pa.array(np.full(n, index, np.int8))
+    if sparse:  # the other children: nulls, as long as the batch
+        children = [child if i == index else pa.nulls(n, t) for i, t in enumerate(children_types)]
+        return pa.UnionArray.from_sparse(codes, children, list(names))
     children = [pa.array([], t) for t in children_types]
     children[index] = child
-    return pa.UnionArray.from_dense(
-        pa.array(np.full(n, index, np.int8)), pa.array(np.arange(n, dtype=np.int32)), children, list(names)
-    )
+    return pa.UnionArray.from_dense(codes, pa.array(np.arange(n, dtype=np.int32)), children, list(names))
 
 
 def _plan_batches(groups: Sequence[Any], key_group_range: KeyGroupRange, num_states: int) -> List[_Batch]:
@@ -349,21 +365,32 @@ def _plan_changes(state_index: int, changes: ColumnarChanges, key_group_range: K
     return plan
 
 
-def value_layout(columns: Sequence[StateColumn]) -> Tuple[List[pa.DataType], Optional[List[int]]]:
-    """The value union's children and, when they are shared, each state's child.
+def value_layout(columns: Sequence[StateColumn]) -> Tuple[List[pa.DataType], Optional[List[int]], bool]:
+    """The value union's children, each state's child when they are shared, and
+    whether the union is sparse.
 
-    Up to ``MAX_UNION_CHILDREN`` states: one child per state (version 1, None). More:
-    one child per distinct storage type, in order of first use, with the state ->
-    child map (version 2) — an operator's states are mostly a handful of types
-    (binary for untyped ones, a few declared ones; a job with timers has up to 18
-    timer states of int64 alone), so a union of types has room for any number of
-    states. ``ValueError``, naming the limit, when even the distinct types are too
-    many, or the states more than the ``state`` column's int16 holds:
-    ``check_state_count`` says so when the states are declared."""
+    Several states of at most ``SPARSE_MAX_CHILDREN`` distinct storage types (the
+    common case: a few declared types and binary for untyped states; a job with
+    timers adds int64 ones): a sparse union with one child per distinct type, in
+    order of first use, and the state -> child map (version 3). Otherwise up to
+    ``MAX_UNION_CHILDREN`` states: a dense union with one child per state (version
+    1, None). More: a dense union with one child per distinct type and the map
+    (version 2) — an operator's states are mostly a handful of types, so a union of
+    types has room for any number of states. ``ValueError``, naming the limit, when
+    even the distinct types are too many, or the states more than the ``state``
+    column's int16 holds: ``check_state_count`` says so when the states are declared."""
     types = [c.storage_type for c in columns]
     check_state_count(len(columns), types)
+    children, child_of = _by_type(types)
+    if 1 < len(columns) and len(children) <= SPARSE_MAX_CHILDREN:
+        return children, child_of, True
     if len(columns) <= MAX_UNION_CHILDREN:
-        return types, None
+        return types, None, False
+    return children, child_of, False
+
+
+def _by_type(types: Sequence[pa.DataType]) -> Tuple[List[pa.DataType], List[int]]:
+    """The distinct types, in order of first use, and each type's index among them."""
     children: List[pa.DataType] = []
     child_of: List[int] = []
     for t in types:
@@ -416,7 +443,7 @@ def write_keyed_state(
     value, or ColumnarSlices) to ``stream`` (a CheckpointStateOutputStream, or one
     duplicating it) and returns the handle. The stream is closed here, or aborted
     on error."""
-    value_types, child_of = value_layout(columns)
+    value_types, child_of, sparse = value_layout(columns)
     shared_children = child_of is not None
     value_names = [f"{'t' if shared_children else 's'}{i}" for i in range(len(value_types))]
     plan = _plan_batches(groups, key_group_range, len(columns))
@@ -425,7 +452,13 @@ def write_keyed_state(
     plain_values = len(columns) == 1
     meta: Dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION_SHARED_CHILDREN if shared_children else FORMAT_VERSION,
+        "version": (
+            FORMAT_VERSION
+            if plain_values or not shared_children
+            else FORMAT_VERSION_SPARSE
+            if sparse
+            else FORMAT_VERSION_SHARED_CHILDREN
+        ),
         "backend": backend,
         "max_parallelism": max_parallelism,
         "key_groups": [key_group_range.start, key_group_range.end],
@@ -436,7 +469,8 @@ def write_keyed_state(
     }
     if child_of is not None:
         meta["value_children"] = child_of
-    value_union = pa.dense_union([pa.field(n, t) for n, t in zip(value_names, value_types, strict=True)])
+    value_fields = [pa.field(n, t) for n, t in zip(value_names, value_types, strict=True)]
+    value_union = pa.sparse_union(value_fields) if sparse else pa.dense_union(value_fields)
     schema = pa.schema(
         [
             pa.field("key_group", _RUNS),
@@ -477,7 +511,7 @@ def write_keyed_state(
             value_child = _value_child(column, [v for _, v in items])
         n = len(key_array)
         child = state_index if child_of is None else child_of[state_index]
-        value_array = value_child if plain_values else _union_of(value_types, value_names, child, value_child)
+        value_array = value_child if plain_values else _union_of(value_types, value_names, child, value_child, sparse)
         return pa.record_batch(
             [_runs(run_groups, lengths), _runs([state_index], [n]), key_array, value_array], schema=schema
         )
@@ -571,7 +605,7 @@ def read_schema_info(schema: pa.Schema, *, where: str) -> SchemaInfo:
     encoding = meta.get("value_encoding")
     plain_values = encoding == "plain"
     value_children: Optional[Tuple[int, ...]] = None
-    if version == FORMAT_VERSION_SHARED_CHILDREN and encoding == "union_by_type":
+    if version in (FORMAT_VERSION_SHARED_CHILDREN, FORMAT_VERSION_SPARSE) and encoding == "union_by_type":
         value_children = _checked_children(meta.get("value_children"), len(meta["states"]), value_field, where)
     elif not plain_values and encoding not in ("union", None):  # absent: a union by state, as always
         raise CorruptStateError(f"{where}: value encoding {encoding!r} is not one of version {version}")
@@ -624,9 +658,11 @@ def _checked_children(raw: Any, count: int, value_field: pa.DataType, where: str
 
 
 def _union_child(column: Any, code: int) -> pa.Array:
-    """The rows of a (possibly sliced) dense union as its child ``code``: the files
-    this module writes use one child per batch, at offsets 0..n-1, so a slice of
-    the union is the matching slice of that child."""
+    """The rows of a (possibly sliced) union as its child ``code``: the files this
+    module writes use one child per batch (in a dense union, at offsets 0..n-1),
+    so a slice of the union is the matching slice of that child."""
+    if column.type.mode == "sparse":
+        return column.field(code)  # pyarrow slices a sparse union's child with it
     if not len(column):
         return column.field(code).slice(0, 0)
     return column.field(code).slice(column.offsets[0].as_py(), len(column))
