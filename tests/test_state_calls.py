@@ -924,3 +924,47 @@ def test_a_list_view_pickles_as_the_list_it_shows() -> None:
     lst.add(3)
     again = pickle.loads(pickle.dumps(view))
     assert again == [1, 2] and type(again) is list
+
+
+def test_a_buffer_of_slow_records_reads_the_ttl_clock_every_64_records(monkeypatch) -> None:
+    """A keyed function's buffer runs in TTL steps of TTL_STEP_RECORDS records: with
+    records that take 10 ms each, a write at the end of a 200-record buffer is
+    stamped at most 64 records' time before it happened, not 2 s (the buffer's
+    start), so it is still alive for a read just after. Per buffer, a 500 ms TTL
+    expired it at once (a new-user trial's finding)."""
+    import pyengine.state.heap as heap
+    from pyengine.runtime.operators import TTL_STEP_RECORDS, KeyedProcessOperator, OperatorContext, key_selector
+    from pyengine.runtime.operators import KeyedProcessFunction as KPF
+
+    wall = [10_000]
+    monkeypatch.setattr(heap, "_time_ns", lambda: wall[0] * 1_000_000)
+    seen = ValueStateDescriptor("seen", ttl=500)
+
+    class Slow(KPF):
+        def open(self, ctx):
+            self.seen = ctx.get_state(seen)
+
+        def process_element(self, value, ctx):
+            wall[0] += 10  # 10 ms of work a record
+            if value["op"] == "write":
+                self.seen.update(wall[0])
+            elif value["op"] == "read":
+                yield (value["i"], self.seen.value())
+
+    op = KeyedProcessOperator("slow", "slow", key_selector("k"), Slow())
+    ctx = OperatorContext(
+        job_name="ttl",
+        subtask=0,
+        parallelism=1,
+        max_parallelism=8,
+        state_backend="heap",
+        local_recovery_dir=None,
+        attempt=0,
+    )
+    op.setup(ctx, None)
+    op.open()
+    buffer = [{"k": i % 3 if i < 199 else "w", "op": "pad", "i": i} for i in range(199)]
+    op.process([*buffer, {"k": "w", "op": "write", "i": 199}])
+    written_at = wall[0]
+    assert op.process([{"k": "w", "op": "read", "i": 200}]) == [(200, written_at)]
+    assert 200 > 2 * TTL_STEP_RECORDS  # the buffer above spans several steps

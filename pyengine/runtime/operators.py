@@ -36,6 +36,7 @@ from ..time.service import TimerService
 
 log = logging.getLogger(__name__)
 _ABSENT_KEY = object()  # no key seen yet (None is a key)
+TTL_STEP_RECORDS = 64  # records per TTL clock read in a keyed function (see _process_keyed)
 
 __all__ = [
     "NaNKeyError",
@@ -654,22 +655,30 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
         # it is found below and refused by the selector itself, as before
         fast = getattr(select, "fast", None)
         get_key = select if fast is None else fast
-        # One processing time for the buffer's TTL checks and stamps (Flink's
-        # TtlTimeProvider): one clock read per buffer, not per record.
-        backend.begin_ttl_step(records=len(records))
+        # One processing time for a step's TTL checks and stamps (Flink's
+        # TtlTimeProvider): a clock read per TTL_STEP_RECORDS records, not per record.
+        # Per buffer, a stamp could be a whole buffer's processing old when written
+        # (a second for 1,024 records of 1 ms each) and the entry expire that early.
+        steps = (
+            [records[i : i + TTL_STEP_RECORDS] for i in range(0, len(records), TTL_STEP_RECORDS)]
+            if len(records) > TTL_STEP_RECORDS and backend.ttl_in_use
+            else (records,)
+        )
         try:
-            for r in records:
-                key = get_key(r)
-                if key.__class__ is float and key != key:
-                    raise NaNKeyError(f"{self.where()}: the key of record {r!r} is NaN")
-                set_current_key(key)
-                kctx.current_key = key
-                kctx._record = r
-                produced = element(r, kctx)
-                if produced is not None:
-                    if produced.__class__ is dict or produced.__class__ is str:
-                        raise not_records(produced, self.where(), getattr(element, "__name__", "process_element"))
-                    out.extend(produced)
+            for step in steps:
+                backend.begin_ttl_step(records=len(step))
+                for r in step:
+                    key = get_key(r)
+                    if key.__class__ is float and key != key:
+                        raise NaNKeyError(f"{self.where()}: the key of record {r!r} is NaN")
+                    set_current_key(key)
+                    kctx.current_key = key
+                    kctx._record = r
+                    produced = element(r, kctx)
+                    if produced is not None:
+                        if produced.__class__ is dict or produced.__class__ is str:
+                            raise not_records(produced, self.where(), getattr(element, "__name__", "process_element"))
+                        out.extend(produced)
         except NonRetryableError:
             raise
         except Exception as exc:

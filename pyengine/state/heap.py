@@ -1477,6 +1477,11 @@ class HeapKeyedStateBackend:
             self._ttl_cleanup(records, now_ms)
         self._ttl_now = self._ttl_step_now = now_ms
 
+    @property
+    def ttl_in_use(self) -> bool:
+        """Whether any state of this backend has a TTL (steps read the clock then)."""
+        return bool(self._ttl_states)
+
     def end_ttl_step(self) -> None:
         """The step is over: outside steps TTL reads the clock once per record again."""
         self._ttl_step = False
