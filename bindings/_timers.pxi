@@ -400,7 +400,7 @@ cdef class TimerHeap:
             ctx._timer_ts = ts
             result = on_timer(ts, ctx)
             if result is not None:
-                if type(result) is dict or type(result) is str:
+                if type(result) is dict or type(result) is str or not hasattr(result, "__iter__"):
                     from pyengine.errors import not_records
                     raise not_records(result, "", "on_timer")
                 out.extend(result)

@@ -647,6 +647,25 @@ class StreamEnvironment:
         return JobClient(self._runner(name, restore_from, resume, runner))
 
 
+def _check_overrides(fn: Any, base: type, names: Sequence[str]) -> None:
+    """Refuses, while the job is built, a function whose class leaves one of
+    ``names`` to ``base`` (which raises NotImplementedError per record): a misspelt
+    ``process_element`` otherwise failed the running job with an empty
+    NotImplementedError, after every restart."""
+    import difflib
+
+    cls = type(fn)
+    for name in names:
+        if getattr(cls, name, None) is getattr(base, name) and name not in getattr(fn, "__dict__", {}):
+            own = [m for c in cls.__mro__ if c is not base and c not in base.__mro__ for m in vars(c)]
+            close = difflib.get_close_matches(name, own, n=1, cutoff=0.7)
+            hint = f" ({cls.__name__} defines {close[0]!r}: rename it to {name!r})" if close else ""
+            raise TypeError(
+                f"{cls.__name__} does not define {name}(self, value, ctx), which a {base.__name__} runs for "
+                f"every record{hint}"
+            )
+
+
 def _named(obj: Any) -> str:
     """An object as a message names it: an instance by its class (a repr with an address
     says nothing to the user who wrote the class)."""
@@ -956,6 +975,7 @@ class DataStream:
             raise TypeError(f"process takes an instance of a ProcessFunction: pass {fn.__name__}(), not the class")
         if not isinstance(fn, ProcessFunction):
             raise TypeError(f"process takes a pe.ProcessFunction, got {fn!r}")
+        _check_overrides(fn, ProcessFunction, ["process_element"])
 
         timestamps = self._timestamps
         return self._op("process", lambda uid, n, _c: ProcessOperator(uid, n, per_subtask(fn, n), (timestamps, None)))
@@ -1141,6 +1161,7 @@ class ConnectedStreams:
                         else ""
                     )
                 )
+            _check_overrides(fn, KeyedCoProcessFunction, ["process_element1", "process_element2"])
             selectors = (first._select, second._select)
 
             def factory(uid: str, n: str, _c: bool) -> Operator:
@@ -1157,6 +1178,7 @@ class ConnectedStreams:
                         else ""
                     )
                 )
+            _check_overrides(fn, CoProcessFunction, ["process_element1", "process_element2"])
 
             def factory(uid: str, n: str, _c: bool) -> Operator:
                 return ProcessOperator(uid, n, per_subtask(fn, n), stamps)
@@ -1220,6 +1242,7 @@ class BroadcastConnectedStream:
                         else ""
                     )
                 )
+            _check_overrides(fn, KeyedBroadcastProcessFunction, ["process_element", "process_broadcast_element"])
             select = first._select
 
             def factory(uid: str, n: str, _c: bool) -> Operator:
@@ -1238,6 +1261,7 @@ class BroadcastConnectedStream:
                         else ""
                     )
                 )
+            _check_overrides(fn, BroadcastProcessFunction, ["process_element", "process_broadcast_element"])
 
             def factory(uid: str, n: str, _c: bool) -> Operator:
                 return BroadcastProcessOperator(uid, n, per_subtask(fn, n), descriptors, stamps)
@@ -1326,6 +1350,7 @@ class KeyedStream:
             raise TypeError(f"process takes an instance of a KeyedProcessFunction: pass {fn.__name__}(), not the class")
         if not isinstance(fn, KeyedProcessFunction):
             raise TypeError(f"process takes a pyengine.KeyedProcessFunction, got {fn!r}")
+        _check_overrides(fn, KeyedProcessFunction, ["process_element"])
 
         select = self._select
         timestamps = self._stream._timestamps

@@ -54,7 +54,14 @@ class OutputTypeError(NonRetryableError, TypeError):
 
 
 def not_records(produced: Any, where: str, call: str) -> OutputTypeError:
-    """The error for ``produced``, what ``call`` returned (a dict or a str)."""
+    """The error for ``produced``, what ``call`` returned (a dict or a str, or
+    something that is not iterable at all)."""
+    if not hasattr(produced, "__iter__"):
+        name = type(produced).__name__
+        return OutputTypeError(
+            f"{where + ': ' if where else ''}{call} returned {produced!r:.60} ({'an' if name[0] in 'aeiou' else 'a'} "
+            f"{name}), which is not records: yield each record (or return a list of them, or nothing)"
+        )
     what = "keys" if produced.__class__ is dict else "characters"
     return OutputTypeError(
         f"{where + ': ' if where else ''}{call} returned a {type(produced).__name__}, whose {what} would be "

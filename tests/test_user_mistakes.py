@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, List
 
+import pyarrow as pa
 import pytest
 
 import pyengine as pe
@@ -146,6 +147,9 @@ def test_a_function_class_instead_of_an_instance_is_refused_when_built() -> None
 class TimerInOpen(pe.KeyedProcessFunction):
     def open(self, ctx: Any) -> None:
         ctx.timer_service().register_event_time_timer(100)
+
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        return ()
 
 
 def test_a_timer_registered_in_open_fails_at_once_and_says_where_timers_go() -> None:
@@ -330,3 +334,88 @@ def test_a_keyed_streams_method_on_a_stream_not_keyed_says_to_key_it(name: str) 
         getattr(stream, name)
     with pytest.raises(AttributeError, match="has no attribute 'windw'"):
         stream.windw  # noqa: B018  # a misspelt name stays Python's error
+
+
+def test_a_misspelt_process_element_is_refused_while_the_job_is_built() -> None:
+    """A function whose class leaves process_element to the base class failed the
+    running job with an empty NotImplementedError after every restart (a new-user
+    trial); it is refused at .process(), naming the method and the near miss."""
+    import pyengine as pe
+
+    class Typo(pe.KeyedProcessFunction):
+        def process_elements(self, value: Any, ctx: Any) -> Any:
+            yield value
+
+    env = pe.StreamEnvironment()
+    keyed = env.from_collection([1, 2]).key_by(lambda r: r)
+    with pytest.raises(TypeError, match=r"Typo does not define process_element.*'process_elements': rename it"):
+        keyed.process(Typo())
+
+    class Half(pe.KeyedCoProcessFunction):
+        def process_element1(self, value: Any, ctx: Any) -> Any:
+            yield value
+
+    other = env.from_collection([3]).key_by(lambda r: r)
+    with pytest.raises(TypeError, match="Half does not define process_element2"):
+        keyed.connect(other).process(Half())
+
+    class Assigned(pe.KeyedProcessFunction):  # defined on the instance: fine
+        def __init__(self) -> None:
+            self.process_element = lambda value, ctx: [value]
+
+    sink = pe.sinks.CollectSink()
+    keyed.process(Assigned()).sink_to(sink)
+    assert sorted(env.execute("assigned").records) == [1, 2]
+
+
+class WrongType(pe.KeyedProcessFunction):
+    def __init__(self, mistake: str) -> None:
+        self.mistake = mistake
+
+    def open(self, ctx: Any) -> None:
+        self.amounts = ctx.get_list_state(pe.state.ListStateDescriptor("amounts", pa.float64()))
+        if self.mistake == "two kinds":
+            ctx.get_state(pe.state.ValueStateDescriptor("amounts"))
+
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        self.amounts.add("12.5" if self.mistake == "type" else 12.5)
+        return ()
+
+
+@pytest.mark.parametrize("mistake", ["type", "two kinds"])
+def test_a_value_of_the_wrong_type_or_a_name_of_two_states_fails_at_once(mistake: str) -> None:
+    """The replay after a restart writes the same value (asks for the same name) again,
+    so these fail the job at once instead of after every restart (a new-user trial)."""
+    env = pe.StreamEnvironment(parallelism=1, restart_attempts=3)
+    env.from_collection(RECORDS).key_by("user").process(WrongType(mistake)).sink_to(pe.sinks.CollectSink())
+    cause = _failed(env)
+    if mistake == "type":
+        assert isinstance(cause, pe.state.StateTypeError) and "'12.5' is not a double value" in str(cause)
+    else:
+        assert isinstance(cause.__cause__ or cause, pe.state.StateNameConflictError)  # raised in open()
+        assert "already registered" in str(cause)
+
+
+class ReturnsAnInt(pe.KeyedProcessFunction):
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        ctx.timer_service().register_event_time_timer(value["ts"] + 5)
+        return 1 if self.where == "process_element" else ()
+
+    def on_timer(self, timestamp: int, ctx: Any) -> Any:
+        return timestamp
+
+
+@pytest.mark.parametrize("where", ["process_element", "on_timer"])
+def test_a_function_that_returns_an_int_fails_at_once_and_says_to_yield(where: str) -> None:
+    """``return 5`` failed with "'int' object is not iterable" after every restart (a
+    new-user trial): now at once, naming the call and the fix."""
+    env = pe.StreamEnvironment(parallelism=1, restart_attempts=3)
+    env.from_collection(RECORDS, watermark_strategy=STRATEGY).key_by("user").process(ReturnsAnInt(where)).sink_to(
+        pe.sinks.CollectSink()
+    )
+    cause = _failed(env)
+    assert isinstance(cause, OutputTypeError)
+    assert f"{where} returned" in str(cause) and "(an int), which is not records: yield each record" in str(cause)

@@ -678,7 +678,14 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
                     if produced is not None:
                         if produced.__class__ is dict or produced.__class__ is str:
                             raise not_records(produced, self.where(), getattr(element, "__name__", "process_element"))
-                        out.extend(produced)
+                        try:
+                            out.extend(produced)
+                        except TypeError:
+                            if not hasattr(produced, "__iter__"):  # else the generator's own TypeError
+                                raise not_records(
+                                    produced, self.where(), getattr(element, "__name__", "process_element")
+                                ) from None
+                            raise
         except NonRetryableError:
             raise
         except Exception as exc:

@@ -21,6 +21,8 @@ from .serializers import serializer_for
 __all__ = [
     "AggregateFunction",
     "StateDescriptorError",
+    "StateNameConflictError",
+    "StateTypeError",
     "AggregatingStateDescriptor",
     "ListStateDescriptor",
     "MapStateDescriptor",
@@ -56,6 +58,16 @@ class StateDescriptorError(NonRetryableError, TypeError):
     """A state descriptor that cannot work as written (an Arrow type where the default
     goes, a default that is not of the declared type): the same code fails the same way
     after any restart, so a job fails at once."""
+
+
+class StateTypeError(NonRetryableError, TypeError):
+    """A value written to a state that does not fit the state's declared Arrow type:
+    the replay after a restart writes it again, so a job fails at once."""
+
+
+class StateNameConflictError(NonRetryableError, ValueError):
+    """One state name asked for with two different descriptors (another kind, type or
+    TTL): the same code asks again after any restart, so a job fails at once."""
 
 
 class TtlUpdateType(enum.Enum):

@@ -61,7 +61,9 @@ from .descriptors import (
     ReducingStateDescriptor,
     StateDescriptor,
     StateDescriptorError,
+    StateNameConflictError,
     StateTtlConfig,
+    StateTypeError,
     StateVisibility,
     T,
     TtlUpdateType,
@@ -110,7 +112,7 @@ def _validator(arrow_type: Optional[pa.DataType], what: str) -> Optional[Callabl
 
         def check_int(v: Any) -> None:
             if type(v) is not int or not lo <= v <= hi:
-                raise TypeError(f"{what}: {v!r} is not a {arrow_type} value")
+                raise StateTypeError(f"{what}: {v!r} is not a {arrow_type} value")
 
         check_int.pyengine_int_range = (lo, hi)  # type: ignore[attr-defined]  # the C state calls run it
         return check_int
@@ -127,7 +129,7 @@ def _validator(arrow_type: Optional[pa.DataType], what: str) -> Optional[Callabl
 
             def check(v: Any, types: Tuple[type, ...] = types) -> None:
                 if type(v) not in types:
-                    raise TypeError(f"{what}: {v!r} is not a {arrow_type} value")
+                    raise StateTypeError(f"{what}: {v!r} is not a {arrow_type} value")
 
             check.pyengine_types = types  # type: ignore[attr-defined]  # the C state calls run it
             return check
@@ -1522,7 +1524,7 @@ class HeapKeyedStateBackend:
         state = self._states.get(descriptor.name)
         if state is not None:
             if state._table.descriptor != descriptor:
-                raise ValueError(
+                raise StateNameConflictError(
                     f"state {descriptor.name!r} is already registered as {state._table.descriptor!r}; "
                     f"it cannot also be {descriptor!r}"
                 )

@@ -362,7 +362,7 @@ class TimerQueue:
             ctx._timer_ts = ts
             result = on_timer(ts, ctx)
             if result is not None:
-                if result.__class__ is dict or result.__class__ is str:
+                if result.__class__ is dict or result.__class__ is str or not hasattr(result, "__iter__"):
                     raise not_records(result, "", "on_timer")
                 out.extend(result)
 
