@@ -109,3 +109,66 @@ def test_a_wrong_value_for_a_typed_state_is_reported(mypy_output) -> None:
     assert 'Argument 1 to "put" of "MapState" has incompatible type "int"' in errors, out
     assert 'expression has type "int | None", variable has type "str"' in errors, out
     assert 'Argument 1 to "add" of "ListState" has incompatible type "str"; expected "float"' in errors, out
+
+
+@pytest.mark.parametrize("key", [7, "seven", (7,)])
+def test_an_int_written_to_a_float_state_reads_as_a_float_before_and_after_a_restore(tmp_path, key) -> None:
+    """A new-user trial: a float64 value state with str keys returned 1 before a
+    failure and 1.0 after it (a parquet column turned from int64 to double); with int
+    keys (columns) it was 1.0 all along. Now every floating state stores floats."""
+    import pyarrow as pa
+
+    from pyengine.state import (
+        ListStateDescriptor,
+        MapStateDescriptor,
+        ReducingStateDescriptor,
+        ValueStateDescriptor,
+        create_keyed_backend,
+    )
+    from pyengine.storage import checkpoint_storage
+
+    def add(a, b):
+        return a + b
+
+    descriptors = {
+        "value": ValueStateDescriptor("value", 0, pa.float64()),
+        "list": ListStateDescriptor("list", pa.float32()),
+        "map": MapStateDescriptor("map", pa.string(), pa.float64()),
+        "reducing": ReducingStateDescriptor("reducing", add, pa.float64()),
+        "ttl": ValueStateDescriptor("ttl", None, pa.float64(), ttl=3_600_000),
+    }
+
+    def read(backend):
+        backend.set_current_key(key)
+        s = {name: backend.get_state(d) for name, d in descriptors.items()}
+        return [
+            s["value"].value(),
+            s["list"].get(),
+            s["map"].get("a"),
+            s["map"].get("b"),
+            s["reducing"].get(),
+            s["ttl"].value(),
+        ]
+
+    backend = create_keyed_backend("heap")
+    backend.set_current_key(key)
+    states = {name: backend.get_state(d) for name, d in descriptors.items()}
+    assert type(states["value"].value()) is float  # the int default, as stored
+    states["value"].update(1)
+    states["list"].add(2)
+    states["list"].add_all([3])
+    states["map"].put("a", 4)
+    states["map"].put_all({"b": 5})
+    states["reducing"].add(6)
+    states["ttl"].update(7)
+    before = read(backend)
+    assert before == [1.0, [2.0, 3.0], 4.0, 5.0, 6.0, 7.0]
+    storage = checkpoint_storage(str(tmp_path / "ckpt"), "floats")
+    restored = create_keyed_backend("heap")
+    restored.restore(backend.snapshot(1, storage.location(1)).run().handles)
+    after = read(restored)
+    assert after == before
+    flat = lambda values: [x for v in values for x in (v if isinstance(v, list) else [v])]  # noqa: E731
+    assert [type(x) for x in flat(before)] == [type(x) for x in flat(after)] == [float] * 7
+    with pytest.raises(TypeError, match="is not a double value"):
+        states["value"].update(2**2000)  # no float holds it

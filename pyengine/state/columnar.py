@@ -151,6 +151,8 @@ class ColumnarValueState(_native.ColumnarValueCalls):
 
     def __init__(self, backend: Any, table: ColumnarValueTable, check: Any) -> None:
         default = table.descriptor.default  # type: ignore[attr-defined]
+        if default is not None and check is not None:
+            default = check(default)  # as stored: a float column's int default reads as a float
         # The int64 column's check is int64's range: the C path skips it for an int that fits.
         int64_checked = check is not None and table.dtype == np.dtype(np.int64)
         super().__init__(backend, table.groups, default, check, int64_checked)
@@ -186,7 +188,7 @@ class ColumnarValueState(_native.ColumnarValueCalls):
             group = self._group()
             if group is not None:
                 if self._check is not None:
-                    self._check(value)
+                    value = self._check(value)
                 group.put(self._backend._key, value)
                 return
         self._fallback.update(value)

@@ -97,11 +97,30 @@ def _is_immutable(value: Any) -> bool:
     return t is tuple and all(_is_immutable(v) for v in value)
 
 
-def _validator(arrow_type: Optional[pa.DataType], what: str) -> Optional[Callable[[Any], None]]:
+def _validator(arrow_type: Optional[pa.DataType], what: str) -> Optional[Callable[[Any], Any]]:
     """A cheap per-write check that a value fits a declared Arrow type, so a bad
-    value fails where it is written, not later in a snapshot."""
+    value fails where it is written, not later in a snapshot. It returns the value
+    to store: the value itself, but for a floating type an int as a float, so a
+    float state reads floats whether or not it was restored since, and whatever
+    its keys (a columnar one stored floats already; a new-user trial saw a parquet
+    column turn from int64 to double after a failure)."""
     if arrow_type is None:
         return None
+    if pa.types.is_floating(arrow_type):
+
+        def check_float(v: Any) -> Any:
+            t = type(v)
+            if t is float:
+                return v
+            if t is int:
+                try:
+                    return float(v)
+                except OverflowError:
+                    pass
+            raise StateTypeError(f"{what}: {v!r} is not a {arrow_type} value")
+
+        check_float.pyengine_types = (float,)  # type: ignore[attr-defined]  # C takes floats; ints come here
+        return check_float
     if pa.types.is_integer(arrow_type):
         bits = arrow_type.bit_width
         lo, hi = (
@@ -110,14 +129,14 @@ def _validator(arrow_type: Optional[pa.DataType], what: str) -> Optional[Callabl
             else (-(1 << (bits - 1)), (1 << (bits - 1)) - 1)
         )
 
-        def check_int(v: Any) -> None:
+        def check_int(v: Any) -> Any:
             if type(v) is not int or not lo <= v <= hi:
                 raise StateTypeError(f"{what}: {v!r} is not a {arrow_type} value")
+            return v
 
         check_int.pyengine_int_range = (lo, hi)  # type: ignore[attr-defined]  # the C state calls run it
         return check_int
     simple = {
-        pa.types.is_floating: (int, float),
         pa.types.is_string: (str,),
         pa.types.is_large_string: (str,),
         pa.types.is_binary: (bytes,),
@@ -127,9 +146,10 @@ def _validator(arrow_type: Optional[pa.DataType], what: str) -> Optional[Callabl
     for test, types in simple.items():
         if test(arrow_type):
 
-            def check(v: Any, types: Tuple[type, ...] = types) -> None:
+            def check(v: Any, types: Tuple[type, ...] = types) -> Any:
                 if type(v) not in types:
                     raise StateTypeError(f"{what}: {v!r} is not a {arrow_type} value")
+                return v
 
             check.pyengine_types = types  # type: ignore[attr-defined]  # the C state calls run it
             return check
@@ -443,9 +463,7 @@ class _KeyedState(_StateCalls):
         self._table = table
         self._ttl = ttl
         d = table.descriptor
-        self._check: Optional[Callable[[Any], None]] = _validator(
-            getattr(d, "type", None), f"{d.kind} state {d.name!r}"
-        )
+        self._check: Optional[Callable[[Any], Any]] = _validator(getattr(d, "type", None), f"{d.kind} state {d.name!r}")
 
     @property
     def name(self) -> str:
@@ -522,7 +540,8 @@ class ValueState(_ValueCalls, _KeyedState, Generic[T]):
         super().__init__(backend, table, ttl)
         d = table.descriptor
         assert isinstance(d, ValueStateDescriptor)
-        self._default = d.default
+        # as stored: an int default of a float state reads as a float, as its values do
+        self._default = d.default if d.default is None or self._check is None else self._check(d.default)
 
     if TYPE_CHECKING:  # in C (``_native.ValueCalls``), which comes back to the methods below
 
@@ -562,7 +581,7 @@ class ValueState(_ValueCalls, _KeyedState, Generic[T]):
             self.clear()
             return
         if self._check is not None:
-            self._check(value)
+            value = self._check(value)
         b = self._backend
         index = b._key_index
         if index < 0:
@@ -600,7 +619,7 @@ class _FoldingState(_KeyedState):
             current = self._initial()
         folded = value if current is _ABSENT else self._fold(current, value)
         if self._check is not None:
-            self._check(folded)
+            folded = self._check(folded)
         index, key = self._where()
         self._store(index, key, folded)
 
@@ -842,7 +861,7 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
         if value is None:
             raise ValueError(f"list state {self.name!r}: None cannot be added to a list state")
         if self._check is not None:
-            self._check(value)
+            value = self._check(value)
         return value
 
     if TYPE_CHECKING:  # in C (``_native.ListCalls``), which comes back to _add_py
@@ -852,7 +871,7 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
 
     def _add_py(self, value: T) -> None:
         if value is None or self._check is not None:
-            self._element(value)
+            value = self._element(value)
         b = self._backend
         index = b._key_index
         if index < 0:
@@ -1015,7 +1034,7 @@ class MapState(_MapCalls, _KeyedState, Generic[K, V]):
         if self._check_key is not None:
             self._check_key(user_key)
         if self._check is not None and value is not None:
-            self._check(value)
+            value = self._check(value)
         b = self._backend
         index = b._key_index
         if index < 0:
@@ -1040,11 +1059,12 @@ class MapState(_MapCalls, _KeyedState, Generic[K, V]):
         """Sets several entries of the current key's map."""
         if not entries:
             return
-        for k, v in entries.items():
-            if self._check_key is not None:
+        if self._check_key is not None:
+            for k in entries:
                 self._check_key(k)
-            if self._check is not None and v is not None:
-                self._check(v)
+        check = self._check
+        if check is not None:
+            entries = {k: v if v is None else check(v) for k, v in entries.items()}
         index, key = self._where()
         ttl = self._ttl
         if ttl is not None:
@@ -1170,7 +1190,7 @@ class _TtlValueState(ValueState[T]):
             self.clear()
             return
         if self._check is not None:
-            self._check(value)
+            value = self._check(value)
         b = self._backend
         index = b._key_index
         if index < 0:
@@ -1199,7 +1219,7 @@ class _TtlListState(ListState[T]):
 
     def _add_py(self, value: T) -> None:
         if value is None or self._check is not None:
-            self._element(value)
+            value = self._element(value)
         b = self._backend
         index = b._key_index
         if index < 0:
@@ -1279,7 +1299,7 @@ class _TtlMapState(MapState[K, V]):
         if self._check_key is not None:
             self._check_key(user_key)
         if self._check is not None and value is not None:
-            self._check(value)
+            value = self._check(value)
         b = self._backend
         index = b._key_index
         if index < 0:
