@@ -179,6 +179,16 @@ cdef inline int _private(object table_obj, Py_ssize_t index, object key) except 
     return 1 if PySet_Contains(owned, key) else 0
 
 
+cdef inline object _handed_out(StateTableBase table, Py_ssize_t index, object key, object value):
+    """``value``, the state's own mutable object, about to be handed to user code,
+    which may change it in place without a write: for an incremental backend the key
+    is then changed (in its next delta), or a restore would bring back the old value
+    while the running job went on with the new one."""
+    if table.changes is not None:
+        PySet_Add(<object>PyList_GET_ITEM(table.changes, index), key)
+    return value
+
+
 cdef inline object _group(object table_obj, Py_ssize_t index):
     """Key group ``index``'s dict of a dict-backed table, or None when the table is
     not one, or its lists are not as ``StateTable`` makes them (the Python path then)."""
@@ -287,8 +297,10 @@ cdef class ValueCalls(StateCalls):
                         if not self._live(stored):
                             return self._value_py()  # removes an expired one
                         stored = (<tuple>stored)[0]
-                    if _atomic(stored) or _private(table, index, key) == 1:
+                    if _atomic(stored):
                         return stored
+                    if _private(table, index, key) == 1:
+                        return _handed_out(table, index, key, stored)
         return self._value_py()
 
     def update(self, value):
@@ -432,8 +444,10 @@ cdef class MapCalls(StateCalls):
                 if not self._live(entry):
                     return self._get_py(user_key)  # removes an expired one
                 entry = (<tuple>entry)[0]
-            if _atomic(entry) or _private(self._table, index, key) == 1:
+            if _atomic(entry):
                 return entry
+            if _private(self._table, index, key) == 1:
+                return _handed_out(<StateTableBase>self._table, index, key, entry)
         return self._get_py(user_key)
 
     def contains(self, user_key):

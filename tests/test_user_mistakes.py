@@ -419,3 +419,45 @@ def test_a_function_that_returns_an_int_fails_at_once_and_says_to_yield(where: s
     cause = _failed(env)
     assert isinstance(cause, OutputTypeError)
     assert f"{where} returned" in str(cause) and "(an int), which is not records: yield each record" in str(cause)
+
+
+@pytest.mark.parametrize("arrow", [False, True])
+def test_a_fractional_float_timestamp_is_refused_and_a_whole_one_read(arrow: bool) -> None:
+    """999.9 was truncated to 999 and epoch seconds from time.time() were read as
+    milliseconds of January 1970, silently (a new-user trial); a whole float is still
+    whole milliseconds."""
+    for ts, ok in ((999.0, True), (1_700_000_000.5, False)):
+        env = pe.StreamEnvironment(parallelism=1, restart_attempts=3)
+        records: Any = [{"k": 1, "ts": 5.0}, {"k": 1, "ts": ts}]
+        if arrow:
+            records = pa.table({"k": [1, 1], "ts": [5.0, ts]})
+        strategy = pe.WatermarkStrategy.for_monotonous_timestamps().with_timestamp_assigner("ts")
+        sink = pe.sinks.CollectSink()
+        windows = (
+            env.from_collection(records, watermark_strategy=strategy).key_by("k").window(pe.windows.tumbling(1000))
+        )
+        windows.aggregate(pe.agg.count()).sink_to(sink)
+        if ok:
+            assert env.execute("whole").records == [{"k": 1, "window_start": 0, "window_end": 1000, "count": 2}]
+            continue
+        cause = _failed(env)
+        assert "whole milliseconds, got the float 1700000000.5" in str(cause) and "* 1000" in str(cause)
+
+
+def test_a_pyflink_reduce_function_object_is_taken_as_its_reduce() -> None:
+    """PyFlink's ReducingStateDescriptor takes a ReduceFunction object; here it was
+    refused with "reduce_function must be callable" (a new-user trial)."""
+
+    class Sum:
+        def reduce(self, a: Any, b: Any) -> Any:
+            return a + b
+
+    descriptor = pe.state.ReducingStateDescriptor("total", Sum())
+    backend = pe.state.create_keyed_backend("heap")
+    backend.set_current_key("k")
+    total = backend.get_state(descriptor)
+    total.add(2)
+    total.add(3)
+    assert total.get() == 5
+    with pytest.raises(TypeError, match=r"a function of two values \(or an object with a reduce\(a, b\) method\)"):
+        pe.state.ReducingStateDescriptor("total", 5)

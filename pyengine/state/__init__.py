@@ -9,6 +9,7 @@ from .descriptors import (
     AggregatingStateDescriptor,
     ListStateDescriptor,
     MapStateDescriptor,
+    ReduceFunction,
     ReducingStateDescriptor,
     StateDescriptor,
     StateDescriptorError,
@@ -45,6 +46,7 @@ from .serializers import PickleNotAllowedError, StateSerializationError
 __all__ = [
     "DEFAULT_MAX_PARALLELISM",
     "AggregateFunction",
+    "ReduceFunction",
     "AggregatingState",
     "AggregatingStateDescriptor",
     "BroadcastState",

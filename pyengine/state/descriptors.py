@@ -20,6 +20,7 @@ from .serializers import serializer_for
 
 __all__ = [
     "AggregateFunction",
+    "ReduceFunction",
     "StateDescriptorError",
     "StateNameConflictError",
     "StateTypeError",
@@ -112,6 +113,13 @@ class StateTtlConfig:
         if ms <= 0 or ms != ms:
             raise ValueError(f"ttl must be positive, got {ttl!r}")
         return cls(max(1, round(ms)))
+
+
+class ReduceFunction(Protocol):
+    """PyFlink's ``ReduceFunction`` shape: an object whose ``reduce(a, b)`` folds two
+    values into one; ``ReducingStateDescriptor`` takes it or a plain function."""
+
+    def reduce(self, value1: Any, value2: Any) -> Any: ...
 
 
 class AggregateFunction(Protocol):
@@ -237,7 +245,7 @@ class MapStateDescriptor(StateDescriptor, Generic[K, V]):
 class ReducingStateDescriptor(StateDescriptor, Generic[T]):
     """One value per key, folded with ``reduce_function(accumulated, new)`` on ``add``."""
 
-    reduce_function: Callable[[T, T], T]
+    reduce_function: Union[Callable[[T, T], T], ReduceFunction]
     type: Optional[pa.DataType] = None
     ttl: _TTL = None
     serializer: str = field(default="safe", kw_only=True)
@@ -246,8 +254,15 @@ class ReducingStateDescriptor(StateDescriptor, Generic[T]):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not callable(self.reduce_function):
-            raise TypeError(f"ReducingStateDescriptor {self.name!r}: reduce_function must be callable")
+        f = self.reduce_function
+        if not callable(f) and callable(getattr(f, "reduce", None)):
+            # PyFlink's shape: a ReduceFunction object whose reduce(a, b) folds two values
+            object.__setattr__(self, "reduce_function", f.reduce)
+        elif not callable(f):
+            raise TypeError(
+                f"ReducingStateDescriptor {self.name!r}: reduce_function must be a function of two values "
+                f"(or an object with a reduce(a, b) method), got {f!r}"
+            )
         _check_type("ReducingStateDescriptor type", self.type)
 
 

@@ -36,6 +36,7 @@ from typing import (
     Sequence,
     Set,
     Tuple,
+    cast,
     overload,
 )
 
@@ -475,6 +476,17 @@ class _KeyedState(_StateCalls):
             raise _no_key(self)
         return b._key_index, b._key
 
+    def _out(self, index: int, key: Any, value: Any) -> Any:
+        """``value``, the state's own object, handed to user code: a mutable one may
+        be changed in place without a write, so for an incremental backend the key is
+        changed (in its next delta), or a restore would bring back the old value while
+        the running job went on with the new one (``_native``'s ``_handed_out``)."""
+        if value.__class__ not in _ATOMIC:
+            changes = self._table.changes
+            if changes is not None:
+                changes[index].add(key)
+        return value
+
     def _load(self) -> Any:
         """The stored entry of the current key (unwrapped, TTL applied), or _ABSENT."""
         b = self._backend
@@ -497,8 +509,8 @@ class _KeyedState(_StateCalls):
                 table.restamp(index, key, (value, now))  # the same value object, a new stamp
             stored = value
         if stored.__class__ in _ATOMIC or not table.tainted[index] or key in table.owned[index]:
-            return stored
-        return self._readable(index, key, stored)
+            return self._out(index, key, stored)
+        return self._out(index, key, self._readable(index, key, stored))
 
     def _readable(self, index: int, key: Any, value: Any) -> Any:
         """A value the caller may mutate without touching an unfinished snapshot."""
@@ -573,8 +585,8 @@ class ValueState(_ValueCalls, _KeyedState, Generic[T]):
                 table.restamp(index, key, (value, now))
             stored = value
         if stored.__class__ in _ATOMIC or not table.tainted[index] or key in table.owned[index]:
-            return stored  # type: ignore[no-any-return]
-        return self._readable(index, key, stored)  # type: ignore[no-any-return]
+            return self._out(index, key, stored)  # type: ignore[no-any-return]
+        return self._out(index, key, self._readable(index, key, stored))  # type: ignore[no-any-return]
 
     def _update_py(self, value: Optional[T]) -> None:
         if value is None:
@@ -633,7 +645,8 @@ class ReducingState(_FoldingState, Generic[T]):
         super().__init__(backend, table, ttl)
         d = table.descriptor
         assert isinstance(d, ReducingStateDescriptor)
-        self._reduce = d.reduce_function
+        # the descriptor made a ReduceFunction object's reduce its function already
+        self._reduce: Callable[[Any, Any], Any] = cast(Callable[[Any, Any], Any], d.reduce_function)
 
     def _fold(self, accumulated: Any, value: Any) -> Any:
         return self._reduce(accumulated, value)
@@ -815,6 +828,8 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
             return None
         if table.tainted[index] and key not in table.owned[index] and not self._atomic:
             stored = table.own(index, key, stored)  # once per key and snapshot
+        elif not self._atomic and table.changes is not None:
+            table.changes[index].add(key)  # its elements handed out (see _out)
         return stored
 
     def get(self) -> List[T]:
@@ -1005,7 +1020,7 @@ class MapState(_MapCalls, _KeyedState, Generic[K, V]):
                 stored[user_key] = (value, now)
             entry = value
         if entry.__class__ in _ATOMIC or not table.tainted[index] or key in table.owned[index]:
-            return entry  # type: ignore[no-any-return]
+            return self._out(index, key, entry)  # type: ignore[no-any-return]
         if _is_immutable(entry):
             return entry  # type: ignore[no-any-return]
         entry = self._writable(index, key)[user_key]  # private now, values included
@@ -1102,6 +1117,8 @@ class MapState(_MapCalls, _KeyedState, Generic[K, V]):
                     return None
         if table.needs_private(index, key) and not self._atomic:
             stored = table.own(index, key, stored)
+        elif not self._atomic and table.changes is not None:
+            table.changes[index].add(key)  # its values handed out (see _out)
         return stored  # type: ignore[no-any-return]
 
     def items(self) -> List[Tuple[K, V]]:
@@ -1182,8 +1199,8 @@ class _TtlValueState(ValueState[T]):
             return self._default  # type: ignore[no-any-return]
         value = stored[0]
         if value.__class__ in _ATOMIC or not table.tainted[index] or key in table.owned[index]:
-            return value  # type: ignore[no-any-return]
-        return self._readable(index, key, value)  # type: ignore[no-any-return]
+            return self._out(index, key, value)  # type: ignore[no-any-return]
+        return self._out(index, key, self._readable(index, key, value))  # type: ignore[no-any-return]
 
     def _update_py(self, value: Optional[T]) -> None:
         if value is None:
@@ -1271,7 +1288,7 @@ class _TtlMapState(MapState[K, V]):
             return None
         value = entry[0]
         if value.__class__ in _ATOMIC or not table.tainted[index] or key in table.owned[index]:
-            return value  # type: ignore[no-any-return]
+            return self._out(index, key, value)  # type: ignore[no-any-return]
         if _is_immutable(value):
             return value  # type: ignore[no-any-return]
         return self._writable(index, key)[user_key][0]  # type: ignore[no-any-return]  # private now

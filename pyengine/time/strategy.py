@@ -52,13 +52,23 @@ def _ms(value: Any) -> int:
         if value.tzinfo is None:
             value = value.replace(tzinfo=_dt.timezone.utc)
         return (value - _EPOCH) // _dt.timedelta(milliseconds=1)
-    if isinstance(value, (float, np.floating)) and value == value:
+    if isinstance(value, (float, np.floating)) and value == value and abs(value) != float("inf"):
+        if value != int(value):
+            raise TimestampError(_fractional(value))
         return int(value)
     if isinstance(value, np.integer):
         return int(value)
     if value is None:
         raise TimestampError("the record's timestamp is None")
     raise TimestampError(f"a timestamp must be int milliseconds or a datetime, got {t.__name__} {value!r}")
+
+
+def _fractional(value: Any) -> str:
+    return (
+        f"a timestamp must be whole milliseconds, got the float {value!r}: a fraction is not truncated silently "
+        "(seconds since the epoch, as time.time() gives, would read as milliseconds of January 1970); convert it "
+        "in the assigner, e.g. with_timestamp_assigner(lambda r: round(r['ts'] * 1000)) for seconds"
+    )
 
 
 def _array_ms(array: Any, where: str) -> np.ndarray:
@@ -75,7 +85,15 @@ def _array_ms(array: Any, where: str) -> np.ndarray:
     if pa.types.is_integer(t):
         return array.to_numpy().astype(np.int64, copy=False)  # type: ignore[no-any-return]
     if pa.types.is_floating(t):
-        return array.to_numpy().astype(np.int64)  # type: ignore[no-any-return]
+        values = array.to_numpy()
+        whole = np.floor(values)
+        bad = ~np.isfinite(values) | (whole != values)
+        if bad.any():
+            first = values[np.argmax(bad)].item()
+            if first != first or abs(first) == float("inf"):
+                raise TimestampError(f"{where}: a timestamp must be whole milliseconds, got {first!r}")
+            raise TimestampError(f"{where}: {_fractional(first)}")
+        return values.astype(np.int64)  # type: ignore[no-any-return]
     if pa.types.is_date(t):
         return pc.cast(pc.cast(array, pa.timestamp("ms")), pa.int64()).to_numpy()  # type: ignore[no-any-return]
     raise TimestampError(f"{where}: a timestamp column must be integer milliseconds or an Arrow timestamp, got {t}")
