@@ -184,8 +184,11 @@ cdef inline object _handed_out(StateTableBase table, Py_ssize_t index, object ke
     which may change it in place without a write: for an incremental backend the key
     is then changed (in its next delta), or a restore would bring back the old value
     while the running job went on with the new one."""
-    if table.changes is not None:
-        PySet_Add(<object>PyList_GET_ITEM(table.changes, index), key)
+    changes = table.changes
+    if changes is not None:
+        if type(changes) is not list or not 0 <= index < PyList_GET_SIZE(changes):
+            raise RuntimeError(f"state table changes are {type(changes).__name__}, not one set per key group")
+        PySet_Add(<object>PyList_GET_ITEM(changes, index), key)
     return value
 
 
@@ -291,7 +294,9 @@ cdef class ValueCalls(StateCalls):
                     key = b._key
                     p = PyDict_GetItemWithError(group, key)
                     if p is NULL:
-                        return self._default
+                        if _atomic(self._default):
+                            return self._default
+                        return self._value_py()  # a copy of a mutable default
                     stored = <object>p
                     if self._ttl is not None:
                         if not self._live(stored):

@@ -96,7 +96,7 @@ class StateCalls:
     _backend: Any
     _table: Any
     _ttl: Any
-    _check: Optional[Callable[[Any], None]]
+    _check: Optional[Callable[[Any], Any]]  # returns the value to store
     _ttl_ms: Any
     def _use_fast_ttl(self, ttl_ms: Any) -> None:
         """The common TTL configuration: the C calls stamp and check with ``ttl_ms``."""
@@ -118,7 +118,7 @@ class MapCalls(StateCalls):
     """``MapState.get/contains/put`` in C for the common case; the rest in the ``_*_py`` methods."""
 
     _atomic: bool
-    _check_key: Optional[Callable[[Any], None]]
+    _check_key: Optional[Callable[[Any], Any]]  # returns the key to store
     def get(self, user_key: Any) -> Any: ...
     def contains(self, user_key: Any) -> bool: ...
     def put(self, user_key: Any, value: Any) -> None: ...

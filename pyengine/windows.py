@@ -580,7 +580,7 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
             else:
                 produced = fn(key, window, list(contents))
             if produced is not None:
-                if produced.__class__ is dict or produced.__class__ is str:
+                if produced.__class__ is dict or produced.__class__ is str or not hasattr(produced, "__iter__"):
                     raise not_records(produced, self.where(), "the window function")
                 out.extend(produced)
         except NonRetryableError:

@@ -926,7 +926,8 @@ def test_a_list_view_pickles_as_the_list_it_shows() -> None:
     assert again == [1, 2] and type(again) is list
 
 
-def test_a_buffer_of_slow_records_reads_the_ttl_clock_every_64_records(monkeypatch) -> None:
+@pytest.mark.parametrize("made_in", ["open", "process_element"])
+def test_a_buffer_of_slow_records_reads_the_ttl_clock_every_64_records(monkeypatch, made_in) -> None:
     """A keyed function's buffer runs in TTL steps of TTL_STEP_RECORDS records: with
     records that take 10 ms each, a write at the end of a 200-record buffer is
     stamped at most 64 records' time before it happened, not 2 s (the buffer's
@@ -942,9 +943,12 @@ def test_a_buffer_of_slow_records_reads_the_ttl_clock_every_64_records(monkeypat
 
     class Slow(KPF):
         def open(self, ctx):
-            self.seen = ctx.get_state(seen)
+            if made_in == "open":
+                self.seen = ctx.get_state(seen)
 
         def process_element(self, value, ctx):
+            if made_in == "process_element":  # the first TTL state appears within the buffer
+                self.seen = ctx.get_state(seen)
             wall[0] += 10  # 10 ms of work a record
             if value["op"] == "write":
                 self.seen.update(wall[0])

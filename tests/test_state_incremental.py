@@ -325,3 +325,18 @@ def test_values_changed_in_place_after_a_read_are_in_the_next_checkpoint(tmp_pat
         return out
 
     assert contents(again) == contents([value, mapped, listed, reducing, aggregating])
+
+
+@pytest.mark.parametrize("kind", ["heap", "incremental"])
+def test_a_mutable_default_is_copied_for_each_read(kind) -> None:
+    """A key without a value reads the descriptor's default; changing that in place
+    changed every other key's default (a review finding). Flink copies it too."""
+    from pyengine.state import ValueStateDescriptor
+
+    backend = create_keyed_backend(kind, max_parallelism=8)
+    state = backend.get_state(ValueStateDescriptor("d", {"n": 0}))
+    backend.set_current_key("a")
+    state.value()["n"] += 1
+    backend.set_current_key("b")
+    assert state.value() == {"n": 0}
+    assert backend.get_state(ValueStateDescriptor("d", {"n": 0})).value() is not state.value()

@@ -134,6 +134,7 @@ def test_an_int_written_to_a_float_state_reads_as_a_float_before_and_after_a_res
         "value": ValueStateDescriptor("value", 0, pa.float64()),
         "list": ListStateDescriptor("list", pa.float32()),
         "map": MapStateDescriptor("map", pa.string(), pa.float64()),
+        "float_keys": MapStateDescriptor("float_keys", pa.float64(), pa.float64()),
         "reducing": ReducingStateDescriptor("reducing", add, pa.float64()),
         "ttl": ValueStateDescriptor("ttl", None, pa.float64(), ttl=3_600_000),
     }
@@ -148,6 +149,7 @@ def test_an_int_written_to_a_float_state_reads_as_a_float_before_and_after_a_res
             s["map"].get("b"),
             s["reducing"].get(),
             s["ttl"].value(),
+            s["float_keys"].items(),
         ]
 
     backend = create_keyed_backend("heap")
@@ -161,14 +163,23 @@ def test_an_int_written_to_a_float_state_reads_as_a_float_before_and_after_a_res
     states["map"].put_all({"b": 5})
     states["reducing"].add(6)
     states["ttl"].update(7)
+    states["float_keys"].put(8, 9)
+    states["float_keys"].put_all({10: 11})
     before = read(backend)
-    assert before == [1.0, [2.0, 3.0], 4.0, 5.0, 6.0, 7.0]
+    assert before == [1.0, [2.0, 3.0], 4.0, 5.0, 6.0, 7.0, [(8.0, 9.0), (10.0, 11.0)]]
     storage = checkpoint_storage(str(tmp_path / "ckpt"), "floats")
     restored = create_keyed_backend("heap")
     restored.restore(backend.snapshot(1, storage.location(1)).run().handles)
     after = read(restored)
     assert after == before
-    flat = lambda values: [x for v in values for x in (v if isinstance(v, list) else [v])]  # noqa: E731
-    assert [type(x) for x in flat(before)] == [type(x) for x in flat(after)] == [float] * 7
+
+    def flat(values):
+        out = []
+        for v in values:
+            for x in v if isinstance(v, list) else [v]:
+                out.extend(x if isinstance(x, tuple) else [x])
+        return out
+
+    assert [type(x) for x in flat(before)] == [type(x) for x in flat(after)] == [float] * 11
     with pytest.raises(TypeError, match="is not a double value"):
         states["value"].update(2**2000)  # no float holds it

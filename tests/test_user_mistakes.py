@@ -461,3 +461,21 @@ def test_a_pyflink_reduce_function_object_is_taken_as_its_reduce() -> None:
     assert total.get() == 5
     with pytest.raises(TypeError, match=r"a function of two values \(or an object with a reduce\(a, b\) method\)"):
         pe.state.ReducingStateDescriptor("total", 5)
+
+
+class ProcessReturnsAnInt(pe.ProcessFunction):
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        return 1
+
+
+def test_a_process_function_or_flat_map_that_returns_an_int_fails_at_once() -> None:
+    """As for keyed functions (a review of the fix found the other operators still
+    retried it)."""
+    for build in (
+        lambda s: s.process(ProcessReturnsAnInt()),
+        lambda s: s.flat_map(lambda r: 1),
+    ):
+        env = pe.StreamEnvironment(parallelism=1, restart_attempts=3)
+        build(env.from_collection(RECORDS)).sink_to(pe.sinks.CollectSink())
+        cause = _failed(env)
+        assert isinstance(cause, OutputTypeError) and "(an int), which is not records" in str(cause)

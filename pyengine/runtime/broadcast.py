@@ -260,7 +260,14 @@ class BroadcastProcessOperator(Operator):
                 if produced is not None:
                     if produced.__class__ is dict or produced.__class__ is str:
                         raise not_records(produced, self.where(), getattr(element, "__name__", "process_element"))
-                    out.extend(produced)
+                    try:
+                        out.extend(produced)
+                    except TypeError:
+                        if not hasattr(produced, "__iter__"):  # else the generator's own TypeError
+                            raise not_records(
+                                produced, self.where(), getattr(element, "__name__", "process_element")
+                            ) from None
+                        raise
         except NonRetryableError:
             raise
         except Exception as exc:
@@ -469,7 +476,12 @@ class KeyedBroadcastProcessOperator(KeyedProcessOperator):
                 if produced is not None:
                     if produced.__class__ is dict or produced.__class__ is str:
                         raise not_records(produced, self.where(), "process_broadcast_element")
-                    out.extend(produced)
+                    try:
+                        out.extend(produced)
+                    except TypeError:
+                        if not hasattr(produced, "__iter__"):  # else the generator's own TypeError
+                            raise not_records(produced, self.where(), "process_broadcast_element") from None
+                        raise
         except NoCurrentKeyError as exc:  # before NonRetryableError, which it is
             raise BroadcastStateError(
                 f"{self.where()}: keyed state used in process_broadcast_element ({exc}): a broadcast record "

@@ -232,7 +232,11 @@ class IntervalJoinOperator(_LateCounting):
                                 jctx._left_ts, jctx._right_ts = other_ts, ts
                             produced = element(left, right, jctx)
                             if produced is not None:
-                                if produced.__class__ is dict or produced.__class__ is str:
+                                if (
+                                    produced.__class__ is dict
+                                    or produced.__class__ is str
+                                    or not hasattr(produced, "__iter__")
+                                ):
                                     raise not_records(produced, self.where(), "process_element")
                                 out.extend(produced)
                 register(self._cleanup_time(side, ts))

@@ -283,7 +283,12 @@ class FlatMapOperator(MapOperator):
                 produced = fn(r)
                 if produced.__class__ is dict or produced.__class__ is str:
                     raise not_records(produced, self.where(), "the flat_map function")
-                out.extend(produced)
+                try:
+                    out.extend(produced)
+                except TypeError:
+                    if not hasattr(produced, "__iter__"):  # else the generator's own TypeError
+                        raise not_records(produced, self.where(), "the flat_map function") from None
+                    raise
         except NonRetryableError:
             raise
         except Exception as exc:
@@ -659,9 +664,10 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
         # TtlTimeProvider): a clock read per TTL_STEP_RECORDS records, not per record.
         # Per buffer, a stamp could be a whole buffer's processing old when written
         # (a second for 1,024 records of 1 ms each) and the entry expire that early.
+        # Always in steps: a TTL state may be made by the first record of a buffer.
         steps = (
             [records[i : i + TTL_STEP_RECORDS] for i in range(0, len(records), TTL_STEP_RECORDS)]
-            if len(records) > TTL_STEP_RECORDS and backend.ttl_in_use
+            if len(records) > TTL_STEP_RECORDS
             else (records,)
         )
         try:
@@ -949,7 +955,12 @@ class ProcessOperator(Operator):
                 if produced is not None:
                     if produced.__class__ is dict or produced.__class__ is str:
                         raise not_records(produced, self.where(), "process_element")
-                    out.extend(produced)
+                    try:
+                        out.extend(produced)
+                    except TypeError:
+                        if not hasattr(produced, "__iter__"):  # else the generator's own TypeError
+                            raise not_records(produced, self.where(), "process_element") from None
+                        raise
         except NonRetryableError:
             raise
         except Exception as exc:

@@ -204,7 +204,8 @@ def _flat_lists(column: StateColumn, values: List[Any]) -> Optional[pa.Array]:
     if total > _MAX_LIST_OFFSET:
         return None  # pyarrow says why it cannot
     try:
-        flat = np.fromiter(itertools.chain.from_iterable(live), dtype, total)
+        with np.errstate(all="ignore"):  # a float32 out of range becomes inf, as pyarrow makes it
+            flat = np.fromiter(itertools.chain.from_iterable(live), dtype, total)
     except (TypeError, ValueError, OverflowError):
         return None  # a value the state's checks would have refused: pyarrow names it
     mask = None
