@@ -670,9 +670,11 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
             if len(records) > TTL_STEP_RECORDS
             else (records,)
         )
+        backend.begin_ttl_step(records=len(records))
         try:
-            for step in steps:
-                backend.begin_ttl_step(records=len(step))
+            for n, step in enumerate(steps):
+                if n:
+                    backend.advance_ttl_step()
                 for r in step:
                     key = get_key(r)
                     if key.__class__ is float and key != key:

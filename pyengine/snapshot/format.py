@@ -73,8 +73,8 @@ FORMAT_VERSION_SPARSE = 3  # several states of at most SPARSE_MAX_CHILDREN stora
 READ_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_SHARED_CHILDREN, FORMAT_VERSION_SPARSE)
 # A sparse union has no offsets (a dense one costs 4 bytes a row, which LZ4 cannot
 # shrink: they count 0, 1, 2...), but every child is as long as the batch: the
-# children other than the batch's own are zeros, which LZ4 reduces to nothing but
-# which are still made and compressed. With few children that costs less than the
+# children other than the batch's own are nulls (zeroed buffers), which LZ4 reduces
+# to almost nothing but which are still made and compressed. With few children that costs less than the
 # offsets; with many, more.
 SPARSE_MAX_CHILDREN = 4
 # An Arrow union's type codes are int8 (0..127), so it has at most 128 children.

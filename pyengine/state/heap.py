@@ -1524,6 +1524,12 @@ class HeapKeyedStateBackend:
             self._ttl_cleanup(records, now_ms)
         self._ttl_now = self._ttl_step_now = now_ms
 
+    def advance_ttl_step(self) -> None:
+        """Within a step, the TTL clock read again, for the next records of a long
+        buffer (the cleanup was counted for the whole step when it began)."""
+        if self._ttl_states:
+            self._ttl_now = self._ttl_step_now = self._ttl_clock()
+
     def end_ttl_step(self) -> None:
         """The step is over: outside steps TTL reads the clock once per record again."""
         self._ttl_step = False
