@@ -140,6 +140,20 @@ def _check_name(name: Any) -> None:
 def _check_type(what: str, value: Any) -> None:
     if value is not None and not isinstance(value, pa.DataType):
         raise TypeError(f"{what} must be a pyarrow.DataType or None, got {value!r}")
+    if value is not None and _has_dictionary(value):
+        # Inside the state file's union, pyarrow writes a dictionary type it then cannot
+        # read ("Message metadata too long"): a checkpoint that would never restore.
+        raise StateDescriptorError(
+            f"{what} {value} is or holds a dictionary type, which state cannot store (a checkpoint of it "
+            "could not be read back); declare the values' own type instead, e.g. pa.string() for "
+            "pa.dictionary(pa.int32(), pa.string())"
+        )
+
+
+def _has_dictionary(arrow_type: pa.DataType) -> bool:
+    if pa.types.is_dictionary(arrow_type):
+        return True
+    return any(_has_dictionary(arrow_type.field(i).type) for i in range(arrow_type.num_fields))
 
 
 _TTL = Optional[Union[StateTtlConfig, timedelta, int, float]]
