@@ -400,10 +400,15 @@ cdef class TimerHeap:
             ctx._timer_ts = ts
             result = on_timer(ts, ctx)
             if result is not None:
-                if type(result) is dict or type(result) is str or not hasattr(result, "__iter__"):
+                if type(result) is dict or type(result) is str:
                     from pyengine.errors import not_records
                     raise not_records(result, "", "on_timer")
-                out.extend(result)
+                try:
+                    out.extend(result)
+                except TypeError:
+                    from pyengine.errors import refuse_non_records
+                    refuse_non_records(result, "", "on_timer")
+                    raise
             fired += 1
         return fired
 

@@ -69,6 +69,15 @@ def not_records(produced: Any, where: str, call: str) -> OutputTypeError:
     )
 
 
+def refuse_non_records(produced: Any, where: str, call: str) -> None:
+    """Where ``out.extend(produced)`` raised TypeError: ``not_records``'s error if
+    ``produced`` is not iterable at all (``return 5``), raised from here; else nothing,
+    and the caller re-raises the TypeError (a generator's own). Kept off the per-record
+    path: the extend is tried first, and this runs only when it fails."""
+    if not hasattr(produced, "__iter__"):
+        raise not_records(produced, where, call) from None
+
+
 class JobFailedError(Exception):
     """``execute()`` of a job that ended FAILED: ``result`` is its ``JobResult``, and the
     user's exception is ``__cause__`` (with its traceback) and ``cause``."""

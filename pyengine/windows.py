@@ -41,7 +41,7 @@ import numpy as np
 import pyarrow as pa
 
 from .agg import Aggregation
-from .errors import NonRetryableError, not_records
+from .errors import NonRetryableError, not_records, refuse_non_records
 from .io.events import MAX_WATERMARK
 from .runtime.aggregate import AggregateInputError, check_key_type, needed_accumulators, not_a_table, null_keys
 from .runtime.copies import per_subtask
@@ -580,9 +580,13 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
             else:
                 produced = fn(key, window, list(contents))
             if produced is not None:
-                if produced.__class__ is dict or produced.__class__ is str or not hasattr(produced, "__iter__"):
+                if produced.__class__ is dict or produced.__class__ is str:
                     raise not_records(produced, self.where(), "the window function")
-                out.extend(produced)
+                try:
+                    out.extend(produced)
+                except TypeError:
+                    refuse_non_records(produced, self.where(), "the window function")
+                    raise
         except NonRetryableError:
             raise
         except Exception as exc:

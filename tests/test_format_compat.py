@@ -15,9 +15,9 @@ from typing import Any, Dict, List
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
+from test_timers import Held  # records dealt to splits, held at a count until released
 
 import pyengine as pe
-from pyengine.runtime.sources import Source
 from pyengine.state import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor, read_keyed_state
 
 FIXTURE = Path(__file__).parent / "data" / "savepoint-dense-unions"
@@ -45,23 +45,6 @@ class Tally(pe.KeyedProcessFunction):
         self.seen.add(value["i"])
         ctx.timer_service().register_event_time_timer(10**9 + value["i"])  # never due before the end
         yield {"user": ctx.current_key, "i": value["i"], "n": n}
-
-
-class Held(Source):
-    """``records`` dealt to two splits; from ``hold`` records of a split on, nothing
-    until ``release`` is set."""
-
-    def __init__(self, records: List[Dict[str, Any]], hold: int, release: threading.Event) -> None:
-        self.records, self.hold, self.release = records, hold, release
-
-    def read(self, subtask: int, parallelism: int, position: int, n: int) -> Any:
-        mine = self.records[subtask::parallelism]
-        if position >= self.hold and not self.release.is_set():
-            return []
-        if position >= len(mine):
-            return None
-        end = len(mine) if self.release.is_set() else min(len(mine), self.hold)
-        return mine[position : min(end, position + n)]
 
 
 def build(env: pe.StreamEnvironment, release: threading.Event, sink: Any) -> None:

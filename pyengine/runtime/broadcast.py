@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, Generic, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeAlias
 
-from ..errors import NonRetryableError, not_records
+from ..errors import NonRetryableError, not_records, refuse_non_records
 from ..state.columnar import NoCurrentKeyError
 from ..state.descriptors import K, MapStateDescriptor, StateDescriptor, V
 from ..state.operator import BroadcastState
@@ -263,10 +263,7 @@ class BroadcastProcessOperator(Operator):
                     try:
                         out.extend(produced)
                     except TypeError:
-                        if not hasattr(produced, "__iter__"):  # else the generator's own TypeError
-                            raise not_records(
-                                produced, self.where(), getattr(element, "__name__", "process_element")
-                            ) from None
+                        refuse_non_records(produced, self.where(), getattr(element, "__name__", "process_element"))
                         raise
         except NonRetryableError:
             raise
@@ -479,8 +476,7 @@ class KeyedBroadcastProcessOperator(KeyedProcessOperator):
                     try:
                         out.extend(produced)
                     except TypeError:
-                        if not hasattr(produced, "__iter__"):  # else the generator's own TypeError
-                            raise not_records(produced, self.where(), "process_broadcast_element") from None
+                        refuse_non_records(produced, self.where(), "process_broadcast_element")
                         raise
         except NoCurrentKeyError as exc:  # before NonRetryableError, which it is
             raise BroadcastStateError(

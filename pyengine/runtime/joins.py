@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..errors import ColumnNotFoundError, NonRetryableError, not_records
+from ..errors import ColumnNotFoundError, NonRetryableError, not_records, refuse_non_records
 from ..io.events import MIN_WATERMARK
 from ..state import ListStateDescriptor, ValueStateDescriptor
 from ..state.keygroups import assign_to_key_group, key_groups_of_int64
@@ -232,13 +232,13 @@ class IntervalJoinOperator(_LateCounting):
                                 jctx._left_ts, jctx._right_ts = other_ts, ts
                             produced = element(left, right, jctx)
                             if produced is not None:
-                                if (
-                                    produced.__class__ is dict
-                                    or produced.__class__ is str
-                                    or not hasattr(produced, "__iter__")
-                                ):
+                                if produced.__class__ is dict or produced.__class__ is str:
                                     raise not_records(produced, self.where(), "process_element")
-                                out.extend(produced)
+                                try:
+                                    out.extend(produced)
+                                except TypeError:
+                                    refuse_non_records(produced, self.where(), "process_element")
+                                    raise
                 register(self._cleanup_time(side, ts))
         except (NonRetryableError, UserFunctionError):
             raise

@@ -13,7 +13,7 @@ from typing import Any, Callable, FrozenSet, Iterable, List, Optional, Set, Tupl
 
 import pyarrow as pa
 
-from ..errors import ColumnNotFoundError, NonRetryableError, OutputTypeError, not_records
+from ..errors import ColumnNotFoundError, NonRetryableError, OutputTypeError, not_records, refuse_non_records
 from ..io.events import MAX_WATERMARK, MIN_WATERMARK, WATERMARK_ACTIVE, WATERMARK_IDLE, Watermark
 from ..state import ListStateDescriptor, OperatorStateBackend, create_keyed_backend, key_group_range_for_subtask
 from ..state.descriptors import (
@@ -286,8 +286,7 @@ class FlatMapOperator(MapOperator):
                 try:
                     out.extend(produced)
                 except TypeError:
-                    if not hasattr(produced, "__iter__"):  # else the generator's own TypeError
-                        raise not_records(produced, self.where(), "the flat_map function") from None
+                    refuse_non_records(produced, self.where(), "the flat_map function")
                     raise
         except NonRetryableError:
             raise
@@ -689,10 +688,7 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
                         try:
                             out.extend(produced)
                         except TypeError:
-                            if not hasattr(produced, "__iter__"):  # else the generator's own TypeError
-                                raise not_records(
-                                    produced, self.where(), getattr(element, "__name__", "process_element")
-                                ) from None
+                            refuse_non_records(produced, self.where(), getattr(element, "__name__", "process_element"))
                             raise
         except NonRetryableError:
             raise
@@ -960,8 +956,7 @@ class ProcessOperator(Operator):
                     try:
                         out.extend(produced)
                     except TypeError:
-                        if not hasattr(produced, "__iter__"):  # else the generator's own TypeError
-                            raise not_records(produced, self.where(), "process_element") from None
+                        refuse_non_records(produced, self.where(), "process_element")
                         raise
         except NonRetryableError:
             raise

@@ -509,8 +509,16 @@ class _KeyedState(_StateCalls):
                 table.restamp(index, key, (value, now))  # the same value object, a new stamp
             stored = value
         if stored.__class__ in _ATOMIC or not table.tainted[index] or key in table.owned[index]:
-            return self._out(index, key, stored)
-        return self._out(index, key, self._readable(index, key, stored))
+            return stored
+        return self._readable(index, key, stored)
+
+    def _handed(self, value: Any) -> Any:
+        """``_load``'s value as ``get`` hands it out (``_out``; ``add`` stores what it
+        folded, which marks the key itself)."""
+        if value is not _ABSENT:
+            index, key = self._where()
+            self._out(index, key, value)
+        return value
 
     def _readable(self, index: int, key: Any, value: Any) -> Any:
         """A value the caller may mutate without touching an unfinished snapshot."""
@@ -662,7 +670,7 @@ class ReducingState(_FoldingState, Generic[T]):
         super().add(value)
 
     def get(self) -> Optional[T]:
-        v = self._load()
+        v = self._handed(self._load())
         return None if v is _ABSENT else v  # type: ignore[no-any-return]
 
 
@@ -688,7 +696,7 @@ class AggregatingState(_FoldingState, Generic[IN, OUT]):
         super().add(value)
 
     def get(self) -> Optional[OUT]:
-        v = self._load()
+        v = self._handed(self._load())
         return None if v is _ABSENT else self._function.get_result(v)  # type: ignore[no-any-return]
 
 

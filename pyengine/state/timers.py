@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import numpy as np
 import pyarrow as pa
 
-from ..errors import NonRetryableError, not_records
+from ..errors import NonRetryableError, not_records, refuse_non_records
 from .columnar import ColumnarValueTable
 from .descriptors import ValueStateDescriptor
 from .serializers import stored_as_list
@@ -362,9 +362,13 @@ class TimerQueue:
             ctx._timer_ts = ts
             result = on_timer(ts, ctx)
             if result is not None:
-                if result.__class__ is dict or result.__class__ is str or not hasattr(result, "__iter__"):
+                if result.__class__ is dict or result.__class__ is str:
                     raise not_records(result, "", "on_timer")
-                out.extend(result)
+                try:
+                    out.extend(result)
+                except TypeError:
+                    refuse_non_records(result, "", "on_timer")
+                    raise
 
     def __len__(self) -> int:
         """Timers in the index, stale ones included (an upper bound of the live ones)."""
