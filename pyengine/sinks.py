@@ -42,6 +42,7 @@ from pyarrow.fs import FileSelector
 
 from .errors import NonRetryableError, OutputInUseError
 from .state.serializers import STORED_AS_LISTS
+from .state.serializers import unviewed as _unviewed
 from .storage.filesystem import guarded, resolve
 
 __all__ = [
@@ -978,38 +979,6 @@ def _json_default(value: Any) -> Any:
     if type(value) in STORED_AS_LISTS:
         return list(value)
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
-
-
-def _unviewed(values: List[Any]) -> Optional[List[Any]]:
-    """``values`` with each ``ListState.view()`` (or another of the engine's read-only
-    sequences), at any depth, as the list it shows, or None when there is none: pyarrow
-    takes lists, not other sequences. Asked only once a column failed, so rows cost
-    nothing for it."""
-    if not any(_has_view(v) for v in values):
-        return None
-    return [_as_lists(v) for v in values]
-
-
-def _has_view(value: Any) -> bool:
-    t = type(value)
-    if t in STORED_AS_LISTS:
-        return True
-    if t is dict:
-        return any(_has_view(v) for v in value.values())
-    if t is list or t is tuple:
-        return any(_has_view(v) for v in value)
-    return False
-
-
-def _as_lists(value: Any) -> Any:
-    t = type(value)
-    if t in STORED_AS_LISTS or t is list:
-        return [_as_lists(v) for v in value]
-    if t is tuple:
-        return tuple(_as_lists(v) for v in value)
-    if t is dict:
-        return {k: _as_lists(v) for k, v in value.items()}
-    return value
 
 
 def _jsonl(records: Any) -> bytes:

@@ -144,7 +144,7 @@ def test_an_int_written_to_a_float_state_reads_as_a_float_before_and_after_a_res
         s = {name: backend.get_state(d) for name, d in descriptors.items()}
         return [
             s["value"].value(),
-            s["list"].get(),
+            list(s["list"].get()),
             s["map"].get("a"),
             s["map"].get("b"),
             s["reducing"].get(),

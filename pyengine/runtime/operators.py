@@ -29,6 +29,7 @@ from ..state.descriptors import (
     ValueStateDescriptor,
 )
 from ..state.heap import AggregatingState, ListState, MapState, ReducingState, ValueState
+from ..state.serializers import unviewed
 from ..storage.filesystem import CheckpointStorageLocation
 from ..storage.metadata import OperatorState, SubtaskState
 from ..time.domain import TimeDomain
@@ -420,7 +421,13 @@ def batch_of(records: Any) -> pa.RecordBatch:
         return batches[0] if batches else pa.RecordBatch.from_pylist([])
     if records and not isinstance(records[0], dict):
         raise TypeError(f"an Arrow batch needs records that are dicts, got {type(records[0]).__name__}")
-    return pa.RecordBatch.from_pylist(records)
+    try:
+        return pa.RecordBatch.from_pylist(records)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        plain = unviewed(records)  # a ListState.get() in a record: pyarrow takes lists only
+        if plain is None:
+            raise
+        return pa.RecordBatch.from_pylist(plain)
 
 
 class KeyedContext:

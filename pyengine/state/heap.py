@@ -702,19 +702,19 @@ class AggregatingState(_FoldingState, Generic[IN, OUT]):
 
 @stored_as_list
 class ListView(MutableSequence[T]):
-    """What ``ListState.view()`` returns: the current key's elements as they were
+    """What ``ListState.get()`` returns: the current key's elements as they were
     at the call, read from the state without copying them.
 
-    ``get()`` returns a new list, which costs a copy of every element (a call whose
-    cost grows with the list); the view costs the same for one element or ten
-    thousand (Flink's ``get`` returns an ``Iterable`` for the same reason). It
-    compares equal to a list with the same elements, and the first change to it
-    (``append``, ``sort``, item assignment...) copies the elements into a list of
-    its own, so changing it never changes the state (write back with ``update``).
-    Elements added to the state after the call do not show in it. It is not a
-    ``list``: ``list(view)`` (or ``get()``) for a value to emit downstream, which
-    pyarrow takes. Put into state, it is stored (checkpointed, pickled) as the list
-    it shows.
+    A copy would cost a pass over every element, a call whose cost grows with the
+    list; the view costs the same for one element or ten thousand (Flink's
+    ``get`` returns an ``Iterable`` for the same reason). It compares equal to a
+    list with the same elements, and the first change to it (``append``,
+    ``sort``, item assignment...) copies the elements into a list of its own, so
+    changing it never changes the state (write back with ``update``). Elements
+    added to the state after the call do not show in it. It is not a ``list``:
+    ``list(view)`` makes one. In a record it reaches sinks and Arrow batches as the
+    list it shows, and put into state, it is stored (checkpointed, pickled) as
+    that list.
     """
 
     __slots__ = ("_list", "_n", "_now", "_ttl")
@@ -819,11 +819,11 @@ class ListView(MutableSequence[T]):
 class ListState(_ListCalls, _KeyedState, Generic[T]):
     """A list per key (Flink's ListState). With a TTL, each element expires on its own.
 
-    ``add`` appends one element and ``view()`` reads the elements without copying
-    them (``ListView``): neither costs more for a long list than for a short one;
-    ``get()`` returns a new list, a copy of the elements. With a TTL an element is
-    stored with its write time; expired ones are left out by reads, and removed by
-    the incremental cleanup and snapshots, never by scanning on ``add``."""
+    ``add`` appends one element and ``get()`` reads the elements without copying
+    them (a ``ListView``): neither costs more for a long list than for a short
+    one. With a TTL an element is stored with its write time; expired ones are
+    left out by reads, and removed by the incremental cleanup and snapshots, never
+    by scanning on ``add``."""
 
     __slots__ = ()
 
@@ -846,23 +846,16 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
             table.changes[index].add(key)  # its elements handed out (see _out)
         return stored
 
-    def get(self) -> List[T]:
-        """The current key's elements, as a new list (empty when there are none).
-
-        The copy costs a C-level pass over the list (no Python call per element);
-        ``view()`` reads them without any copy, in the same time for any length."""
-        view = self.view()
-        n = view._n
-        if n <= 0:
-            return view._list if n < 0 else []
-        stored = view._list
-        if not view._ttl:
-            return stored[:n]  # type: ignore[no-any-return]
-        return _ttl_values(stored, n, view._now - view._ttl)  # one C pass: unwrap, leave out the expired
+    def get(self) -> ListView[T]:
+        """The current key's elements as they are now (an empty view when there are
+        none), read from the state without copying them: a ``ListView``, which
+        costs the same for one element or ten thousand. Flink's ``get`` returns an
+        ``Iterable`` for the same reason. Iterate it, index it, compare it with a
+        list; ``list(state.get())`` makes a list of your own."""
+        return self.view()
 
     def view(self) -> ListView[T]:
-        """The current key's elements without copying them (see ``ListView``): the
-        cost of a state call that does not depend on the length of the list."""
+        """The same as ``get()``, the name it had when ``get()`` returned a copy."""
         b = self._backend
         index = b._key_index
         if index < 0:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import datetime as _dt
 import decimal as _decimal
 import pickle
-from typing import Any, Optional, Set
+from typing import Any, List, Optional, Set
 
 import msgpack
 
@@ -66,6 +66,38 @@ def stored_as_list(cls: type) -> type:
     """Registers ``cls`` (a read-only sequence type) to be stored as a list."""
     STORED_AS_LISTS.add(cls)
     return cls
+
+
+def unviewed(values: List[Any]) -> Optional[List[Any]]:
+    """``values`` with each ``ListState.get()`` (a ``ListView``, or another of the
+    engine's read-only sequences), at any depth, as the list it shows, or None when
+    there is none: pyarrow takes lists, not other sequences. Asked only once a
+    conversion failed, so rows cost nothing for it."""
+    if not any(_has_view(v) for v in values):
+        return None
+    return [_as_lists(v) for v in values]
+
+
+def _has_view(value: Any) -> bool:
+    t = type(value)
+    if t in STORED_AS_LISTS:
+        return True
+    if t is dict:
+        return any(_has_view(v) for v in value.values())
+    if t is list or t is tuple:
+        return any(_has_view(v) for v in value)
+    return False
+
+
+def _as_lists(value: Any) -> Any:
+    t = type(value)
+    if t in STORED_AS_LISTS or t is list:
+        return [_as_lists(v) for v in value]
+    if t is tuple:
+        return tuple(_as_lists(v) for v in value)
+    if t is dict:
+        return {k: _as_lists(v) for k, v in value.items()}
+    return value
 
 
 def _default(obj: Any) -> Any:
