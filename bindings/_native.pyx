@@ -20,6 +20,7 @@ from libc.stdint cimport int64_t, uint32_t, uint64_t
 
 from pe_core cimport *
 
+import array as _array_module
 import collections
 
 cdef extern from "Python.h":

@@ -54,6 +54,7 @@ cdef extern from *:
 # Stamps, clocks and TTLs within this bound are compared in C without overflow;
 # others go to the Python paths.
 cdef int64_t _TTL_BOUND = (<int64_t>1) << 62
+cdef object _TYPED_LIST = _array_module.array  # a typed list state's elements (int64, float64), one buffer per key
 
 
 cdef class StateTableBase:
@@ -356,6 +357,7 @@ cdef class ValueCalls(StateCalls):
 cdef class ListCalls(StateCalls):
     """The C half of ``ListState``: see the module comment above."""
     cdef public bint _atomic
+    cdef public object _typecode  # an array.array typecode: the elements are stored in one (see ListState)
 
     def add(self, value):
         """Appends ``value`` to the current key's list."""
@@ -380,6 +382,11 @@ cdef class ListCalls(StateCalls):
                                 return
                             value = (value, stamp)
                         (<list>stored).append(value)
+                        if table.changes is not None:
+                            PySet_Add(table.changes[index], key)
+                        return
+                    if type(stored) is _TYPED_LIST and self._ttl is None and _private(table, index, key) == 1:
+                        stored.append(value)  # a typed list's own buffer: the element checked above
                         if table.changes is not None:
                             PySet_Add(table.changes[index], key)
                         return

@@ -16,6 +16,7 @@ import pytest
 
 from pyengine.snapshot.format import _FLAT_LIST_DTYPES, TOMBSTONE, StateColumn, _flat_lists, _listed, _value_child
 from pyengine.state import ListStateDescriptor, create_keyed_backend
+from pyengine.state.serializers import LIST_TYPECODES, TYPED_LIST
 from pyengine.state.heap import COLLECTOR_PAUSE
 from pyengine.storage import checkpoint_storage
 
@@ -118,3 +119,86 @@ def test_a_restore_pauses_the_collector_and_leaves_it_as_it_was(tmp_path: Any) -
         assert inner_done.wait(10)
         assert not gc.isenabled()
     assert gc.isenabled()
+
+
+# -- typed lists of numbers stored as array.array (LIST_TYPECODES) -------------------------------
+
+
+@pytest.mark.parametrize("arrow_type", list(LIST_TYPECODES), ids=str)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_array_lists_write_and_read_as_the_lists_they_hold(arrow_type: pa.DataType, seed: int) -> None:
+    """A state's array.arrays are written from their joined buffers: the very column
+    pyarrow makes of the same lists; read back for a backend (``typed_arrays``) they are
+    array.arrays of the same typecode and values, and for a reader they are lists."""
+    column = StateColumn("xs", "list", arrow_type, None, "msgpack", False)
+    values = _random_lists(arrow_type, seed)
+    code = LIST_TYPECODES[arrow_type]
+    arrays = [v if v is TOMBSTONE else TYPED_LIST(code, v) for v in values]
+    reference = pa.array([None if v is TOMBSTONE else v for v in values], pa.list_(arrow_type))
+    assert _flat_lists(column, arrays).equals(reference)
+    for a, b in [(0, 300), (5, 77), (299, 300)]:
+        got = _listed(column, reference.slice(a, b - a), typed_arrays=True)
+        assert got is not None
+        assert [v if v is TOMBSTONE else (v.typecode, v.tolist()) for v in got] == [
+            v if v is TOMBSTONE else (code, v) for v in values[a:b]
+        ]
+        assert _listed(column, reference.slice(a, b - a)) == values[a:b]  # a reader's: lists
+    mixed = [TYPED_LIST(code, [1]), [2]]  # not all arrays (a list restored before): element by element
+    assert _flat_lists(column, mixed).to_pylist() == [[1], [2]]
+
+
+@pytest.mark.parametrize("backend_kind", ["heap", "incremental"])
+def test_a_typed_list_is_an_array_that_checkpoints_and_restores(tmp_path: Any, backend_kind: str) -> None:
+    floats = ListStateDescriptor("floats", pa.float64())
+    ints = ListStateDescriptor("ints", pa.int32())
+    plain = ListStateDescriptor("plain")
+    backend = create_keyed_backend(backend_kind, max_parallelism=8)
+    f, i, p = (backend.get_state(d) for d in (floats, ints, plain))
+    for key in range(20):
+        backend.set_current_key(key)
+        f.add(1)  # an int into a float64 list: stored as a float
+        f.add_all([key / 2, 2.5])
+        i.update(range(key))
+        p.add(key)
+    backend.set_current_key(3)
+
+    def stored(b: Any, name: str) -> Any:
+        return b._tables[name].groups[b._key_index][3]
+
+    assert type(stored(backend, "floats")) is TYPED_LIST and stored(backend, "floats").typecode == "d"
+    assert type(stored(backend, "ints")) is TYPED_LIST and stored(backend, "ints").typecode == "i"
+    assert type(stored(backend, "plain")) is list
+    assert f.get() == [1.0, 1.5, 2.5] and type(f.get()[0]) is float and i.get() == [0, 1, 2]
+    with pytest.raises(Exception, match="is not a int32 value"):
+        i.add(2**40)
+
+    storage = checkpoint_storage(str(tmp_path / "ckpt"), "typed-lists")
+    pending = backend.snapshot(1, storage.location(1))  # its synchronous part: the arrays are shared now
+    f.add(9.0)  # copy-on-write: the snapshot still writes [1.0, 1.5, 2.5]
+    assert f.get() == [1.0, 1.5, 2.5, 9.0]
+    first = pending.run().handles
+    restored = create_keyed_backend(backend_kind, max_parallelism=8)
+    restored.restore(first)
+    restored.set_current_key(3)
+    assert type(stored(restored, "floats")) is TYPED_LIST  # straight into arrays, before any get_state
+    rf = restored.get_state(floats)
+    assert rf.get() == [1.0, 1.5, 2.5] and restored.get_state(ints).get() == [0, 1, 2]
+    rf.add(4.0)
+    assert rf.get() == [1.0, 1.5, 2.5, 4.0]
+
+    # a second checkpoint of the restored backend (for the incremental one: a delta over the first)
+    second = restored.snapshot(2, storage.location(2)).run().handles
+    again = create_keyed_backend(backend_kind, max_parallelism=8)
+    again.restore(second)
+    again.set_current_key(3)
+    assert again.get_state(floats).get() == [1.0, 1.5, 2.5, 4.0]
+
+    # declared again without a type: lists, which take any element
+    untyped = create_keyed_backend(backend_kind, max_parallelism=8)
+    untyped.restore(first)
+    untyped.set_current_key(3)
+    u = untyped.get_state(ListStateDescriptor("floats"))
+    assert type(stored(untyped, "floats")) is list
+    u.add("text")
+    assert u.get() == [1.0, 1.5, 2.5, "text"]
+

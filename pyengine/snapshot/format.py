@@ -46,7 +46,14 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from ..state.keygroups import KeyGroupRange
-from ..state.serializers import PickleNotAllowedError, SafeSerializer, StateSerializationError, serializer_for
+from ..state.serializers import (
+    LIST_TYPECODES,
+    TYPED_LIST,
+    PickleNotAllowedError,
+    SafeSerializer,
+    StateSerializationError,
+    serializer_for,
+)
 from ..storage.filesystem import CorruptStateError, open_input_file, read_bytes, read_range
 from ..storage.handles import BatchIndexEntry, KeyGroupsStateHandle, StreamStateHandle
 from .ipcfile import write_ipc_file
@@ -201,11 +208,13 @@ def _flat_lists(column: StateColumn, values: List[Any]) -> Optional[pa.Array]:
     total = int(offsets[-1])
     if total > _MAX_LIST_OFFSET:
         return None  # pyarrow says why it cannot
-    try:
-        with np.errstate(all="ignore"):  # a float32 out of range becomes inf, as pyarrow makes it
-            flat = np.fromiter(itertools.chain.from_iterable(live), dtype, total)
-    except (TypeError, ValueError, OverflowError):
-        return None  # a value the state's checks would have refused: pyarrow names it
+    flat = _joined_buffers(live, LIST_TYPECODES.get(column.arrow_type), dtype)  # type: ignore[arg-type]
+    if flat is None:
+        try:
+            with np.errstate(all="ignore"):  # a float32 out of range becomes inf, as pyarrow makes it
+                flat = np.fromiter(itertools.chain.from_iterable(live), dtype, total)
+        except (TypeError, ValueError, OverflowError):
+            return None  # a value the state's checks would have refused: pyarrow names it
     return pa.ListArray.from_arrays(
         pa.array(offsets.astype(np.int32)),
         pa.array(flat, column.arrow_type),
@@ -214,9 +223,23 @@ def _flat_lists(column: StateColumn, values: List[Any]) -> Optional[pa.Array]:
     )
 
 
-def _listed(column: StateColumn, child: pa.Array) -> Optional[List[Any]]:
+def _joined_buffers(live: List[Any], typecode: Optional[str], dtype: Any) -> Optional[np.ndarray]:
+    """The elements of a typed list state whose lists are all array.arrays of
+    ``typecode`` (heap.ListState stores them so) as one array: their buffers
+    joined, a copy of bytes with no element converted. None for any other lists."""
+    if typecode is None:
+        return None
+    for v in live:
+        if type(v) is not TYPED_LIST or v.typecode != typecode:
+            return None
+    return np.frombuffer(b"".join(live), dtype)
+
+
+def _listed(column: StateColumn, child: pa.Array, typed_arrays: bool = False) -> Optional[List[Any]]:
     """A typed list column's values as Python lists (TOMBSTONE for a null) through
-    one flat array, or None where that does not apply (to_pylist then)."""
+    one flat array, or None where that does not apply (to_pylist then). With
+    ``typed_arrays`` (a backend's restore), lists of a type in LIST_TYPECODES come
+    as array.arrays, each made from its piece of the column's buffer."""
     if _FLAT_LIST_DTYPES.get(column.arrow_type) is None or not len(child):  # type: ignore[arg-type]
         return None
     offsets = child.offsets.to_numpy()
@@ -224,6 +247,13 @@ def _listed(column: StateColumn, child: pa.Array) -> Optional[List[Any]]:
     elements = child.values.slice(base, end - base)
     if elements.null_count:
         return None
+    typecode = LIST_TYPECODES.get(column.arrow_type) if typed_arrays else None  # type: ignore[arg-type]
+    if typecode is not None:
+        lists = _typed_lists(elements, offsets - base, typecode)
+        if child.null_count:
+            nulls = child.is_null().to_numpy(zero_copy_only=False)
+            lists = [TOMBSTONE if dead else v for v, dead in zip(lists, nulls.tolist(), strict=True)]
+        return lists
     # Each key's list made from its own piece of the array: one flat list sliced
     # per key would touch every element object twice, the second time out of cache.
     pieces = np.split(elements.to_numpy(zero_copy_only=False), (offsets[1:-1] - base).tolist())
@@ -231,6 +261,20 @@ def _listed(column: StateColumn, child: pa.Array) -> Optional[List[Any]]:
     if child.null_count:
         nulls = child.is_null().to_numpy(zero_copy_only=False)
         lists = [TOMBSTONE if dead else v for v, dead in zip(lists, nulls.tolist(), strict=True)]
+    return lists
+
+
+def _typed_lists(elements: pa.Array, offsets: np.ndarray, typecode: str) -> List[Any]:
+    """An array.array of ``typecode`` per list, ``offsets`` (from 0) cutting ``elements``."""
+    flat = np.ascontiguousarray(elements.to_numpy(zero_copy_only=False))
+    data = flat.view(np.uint8).data
+    bounds = (offsets * flat.itemsize).tolist()
+    lists: List[Any] = []
+    append = lists.append
+    for a, b in itertools.pairwise(bounds):
+        typed = TYPED_LIST(typecode)
+        typed.frombytes(data[a:b])
+        append(typed)
     return lists
 
 
@@ -758,11 +802,17 @@ def _decode_key(column: pa.UnionArray, i: int) -> Any:
 
 
 def _decode_values(
-    column_spec: StateColumn, child: pa.Array, *, allow_pickle: bool, defer_pickle: bool, where: str
+    column_spec: StateColumn,
+    child: pa.Array,
+    *,
+    allow_pickle: bool,
+    defer_pickle: bool,
+    where: str,
+    typed_arrays: bool = False,
 ) -> List[Any]:
     if column_spec.typed:
         if column_spec.kind == "list":
-            lists = _listed(column_spec, child)
+            lists = _listed(column_spec, child, typed_arrays)
             if lists is not None:
                 return lists
         values = child.to_pylist()
@@ -800,7 +850,7 @@ def read_keyed_state(
     are refused, or with ``defer_pickle`` returned still pickled. With ``states``,
     batches of other states are skipped unread. With ``arrays``, typed value
     states whose keys are all ints come as (int64 keys, values) Arrow arrays,
-    nulls marking deletions."""
+    nulls marking deletions, and typed lists of numbers as array.arrays."""
     stream = handle.stream
     path = stream.path if isinstance(stream, StreamStateHandle) else getattr(stream, "name", "inline state")
     where = f"state file {path}{' (' + what + ')' if what else ''}"
@@ -846,7 +896,12 @@ def read_keyed_state(
                 continue
             keys = int_keys.to_pylist() if int_keys is not None else _decode_keys(key_column)
             values = _decode_values(
-                spec, value_column, allow_pickle=spec.name in pickle_ok, defer_pickle=defer_pickle, where=where
+                spec,
+                value_column,
+                allow_pickle=spec.name in pickle_ok,
+                defer_pickle=defer_pickle,
+                where=where,
+                typed_arrays=arrays,
             )
             for key_group, a, b in runs:
                 yield key_group, spec, keys[a:b], values[a:b]

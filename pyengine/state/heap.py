@@ -72,7 +72,7 @@ from .descriptors import (
     ValueStateDescriptor,
 )
 from .keygroups import DEFAULT_MAX_PARALLELISM, KeyGroupRange, assign_to_key_group, check_parallelism
-from .serializers import stored_as_list
+from .serializers import TYPED_LIST, list_typecode, stored_as_list
 
 __all__ = [
     "AggregatingState",
@@ -232,6 +232,8 @@ class StateTable(_StateTableBase):
             container = {k: _private_copy(v) for k, v in container.items()}
         elif type(container) is StampedList:
             container = StampedList([(_private_copy(v), s) for v, s in container])
+        elif type(container) is TYPED_LIST:
+            container = container[:]  # numbers: one copy of the buffer
         else:
             container = [_private_copy(v) for v in container]
         self.store(index, key, container)
@@ -729,6 +731,8 @@ class ListView(MutableSequence[T]):
         if self._n >= 0:
             if self._ttl:
                 self._list = _ttl_values(self._list, self._n, self._now - self._ttl)
+            elif type(self._list) is TYPED_LIST:
+                self._list = self._list[: self._n].tolist()  # a list: the view's owner may add anything
             else:
                 self._list = self._list[: self._n]
             self._n = -1
@@ -753,7 +757,8 @@ class ListView(MutableSequence[T]):
         if self._n < 0 or self._ttl:
             return self._own()[i]
         if isinstance(i, slice):
-            return self._list[: self._n][i]
+            part: Any = self._list[: self._n][i]
+            return part if type(part) is list else part.tolist()  # an array.array's slice: as a list
         if i < 0:
             i += self._n
         if not 0 <= i < self._n:
@@ -832,6 +837,7 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
         d = table.descriptor
         assert isinstance(d, ListStateDescriptor)
         self._atomic = self._check is not None  # typed elements are immutable (ints, strs...)
+        self._typecode = list_typecode(d)  # the keys' elements in an array.array (see _LIST_TYPECODES)
 
     def _readable_list(self, index: int, key: Any) -> Any:
         """The stored list, made private first if an element handed out could be
@@ -904,7 +910,7 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
         element = value if ttl is None else (value, (b._ttl_now or ttl.clock()))
         stored = table.groups[index].get(key)
         if stored is None:
-            self._put(index, key, [element])
+            self._put(index, key, [element] if self._typecode is None else TYPED_LIST(self._typecode, [element]))
         elif stored.__class__ is not list or (table.tainted[index] and key not in table.owned[index]):
             table.own(index, key, stored).append(element)  # copied once per key and snapshot
         else:
@@ -922,12 +928,12 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
         if table.changes is not None:
             table.changes[index].add(key)
 
-    def _wrap(self, values: Iterable[Any]) -> Any:  # a list, or with a TTL a StampedList
+    def _wrap(self, values: Iterable[Any]) -> Any:  # a list or array.array, or with a TTL a StampedList
         values = [self._element(v) for v in values]
         if self._ttl is not None:
             now = self._ttl.clock()
             return StampedList([(v, now) for v in values])
-        return values
+        return values if self._typecode is None else TYPED_LIST(self._typecode, values)
 
     def add_all(self, values: Iterable[T]) -> None:
         """Appends ``values`` to the current key's list."""
@@ -1824,11 +1830,36 @@ class HeapKeyedStateBackend:
                 for k, raw in group.items():
                     group[k] = loads(raw)
             table.pickled = False
+        if descriptor.kind == "list":
+            _retype_lists(table, list_typecode(descriptor))
         table.descriptor = descriptor
 
     def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
         """Full snapshots keep nothing between checkpoints but local copies."""
         self._prune_local(checkpoint_id)
+
+
+def _retype_lists(table: StateTable, typecode: Optional[str]) -> None:
+    """A restored list state's elements in the containers its descriptor asks for: an
+    array.array of ``typecode``, or lists (a restore makes arrays of a typed list
+    column's elements; the descriptor may since have changed its type or added a TTL).
+    Every key is looked at: a chain of incremental files may mix typed and untyped ones."""
+    for group in table.groups:
+        for k, stored in group.items():
+            if type(stored) is TYPED_LIST:
+                if stored.typecode != typecode:
+                    group[k] = stored.tolist() if typecode is None else _retyped(stored.tolist(), typecode)
+            elif typecode is not None and type(stored) is list:
+                group[k] = _retyped(stored, typecode)
+
+
+def _retyped(elements: List[Any], typecode: str) -> Any:
+    """``elements`` in an array.array of ``typecode``, or left a list when one does not
+    fit (the state's check refuses it at its next write, as before)."""
+    try:
+        return TYPED_LIST(typecode, elements)
+    except (TypeError, OverflowError):
+        return elements
 
 
 def _without_expired(table: Any, frozen: List[Any], clock: Callable[[], int]) -> Any:
