@@ -54,7 +54,7 @@ cdef extern from *:
 # Stamps, clocks and TTLs within this bound are compared in C without overflow;
 # others go to the Python paths.
 cdef int64_t _TTL_BOUND = (<int64_t>1) << 62
-cdef object _TYPED_LIST = _array_module.array  # a typed list state's elements (int64, float64), one buffer per key
+cdef object _TYPED_LIST = _array_module.array  # a typed list state's elements (integers, float64), one buffer per key
 
 
 cdef class StateTableBase:

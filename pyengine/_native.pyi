@@ -112,7 +112,7 @@ class ListCalls(StateCalls):
     """``ListState.add`` in C for the common case; the rest in ``_add_py``."""
 
     _atomic: bool
-    _typecode: Optional[str]  # "q" or "d": the key's elements in one array.array
+    _typecode: Optional[str]  # an array.array typecode (serializers.LIST_TYPECODES): the elements in one array
     def add(self, value: Any) -> None: ...
 
 class MapCalls(StateCalls):

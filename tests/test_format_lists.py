@@ -16,8 +16,8 @@ import pytest
 
 from pyengine.snapshot.format import _FLAT_LIST_DTYPES, TOMBSTONE, StateColumn, _flat_lists, _listed, _value_child
 from pyengine.state import ListStateDescriptor, create_keyed_backend
-from pyengine.state.serializers import LIST_TYPECODES, TYPED_LIST
 from pyengine.state.heap import COLLECTOR_PAUSE
+from pyengine.state.serializers import LIST_TYPECODES, TYPED_LIST
 from pyengine.storage import checkpoint_storage
 
 
@@ -201,4 +201,3 @@ def test_a_typed_list_is_an_array_that_checkpoints_and_restores(tmp_path: Any, b
     assert type(stored(untyped, "floats")) is list
     u.add("text")
     assert u.get() == [1.0, 1.5, 2.5, "text"]
-

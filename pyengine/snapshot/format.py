@@ -282,6 +282,8 @@ def _value_child(column: StateColumn, values: List[Any]) -> pa.Array:
     try:
         if not column.typed:
             dumps = serializer_for("pickle" if column.serializer == "pickle" else "safe").dumps
+            if column.kind == "list":  # a typed list's arrays, restored but not declared again: as lists
+                values = [v.tolist() if type(v) is TYPED_LIST else v for v in values]
             return pa.array([None if v is TOMBSTONE else dumps(v) for v in values], pa.binary())
         if column.kind == "map":
             return pa.array([None if v is TOMBSTONE else list(v.items()) for v in values], column.storage_type)

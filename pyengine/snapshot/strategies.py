@@ -45,7 +45,8 @@ def column_of(descriptor: StateDescriptor) -> StateColumn:
         arrow_type=arrow_type,
         map_key_type=map_key_type,
         serializer="pickle" if descriptor.allows_pickle else "msgpack",
-        ttl=getattr(descriptor, "ttl", None) is not None,
+        # a restored state not declared since keeps its entries' layout (with write times or not)
+        ttl=getattr(descriptor, "ttl", None) is not None or getattr(descriptor, "stamped", False),
     )
 
 

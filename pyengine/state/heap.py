@@ -778,6 +778,8 @@ class ListView(MutableSequence[T]):
         self._own().append(value)
 
     def extend(self, values: Iterable[T]) -> None:
+        if values is self:
+            values = list(values)  # ``view.extend(view)``: its elements once, not for ever
         self._own().extend(values)
 
     def sort(self, *, key: Any = None, reverse: bool = False) -> None:
@@ -803,6 +805,24 @@ class ListView(MutableSequence[T]):
     def __radd__(self, other: Iterable[T]) -> List[T]:
         return list(other) + list(self)
 
+    def __mul__(self, n: int) -> List[T]:
+        return list(self) * n
+
+    __rmul__ = __mul__
+
+    # ordered as lists are (``sorted`` of records holding views)
+    def __lt__(self, other: Any) -> bool:
+        return _as_list(self) < _as_list(other)  # type: ignore[no-any-return]
+
+    def __le__(self, other: Any) -> bool:
+        return _as_list(self) <= _as_list(other)  # type: ignore[no-any-return]
+
+    def __gt__(self, other: Any) -> bool:
+        return _as_list(self) > _as_list(other)  # type: ignore[no-any-return]
+
+    def __ge__(self, other: Any) -> bool:
+        return _as_list(self) >= _as_list(other)  # type: ignore[no-any-return]
+
     def __bool__(self) -> bool:
         if self._n < 0 or not self._ttl:
             return len(self) > 0
@@ -821,6 +841,10 @@ class ListView(MutableSequence[T]):
         return (list, (list(self),))
 
 
+def _as_list(value: Any) -> Any:
+    return list(value) if type(value) is ListView else value
+
+
 class ListState(_ListCalls, _KeyedState, Generic[T]):
     """A list per key (Flink's ListState). With a TTL, each element expires on its own.
 
@@ -837,7 +861,7 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
         d = table.descriptor
         assert isinstance(d, ListStateDescriptor)
         self._atomic = self._check is not None  # typed elements are immutable (ints, strs...)
-        self._typecode = list_typecode(d)  # the keys' elements in an array.array (see _LIST_TYPECODES)
+        self._typecode = list_typecode(d)  # the keys' elements in an array.array (serializers.LIST_TYPECODES)
 
     def _readable_list(self, index: int, key: Any) -> Any:
         """The stored list, made private first if an element handed out could be
@@ -1780,13 +1804,15 @@ class HeapKeyedStateBackend:
                     dict_table.groups = table.to_dicts()
                     restored[spec.name] = table = dict_table
                 if table is None:
-                    table = StateTable(_RestoredDescriptor(spec.name, spec.kind), len(self.key_group_range))
+                    table = StateTable(_RestoredDescriptor(spec.name, spec.kind, spec.ttl), len(self.key_group_range))
                     table.pickled = spec.serializer == "pickle" and spec.name not in allow_pickle
                     restored[spec.name] = table
                 elif table.descriptor.kind != spec.kind:
                     raise ValueError(
                         f"state {spec.name!r} is {table.descriptor.kind} in one file, {spec.kind} in another"
                     )
+                else:  # a later file of a chain: its layout is the entries' (a TTL added since rewrote them all)
+                    object.__setattr__(table.descriptor, "stamped", spec.ttl)
                 group = table.groups[key_group - self.key_group_range.start]
                 for k, v in zip(keys, values, strict=True):
                     if v is TOMBSTONE:  # a later delta deleted it
@@ -1830,6 +1856,10 @@ class HeapKeyedStateBackend:
                 for k, raw in group.items():
                     group[k] = loads(raw)
             table.pickled = False
+        stamped = getattr(table.descriptor, "stamped", None)  # None: not as restored
+        ttl = getattr(descriptor, "ttl", None) is not None
+        if stamped is not None and stamped != ttl:
+            _migrate_ttl(table, descriptor.kind, ttl, self._ttl_time())
         if descriptor.kind == "list":
             _retype_lists(table, list_typecode(descriptor))
         table.descriptor = descriptor
@@ -1839,18 +1869,36 @@ class HeapKeyedStateBackend:
         self._prune_local(checkpoint_id)
 
 
+def _migrate_ttl(table: StateTable, kind: str, add: bool, now: int) -> None:
+    """A restored state whose descriptor added a TTL (``add``) or dropped it: every
+    entry gets the restore's time as its write time (nothing in the checkpoint says
+    when it was written, so it lives a whole TTL from now), or loses its write time.
+    Before, the first read of such state failed, or, without the TTL, returned
+    ``(value, stamp)`` tuples as values."""
+    for index, group in enumerate(table.groups):
+        for k, stored in list(group.items()):
+            if kind == "list":
+                new: Any = StampedList([(e, now) for e in stored]) if add else [e[0] for e in stored]
+            elif kind == "map":
+                new = {u: (v, now) for u, v in stored.items()} if add else {u: e[0] for u, e in stored.items()}
+            else:  # value, reducing, aggregating: one entry
+                new = (stored, now) if add else stored[0]
+            table.restamp(index, k, new)
+
+
 def _retype_lists(table: StateTable, typecode: Optional[str]) -> None:
     """A restored list state's elements in the containers its descriptor asks for: an
     array.array of ``typecode``, or lists (a restore makes arrays of a typed list
     column's elements; the descriptor may since have changed its type or added a TTL).
     Every key is looked at: a chain of incremental files may mix typed and untyped ones."""
-    for group in table.groups:
-        for k, stored in group.items():
+    for index, group in enumerate(table.groups):
+        for k, stored in list(group.items()):
             if type(stored) is TYPED_LIST:
                 if stored.typecode != typecode:
-                    group[k] = stored.tolist() if typecode is None else _retyped(stored.tolist(), typecode)
+                    retyped = stored.tolist() if typecode is None else _retyped(stored.tolist(), typecode)
+                    table.restamp(index, k, retyped)  # copy-on-write: a pending snapshot keeps its dict
             elif typecode is not None and type(stored) is list:
-                group[k] = _retyped(stored, typecode)
+                table.restamp(index, k, _retyped(stored, typecode))
 
 
 def _retyped(elements: List[Any], typecode: str) -> Any:
@@ -1952,6 +2000,8 @@ def _live_entries(group: Dict[Any, Any], kind: str, limit: int) -> Dict[Any, Any
 class _RestoredDescriptor(StateDescriptor):
     """Stands in for a restored state's descriptor until get_state provides the real one."""
 
-    def __init__(self, name: str, kind: str) -> None:
+    def __init__(self, name: str, kind: str, stamped: bool = False) -> None:
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "kind", kind)  # shadows the class attribute of the kind
+        # written with a TTL: its entries carry write times (snapshots keep the layout)
+        object.__setattr__(self, "stamped", stamped)

@@ -78,7 +78,6 @@ LIST_TYPECODES: Dict[pa.DataType, str] = {
     if array.array(code).itemsize == t.bit_width // 8
 }  # fmt: skip
 TYPED_LIST = array.array
-STORED_AS_LISTS.add(TYPED_LIST)  # a restored typed list whose state is not declared again is written as a list
 
 
 def list_typecode(descriptor: Any) -> Optional[str]:

@@ -1,0 +1,130 @@
+"""A TTL added to a state's descriptor, or dropped from it, between a checkpoint and
+the job restored from it (a user tuning state retention).
+
+With a TTL every entry is stored with its write time; without one it is not. Before,
+a restored state declared with a TTL it was checkpointed without failed at its first
+read (``TypeError``), and one declared without the TTL it had read its entries as
+``(value, stamp)`` tuples, silently. Now the entries are migrated when the state is
+declared: they get the restore's time as their write time (the checkpoint does not
+say when they were written, so they live a whole TTL from the restore), or lose it."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import pyarrow as pa
+import pytest
+
+from pyengine.state import (
+    ListStateDescriptor,
+    MapStateDescriptor,
+    ReducingStateDescriptor,
+    StateTtlConfig,
+    ValueStateDescriptor,
+    create_keyed_backend,
+)
+from pyengine.storage import checkpoint_storage
+
+TTL = StateTtlConfig(1_000)
+
+
+class Clock:
+    ms = 10_000
+
+    def __call__(self) -> int:
+        return self.ms
+
+
+def _add(a: int, b: int) -> int:
+    return a + b
+
+
+# kind: (descriptor maker, write one entry, read the current key's state)
+KINDS: Dict[str, Any] = {
+    "value": (lambda ttl: ValueStateDescriptor("s", ttl=ttl), lambda s: s.update({"n": 2}), lambda s: s.value()),
+    "typed-value": (
+        lambda ttl: ValueStateDescriptor("s", type=pa.float64(), ttl=ttl),
+        lambda s: s.update(2.5),
+        lambda s: s.value(),
+    ),
+    "list": (lambda ttl: ListStateDescriptor("s", ttl=ttl), lambda s: s.add((1, "a")), lambda s: list(s.get())),
+    "typed-list": (
+        lambda ttl: ListStateDescriptor("s", pa.float64(), ttl=ttl),
+        lambda s: s.add(1.5),
+        lambda s: list(s.get()),
+    ),
+    "map": (lambda ttl: MapStateDescriptor("s", ttl=ttl), lambda s: s.put("k", [1, 2]), lambda s: s.items()),
+    "reducing": (lambda ttl: ReducingStateDescriptor("s", _add, ttl=ttl), lambda s: s.add(3), lambda s: s.get()),
+}
+
+
+def _checkpoint(backend: Any, storage: Any, checkpoint_id: int) -> Any:
+    return backend.snapshot(checkpoint_id, storage.location(checkpoint_id)).run().handles
+
+
+@pytest.mark.parametrize("backend_kind", ["heap", "incremental"])
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("added", [True, False], ids=["ttl-added", "ttl-dropped"])
+def test_a_ttl_added_or_dropped_across_a_restore(tmp_path: Any, backend_kind: str, kind: str, added: bool) -> None:
+    make, write, read = KINDS[kind]
+    before, after = (make(None), make(TTL)) if added else (make(TTL), make(None))
+    clock = Clock()
+    storage = checkpoint_storage(str(tmp_path / "ckpt"), "ttl-change")
+    backend = create_keyed_backend(backend_kind, max_parallelism=8, ttl_clock_ms=clock)
+    state = backend.get_state(before)
+    for key in range(10):
+        backend.set_current_key(key)
+        write(state)
+    backend.set_current_key(3)
+    expected = read(state)
+    first = _checkpoint(backend, storage, 1)
+
+    clock.ms += 900  # restored later: a migrated entry's time is the restore's
+    restored = create_keyed_backend(backend_kind, max_parallelism=8, ttl_clock_ms=clock)
+    restored.restore(first)
+    restored.set_current_key(3)
+    migrated = restored.get_state(after)
+    assert read(migrated) == expected  # the value, never a (value, stamp) tuple
+    restored.set_current_key(4)
+    write(migrated)
+    after_write = read(migrated)
+
+    # the migrated layout is what the next checkpoint holds (a delta over the first, incremental)
+    second = _checkpoint(restored, storage, 2)
+    again = create_keyed_backend(backend_kind, max_parallelism=8, ttl_clock_ms=clock)
+    again.restore(second)
+    state2 = again.get_state(after)
+    again.set_current_key(3)
+    assert read(state2) == expected
+    again.set_current_key(4)
+    assert read(state2) == after_write
+
+    if added:  # expiry counts from the restore: alive 999 ms after it, gone at 1,000
+        clock.ms += 999
+        again.set_current_key(3)
+        assert read(state2) == expected
+        clock.ms += 1
+        again.set_current_key(3)
+        assert read(state2) in (None, [])
+
+
+@pytest.mark.parametrize("backend_kind", ["heap", "incremental"])
+def test_a_restored_ttl_state_checkpointed_before_it_is_declared_keeps_its_write_times(
+    tmp_path: Any, backend_kind: str
+) -> None:
+    """A job that declares a state lazily may checkpoint it before: the file must still
+    say its entries carry write times, or a later restore would read stamps as values."""
+    clock = Clock()
+    storage = checkpoint_storage(str(tmp_path / "ckpt"), "lazy")
+    backend = create_keyed_backend(backend_kind, max_parallelism=8, ttl_clock_ms=clock)
+    value = backend.get_state(ValueStateDescriptor("v", ttl=TTL))
+    backend.set_current_key(1)
+    value.update("x")
+    restored = create_keyed_backend(backend_kind, max_parallelism=8, ttl_clock_ms=clock)
+    restored.restore(_checkpoint(backend, storage, 1))
+    second = _checkpoint(restored, storage, 2)  # nothing declared yet
+    for descriptor in (ValueStateDescriptor("v", ttl=TTL), ValueStateDescriptor("v")):
+        again = create_keyed_backend(backend_kind, max_parallelism=8, ttl_clock_ms=clock)
+        again.restore(second)
+        again.set_current_key(1)
+        assert again.get_state(descriptor).value() == "x"
