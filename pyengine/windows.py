@@ -109,10 +109,11 @@ class _Sessions:
     pipeline before its next watermark) spent seconds per thousand records there.
     ``merge_windows`` below is that sort, kept as the reference (tests)."""
 
-    __slots__ = ("order",)
+    __slots__ = ("merged", "order")
 
     def __init__(self, contents: Iterable[Tuple[int, int]]) -> None:
         self.order: List[Tuple[int, int]] = sorted(contents)
+        self.merged: List[Tuple[int, int]] = []  # the windows the last merge replaced by their cover
 
     def merge(self, contents: Dict[Tuple[int, int], Any], new: TimeWindow, accumulators: Any) -> TimeWindow:
         """Flink's ``MergingWindowSet.addWindow``: the windows the new one meets (or
@@ -127,8 +128,9 @@ class _Sessions:
             j += 1
         if i == j:
             order.insert(i, (start, end))
+            self.merged = []
             return new
-        hits = order[i:j]
+        hits = self.merged = order[i:j]
         cover = (min(start, hits[0][0]), max(end, hits[-1][1]))
         combined: Any = None
         for bounds in hits:
@@ -524,6 +526,8 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
             assigned = True
             if sessions is not None:
                 window = sessions.merge(contents, window, self.accumulators)
+                if sessions.merged and not self.lateness:
+                    self._forget_timers(sessions.merged, window)
             if self._is_late(window):
                 if sessions is not None:
                     contents.pop((window.start, window.end), None)
@@ -563,6 +567,17 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
                     self._timers.event.register(cleanup)
             else:
                 self._timers.processing.register(window.max_timestamp)
+
+    def _forget_timers(self, merged: List[Tuple[int, int]], cover: TimeWindow) -> None:
+        """Deletes the timers of sessions merged into ``cover`` (Flink deletes them on
+        merge too): a session that grows with every record of its key would otherwise
+        leave a timer per record, each fired for nothing. Only without allowed
+        lateness, where a window's one timer is at its end - 1 and no two windows of a
+        key share an end; the cover's own timer is registered after this."""
+        timers = self._timers.event if self.assigner.is_event_time else self._timers.processing
+        for bounds in merged:
+            if bounds[1] != cover.end:
+                timers.delete(bounds[1] - 1)
 
     # -- firing ------------------------------------------------------------------------------
 
@@ -982,6 +997,17 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
 
     def _dtype(self, name: str) -> Any:
         return np.int64 if self._types[name] == pa.int64() else np.float64
+
+    def _forget_timers(self, merged: List[Tuple[int, int]], cover: TimeWindow) -> None:
+        """Deletes the timers of sessions merged into ``cover`` (Flink deletes them on
+        merge too): a session that grows with every record of its key would otherwise
+        leave a timer per record, each fired for nothing. Only without allowed
+        lateness, where a window's one timer is at its end - 1 and no two windows of a
+        key share an end; the cover's own timer is registered after this."""
+        timers = self._timers.event if self.assigner.is_event_time else self._timers.processing
+        for bounds in merged:
+            if bounds[1] != cover.end:
+                timers.delete(bounds[1] - 1)
 
     # -- firing ------------------------------------------------------------------------------
 

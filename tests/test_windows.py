@@ -277,3 +277,40 @@ def test_a_key_whose_every_record_is_late_leaves_nothing_behind_in_the_session_i
         WindowOperator.process = original  # type: ignore[method-assign]
     assert result.event_time.late_records_dropped == 300
     assert seen and max(seen[-3:]) <= 1, seen  # the on-time key at most
+
+
+@pytest.mark.parametrize("lateness", [0, 50])
+def test_a_growing_session_keeps_one_pending_timer_per_key(lateness: int) -> None:
+    """A session that every record of its key extends: the merged windows' timers are
+    deleted (Flink does so on merge), so a key has one pending timer, not one per record
+    fired for nothing later. With allowed lateness a window has two timers, which may
+    coincide with another window's: those stay and fire for nothing, as before."""
+    from pyengine.windows import WindowOperator
+
+    env = pe.StreamEnvironment(parallelism=1, buffer_size=50, monitoring=None)
+    # 20 keys, each record 20 ms after its key's last: one session per key, never closed
+    records = [{"k": i % 20, "ts": i} for i in range(2_000)]
+    strategy = pe.WatermarkStrategy.for_monotonous_timestamps().with_timestamp_assigner("ts")
+    pending: List[int] = []
+    original = WindowOperator.process
+
+    def spy(self: Any, batch: Any) -> Any:
+        out = original(self, batch)
+        queue = self._timers.event  # live timers: the slot states' entries (the index keeps deleted ones)
+        pending.append(sum(len(queue._tables[name]) for name in queue._slots))
+        return out
+
+    WindowOperator.process = spy  # type: ignore[method-assign]
+    sink = pe.sinks.CollectSink()
+    try:
+        env.from_collection(records, watermark_strategy=strategy).key_by("k").window(
+            pe.windows.session(100)
+        ).allowed_lateness(lateness).aggregate(pe.agg.count()).sink_to(sink)
+        assert env.execute("growing-sessions").status == "FINISHED"
+    finally:
+        WindowOperator.process = original  # type: ignore[method-assign]
+    assert sorted((r["k"], r["count"]) for r in sink.records) == [(k, 100) for k in range(20)]
+    if lateness == 0:
+        assert max(pending) == 20, pending
+    else:
+        assert max(pending) > 20
