@@ -998,17 +998,6 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
     def _dtype(self, name: str) -> Any:
         return np.int64 if self._types[name] == pa.int64() else np.float64
 
-    def _forget_timers(self, merged: List[Tuple[int, int]], cover: TimeWindow) -> None:
-        """Deletes the timers of sessions merged into ``cover`` (Flink deletes them on
-        merge too): a session that grows with every record of its key would otherwise
-        leave a timer per record, each fired for nothing. Only without allowed
-        lateness, where a window's one timer is at its end - 1 and no two windows of a
-        key share an end; the cover's own timer is registered after this."""
-        timers = self._timers.event if self.assigner.is_event_time else self._timers.processing
-        for bounds in merged:
-            if bounds[1] != cover.end:
-                timers.delete(bounds[1] - 1)
-
     # -- firing ------------------------------------------------------------------------------
 
     def _output(self, keys: Any, window: int, totals: Dict[str, Any]) -> pa.RecordBatch:
