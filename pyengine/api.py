@@ -741,9 +741,22 @@ class JobClient:
     def _wait_running(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while not self._runner.all_running():
-            if self._done.is_set() or time.monotonic() > deadline:
-                raise RuntimeError(f"job {self._runner.name!r} is not running")
+            if self._done.is_set():
+                raise RuntimeError(f"job {self._runner.name!r} is not running: {self._ended()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"job {self._runner.name!r} is not running after {timeout_s:g} s")
             time.sleep(0.005)
+
+    def _ended(self) -> str:
+        """How the job's run ended, for an error about a job no longer running."""
+        if self._error is not None:
+            return f"it failed: {type(self._error).__name__}: {self._error}"
+        result = self._result
+        status = getattr(result, "status", None)
+        cause = getattr(result, "cause", None)
+        if status == "FAILED" and cause is not None:
+            return f"it FAILED: {cause}"
+        return f"it ended {status}" if status else "it ended"
 
     def trigger_savepoint(self, directory: str, timeout_s: float = 600) -> str:
         self._wait_running(timeout_s)

@@ -183,6 +183,12 @@ class CollectSink(Sink):
 
     def stage(self, subtask: int, checkpoint_id: int, records: Any) -> None:
         rows = _rows(records)
+        # a ListState.get() view in a record: kept as the list it shows, as the process
+        # runner (which pickles records) and every other sink deliver it, and plain data
+        # for json.dumps or pyarrow after the job
+        plain = None if isinstance(records, (pa.Table, pa.RecordBatch)) else _unviewed(rows)
+        if plain is not None:
+            rows = plain
         with self._lock:
             self._staged.setdefault((self._run_id, subtask, checkpoint_id), []).extend(rows)
 

@@ -2,7 +2,8 @@
 ``_listed`` in ``pyengine.snapshot.format``): the same Arrow column and the same
 Python values as pyarrow's own conversion of the lists, for every element type the
 flat path takes, with empty lists, deleted keys (nulls) and sliced columns; and the
-collector paused during a restore."""
+collector paused during a restore. Typed map state likewise, through flat arrays of its
+keys and of its values (``_flat_maps`` / ``_mapped``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,16 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pyengine.snapshot.format import _FLAT_LIST_DTYPES, TOMBSTONE, StateColumn, _flat_lists, _listed, _value_child
+from pyengine.snapshot.format import (
+    _FLAT_LIST_DTYPES,
+    TOMBSTONE,
+    StateColumn,
+    _flat_lists,
+    _flat_maps,
+    _listed,
+    _mapped,
+    _value_child,
+)
 from pyengine.state import ListStateDescriptor, create_keyed_backend
 from pyengine.state.heap import COLLECTOR_PAUSE
 from pyengine.state.serializers import LIST_TYPECODES, TYPED_LIST
@@ -169,7 +179,7 @@ def test_a_typed_list_is_an_array_that_checkpoints_and_restores(tmp_path: Any, b
     assert type(stored(backend, "ints")) is TYPED_LIST and stored(backend, "ints").typecode == "i"
     assert type(stored(backend, "plain")) is list
     assert f.get() == [1.0, 1.5, 2.5] and type(f.get()[0]) is float and i.get() == [0, 1, 2]
-    with pytest.raises(Exception, match="is not a int32 value"):
+    with pytest.raises(Exception, match="is not an int32 value"):
         i.add(2**40)
 
     storage = checkpoint_storage(str(tmp_path / "ckpt"), "typed-lists")
@@ -201,3 +211,79 @@ def test_a_typed_list_is_an_array_that_checkpoints_and_restores(tmp_path: Any, b
     assert type(stored(untyped, "floats")) is list
     u.add("text")
     assert u.get() == [1.0, 1.5, 2.5, "text"]
+
+
+# -- typed map state through flat keys and values (_flat_maps / _mapped) --------------------------
+
+MAP_TYPES = [
+    (pa.int64(), pa.float64()),
+    (pa.string(), pa.int64()),
+    (pa.int32(), pa.bool_()),
+    (pa.float64(), pa.string()),
+    (pa.binary(), pa.uint8()),
+    (pa.string(), pa.timestamp("ms")),  # values pyarrow converts: the old path
+]
+
+
+def _random_maps(key_type: pa.DataType, value_type: pa.DataType, seed: int, n: int = 200) -> List[Any]:
+    import datetime
+
+    rng = np.random.default_rng(seed)
+
+    def one(t: pa.DataType, i: int) -> Any:
+        if pa.types.is_string(t):
+            return f"page/{i}"
+        if pa.types.is_binary(t):
+            return f"b{i}".encode()
+        if pa.types.is_boolean(t):
+            return bool(i % 2)
+        if pa.types.is_floating(t):
+            return i / 4
+        if pa.types.is_timestamp(t):
+            return datetime.datetime(2026, 1, 1) + datetime.timedelta(milliseconds=i)
+        return i % 250
+
+    out: List[Any] = []
+    for _ in range(n):
+        size = int(rng.choice([0, 1, 3, 20]))
+        picked = rng.choice(250, size, replace=False).tolist()
+        out.append({one(key_type, i): one(value_type, i + 1) for i in picked})
+    return out
+
+
+@pytest.mark.parametrize(("key_type", "value_type"), MAP_TYPES, ids=str)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_flat_maps_equal_pyarrows_own_conversion(key_type: pa.DataType, value_type: pa.DataType, seed: int) -> None:
+    column = StateColumn("m", "map", value_type, key_type, "msgpack", False)
+    maps = _random_maps(key_type, value_type, seed)
+    reference = pa.array([list(m.items()) for m in maps], pa.map_(key_type, value_type))
+    written = _value_child(column, maps)
+    assert written.equals(reference)
+    if pa.types.is_timestamp(value_type):
+        assert _flat_maps(column, maps) is None  # pyarrow converts what NumPy and strings do not take
+    for a, b in [(0, 200), (3, 77), (199, 200)]:
+        part = reference.slice(a, b - a)
+        got = _mapped(column, part)
+        assert got == maps[a:b] == [dict(m) for m in part.to_pylist()]
+        assert [type(k) for m in got for k in m] == [type(k) for m in maps[a:b] for k in m]
+    with_deleted = [*maps[:5], TOMBSTONE, *maps[5:10]]  # a delta's deleted key: pyarrow's path, a null
+    column_of_delta = _value_child(column, with_deleted)
+    assert column_of_delta.null_count == 1 and _mapped(column, column_of_delta) == with_deleted
+
+
+def test_a_typed_map_with_a_null_value_checkpoints_and_restores(tmp_path: Any) -> None:
+    from pyengine.state import MapStateDescriptor
+
+    descriptor = MapStateDescriptor("m", pa.string(), pa.int64())
+    backend = create_keyed_backend("heap", max_parallelism=8)
+    state = backend.get_state(descriptor)
+    for key in range(30):
+        backend.set_current_key(key)
+        state.put_all({"a": key, "b": None} if key % 3 == 0 else {"a": key})
+    storage = checkpoint_storage(str(tmp_path / "ckpt"), "maps")
+    restored = create_keyed_backend("heap", max_parallelism=8)
+    restored.restore(backend.snapshot(1, storage.location(1)).run().handles)
+    again = restored.get_state(descriptor)
+    for key in range(30):
+        restored.set_current_key(key)
+        assert dict(again.items()) == ({"a": key, "b": None} if key % 3 == 0 else {"a": key})

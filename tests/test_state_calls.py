@@ -21,6 +21,7 @@ from pyengine.state import (
     ListView,
     MapStateDescriptor,
     StateTtlConfig,
+    StateTypeError,
     StateVisibility,
     TtlUpdateType,
     ValueStateDescriptor,
@@ -1045,3 +1046,55 @@ def test_a_buffer_of_slow_records_reads_the_ttl_clock_every_64_records(monkeypat
     written_at = wall[0]
     assert op.process([{"k": "w", "op": "read", "i": 200}]) == [(200, written_at)]
     assert 200 > 2 * TTL_STEP_RECORDS  # the buffer above spans several steps
+
+
+def test_numpy_scalars_are_stored_as_the_python_values_they_stand_for() -> None:
+    """A trial: ``np.float64(1.5)`` (a float subclass, what pandas hands out) was
+    refused by a float64 state as "not a double value"."""
+    import numpy as np
+
+    backend = create_keyed_backend("heap", max_parallelism=8)
+    floats = backend.get_state(ListStateDescriptor("f", pa.float64()))
+    count = backend.get_state(ValueStateDescriptor("c", None, pa.int32()))
+    flag = backend.get_state(ValueStateDescriptor("b", None, pa.bool_()))
+    name = backend.get_state(ValueStateDescriptor("s", None, pa.string()))
+    pages = backend.get_state(MapStateDescriptor("m", pa.string(), pa.int64()))
+    backend.set_current_key(1)
+    floats.add_all([np.float64(1.5), np.float32(0.25), np.int64(2)])
+    count.update(np.int16(3))
+    flag.update(np.bool_(True))
+    name.update(np.str_("x"))
+    pages.put(np.str_("/a"), np.int64(4))
+    assert list(floats.get()) == [1.5, 0.25, 2.0] and {type(x) for x in floats.get()} == {float}
+    assert (count.value(), flag.value(), name.value()) == (3, True, "x")
+    assert (type(count.value()), type(flag.value()), type(name.value())) == (int, bool, str)
+    assert pages.items() == [("/a", 4)] and type(pages.get("/a")) is int
+    with pytest.raises(StateTypeError, match=r"np.float64\(1.5\) is not an int32 value"):
+        count.update(np.float64(1.5))
+    with pytest.raises(StateTypeError, match="is not an int32 value"):
+        count.update(np.int64(2**40))
+
+
+def test_a_collect_sink_holds_views_as_the_lists_they_show() -> None:
+    """A trial: with the threads executor a CollectSink held the ListView a function
+    emitted (json.dumps and pa.Table.from_pylist of the results failed); with
+    processes, lists. Now lists with either."""
+    import json
+
+    seen = ListStateDescriptor[int]("seen", pa.int64())
+
+    class Seen(pe.KeyedProcessFunction):
+        def open(self, ctx: Any) -> None:
+            self.seen = ctx.get_list_state(seen)
+
+        def process_element(self, value: Any, ctx: Any) -> Any:
+            self.seen.add(value["x"])
+            yield {"k": value["k"], "seen": self.seen.get(), "nested": [self.seen.get()]}
+
+    env = pe.StreamEnvironment(parallelism=1, monitoring=None)
+    sink = pe.sinks.CollectSink()
+    env.from_collection([{"k": 0, "x": i} for i in range(3)]).key_by("k").process(Seen()).sink_to(sink)
+    assert env.execute("collect-views").status == "FINISHED"
+    assert all(type(r["seen"]) is list and type(r["nested"][0]) is list for r in sink.records)
+    assert json.loads(json.dumps(sink.records))[-1] == {"k": 0, "seen": [0, 1, 2], "nested": [[0, 1, 2]]}
+    assert pa.Table.from_pylist(sink.records).num_rows == 3

@@ -99,9 +99,9 @@ def test_typed_state_refuses_values_of_the_wrong_type_where_written(backend) -> 
     count = backend.get_state(ValueStateDescriptor("count", 0, pa.int64()))
     names = backend.get_state(ListStateDescriptor("names", pa.string()))
     backend.set_current_key(1)
-    with pytest.raises(TypeError, match="value state 'count': 'x' is not a int64 value"):
+    with pytest.raises(TypeError, match="value state 'count': 'x' is not an int64 value"):
         count.update("x")
-    with pytest.raises(TypeError, match="is not a int64"):
+    with pytest.raises(TypeError, match="is not an int64"):
         count.update(2**63)
     with pytest.raises(TypeError, match="list state 'names'"):
         names.add(3)

@@ -1,5 +1,5 @@
 """A TTL added to a state's descriptor, or dropped from it, between a checkpoint and
-the job restored from it (a user tuning state retention).
+the job restored from it (a user tuning state retention); and a declared type changed.
 
 With a TTL every entry is stored with its write time; without one it is not. Before,
 a restored state declared with a TTL it was checkpointed without failed at its first
@@ -20,6 +20,7 @@ from pyengine.state import (
     MapStateDescriptor,
     ReducingStateDescriptor,
     StateTtlConfig,
+    StateTypeError,
     ValueStateDescriptor,
     create_keyed_backend,
 )
@@ -128,3 +129,67 @@ def test_a_restored_ttl_state_checkpointed_before_it_is_declared_keeps_its_write
         again.restore(second)
         again.set_current_key(1)
         assert again.get_state(descriptor).value() == "x"
+
+
+# -- a declared type changed across a restore -------------------------------------------------------
+
+TYPE_CHANGES = [
+    # (before, after, written, expected after the restore or the refusal's words)
+    (ListStateDescriptor("s", pa.float64()), ListStateDescriptor("s", pa.int64()), [0.5, 2.5], "0.5 is not an int64"),
+    (ListStateDescriptor("s", pa.int64()), ListStateDescriptor("s", pa.float64()), [1, 2], [1.0, 2.0]),
+    (ListStateDescriptor("s"), ListStateDescriptor("s", pa.int64()), [1, "x"], "'x' is not an int64"),
+    (ListStateDescriptor("s"), ListStateDescriptor("s", pa.int32()), [1, 2], [1, 2]),
+    (ListStateDescriptor("s", pa.float64(), ttl=TTL), ListStateDescriptor("s", pa.int64(), ttl=TTL), [0.5], "0.5"),
+    (ListStateDescriptor("s", pa.float64()), ListStateDescriptor("s", pa.string()), [0.5], "is not a string"),
+    (ValueStateDescriptor("s", None, pa.float64()), ValueStateDescriptor("s", None, pa.int64()), 596.5, "596.5"),
+    (ValueStateDescriptor("s", None, pa.int64()), ValueStateDescriptor("s", None, pa.int32()), 2**40, "int32"),
+    (ValueStateDescriptor("s", None, pa.int64()), ValueStateDescriptor("s", None, pa.float64()), 596, 596.0),
+    (MapStateDescriptor("s", pa.string(), pa.float64()), MapStateDescriptor("s", pa.string(), pa.int64()), 1.5, "1.5"),
+    (MapStateDescriptor("s", pa.string(), pa.int64()), MapStateDescriptor("s", pa.string(), pa.float64()), 1, 1.0),
+]
+
+
+def _write(state: Any, value: Any) -> None:
+    if hasattr(state, "put"):
+        state.put("k", value)
+    elif hasattr(state, "add_all"):
+        state.add_all(value)
+    else:
+        state.update(value)
+
+
+def _read(state: Any) -> Any:
+    if hasattr(state, "put"):
+        return dict(state.items()).get("k")
+    if hasattr(state, "add_all"):
+        return list(state.get())
+    return state.value()
+
+
+@pytest.mark.parametrize("backend_kind", ["heap", "incremental"])
+@pytest.mark.parametrize(("before", "after", "written", "expected"), TYPE_CHANGES)
+def test_a_type_changed_across_a_restore_is_checked_value_by_value(
+    tmp_path: Any, backend_kind: str, before: Any, after: Any, written: Any, expected: Any
+) -> None:
+    """A trial: a float64 list state resumed as int64 handed out floats and truncated
+    them in the next checkpoint, silently. Now each restored value passes the check a
+    write would (converted as a write is: ints into a float state as floats), or the
+    state is refused when it is declared, naming both types and the way out."""
+    storage = checkpoint_storage(str(tmp_path / "ckpt"), "types")
+    backend = create_keyed_backend(backend_kind, max_parallelism=8)
+    state = backend.get_state(before)
+    backend.set_current_key(1)
+    _write(state, written)
+    restored = create_keyed_backend(backend_kind, max_parallelism=8)
+    restored.restore(_checkpoint(backend, storage, 1))
+    restored.set_current_key(1)
+    if isinstance(expected, str):
+        with pytest.raises(StateTypeError) as refused:
+            restored.get_state(after)
+        message = str(refused.value)
+        assert expected in message and "was checkpointed" in message and "Declare it as it was checkpointed" in message
+        return
+    got = _read(restored.get_state(after))
+    assert got == expected and [type(x) for x in (got if isinstance(got, list) else [got])] == [
+        type(x) for x in (expected if isinstance(expected, list) else [expected])
+    ]

@@ -190,7 +190,7 @@ def test_a_default_that_does_not_fit_the_declared_type_is_refused_at_get_state()
     from pyengine.state import StateDescriptorError, ValueStateDescriptor, create_keyed_backend
 
     backend = create_keyed_backend("heap")
-    with pytest.raises(StateDescriptorError, match=r"value state 'n' default: 'zero' is not a int64 value"):
+    with pytest.raises(StateDescriptorError, match=r"value state 'n' default: 'zero' is not an int64 value"):
         backend.get_state(ValueStateDescriptor("n", "zero", pa.int64()))
     backend.set_current_key(1)
     assert backend.get_state(ValueStateDescriptor("f", 0, pa.float64())).value() == 0  # an int is a float64 value
@@ -293,7 +293,7 @@ def test_a_default_not_of_its_type_fails_the_job_at_once() -> None:
     env.from_collection([{"k": 1}]).key_by("k").process(Wrong()).sink_to(pe.sinks.DiscardSink())
     result = env.execute_async("wrong-default").wait(60, raise_failure=False)
     assert result.status == "FAILED" and result.restarts == 0
-    assert "'zero' is not a int64 value" in str(result.cause)
+    assert "'zero' is not an int64 value" in str(result.cause)
 
 
 def test_checkpoints_far_longer_than_their_interval_are_said_once(caplog: Any) -> None:
@@ -495,3 +495,22 @@ def test_a_dictionary_arrow_type_is_refused_for_state(make: Any) -> None:
     review finding). Refused where the descriptor is made, with the type to use."""
     with pytest.raises(pe.state.StateDescriptorError, match=r"holds a dictionary type.*pa\.string\(\)"):
         make(pa.dictionary(pa.int32(), pa.string()))
+
+
+def test_a_savepoint_of_a_job_that_failed_says_why_it_is_not_running(tmp_path: Any) -> None:
+    """A trial: ``stop_with_savepoint`` on a job that had failed said only "job ... is
+    not running"; the cause came out of ``wait()`` alone."""
+
+    class Broken(pe.KeyedProcessFunction):
+        def process_element(self, value: Any, ctx: Any) -> Any:
+            raise pe.state.StateTypeError("the state does not fit")
+
+    env = pe.StreamEnvironment(parallelism=1, monitoring=None)
+    env.from_generator(lambda i: {"k": i % 3}, rate_per_s=1_000).key_by("k").process(Broken()).sink_to(
+        pe.sinks.DiscardSink()
+    )
+    client = env.execute_async("broken")
+    with pytest.raises(pe.errors.JobFailedError):
+        client.wait()
+    with pytest.raises(RuntimeError, match=r"is not running: it FAILED: .*the state does not fit"):
+        client.stop_with_savepoint(str(tmp_path / "sp"), timeout_s=5)

@@ -98,13 +98,22 @@ def _is_immutable(value: Any) -> bool:
     return t is tuple and all(_is_immutable(v) for v in value)
 
 
+def _a(arrow_type: Any) -> str:
+    """``arrow_type`` with its article: "an int64", "a uint8", "a double"."""
+    name = str(arrow_type)
+    return f"{'an' if name[:1] in 'aeio' else 'a'} {name}"
+
+
 def _validator(arrow_type: Optional[pa.DataType], what: str) -> Optional[Callable[[Any], Any]]:
     """A cheap per-write check that a value fits a declared Arrow type, so a bad
     value fails where it is written, not later in a snapshot. It returns the value
     to store: the value itself, but for a floating type an int as a float, so a
     float state reads floats whether or not it was restored since, and whatever
     its keys (a columnar one stored floats already; a new-user trial saw a parquet
-    column turn from int64 to double after a failure)."""
+    column turn from int64 to double after a failure). A NumPy scalar (what pandas
+    and NumPy hand out: ``np.float64``, ``np.int32``, ``np.bool_``, ``np.str_``) is
+    stored as the Python value it stands for; the C calls take the exact Python types
+    and leave the rest to this check."""
     if arrow_type is None:
         return None
     if pa.types.is_floating(arrow_type):
@@ -113,12 +122,12 @@ def _validator(arrow_type: Optional[pa.DataType], what: str) -> Optional[Callabl
             t = type(v)
             if t is float:
                 return v
-            if t is int:
+            if t is int or isinstance(v, (float, np.floating, np.integer)):
                 try:
                     return float(v)
                 except OverflowError:
                     pass
-            raise StateTypeError(f"{what}: {v!r} is not a {arrow_type} value")
+            raise StateTypeError(f"{what}: {v!r} is not {_a(arrow_type)} value")
 
         check_float.pyengine_types = (float,)  # type: ignore[attr-defined]  # C takes floats; ints come here
         return check_float
@@ -131,25 +140,29 @@ def _validator(arrow_type: Optional[pa.DataType], what: str) -> Optional[Callabl
         )
 
         def check_int(v: Any) -> Any:
+            if type(v) is not int and isinstance(v, np.integer):
+                v = int(v)
             if type(v) is not int or not lo <= v <= hi:
-                raise StateTypeError(f"{what}: {v!r} is not a {arrow_type} value")
+                raise StateTypeError(f"{what}: {v!r} is not {_a(arrow_type)} value")
             return v
 
         check_int.pyengine_int_range = (lo, hi)  # type: ignore[attr-defined]  # the C state calls run it
         return check_int
-    simple = {
-        pa.types.is_string: (str,),
-        pa.types.is_large_string: (str,),
-        pa.types.is_binary: (bytes,),
-        pa.types.is_large_binary: (bytes,),
-        pa.types.is_boolean: (bool,),
+    simple: Dict[Any, Tuple[Tuple[type, ...], Any]] = {
+        pa.types.is_string: ((str,), np.str_),
+        pa.types.is_large_string: ((str,), np.str_),
+        pa.types.is_binary: ((bytes,), np.bytes_),
+        pa.types.is_large_binary: ((bytes,), np.bytes_),
+        pa.types.is_boolean: ((bool,), np.bool_),
     }
-    for test, types in simple.items():
+    for test, (types, numpy_type) in simple.items():
         if test(arrow_type):
 
-            def check(v: Any, types: Tuple[type, ...] = types) -> Any:
+            def check(v: Any, types: Tuple[type, ...] = types, numpy_type: Any = numpy_type) -> Any:
                 if type(v) not in types:
-                    raise StateTypeError(f"{what}: {v!r} is not a {arrow_type} value")
+                    if not isinstance(v, numpy_type):
+                        raise StateTypeError(f"{what}: {v!r} is not {_a(arrow_type)} value")
+                    v = types[0](v)
                 return v
 
             check.pyengine_types = types  # type: ignore[attr-defined]  # the C state calls run it
@@ -1789,7 +1802,7 @@ class HeapKeyedStateBackend:
                 if isinstance(keys, pa.Array):  # typed value state with int keys: straight into columns
                     if table is None:
                         table = ColumnarValueTable(
-                            _RestoredDescriptor(spec.name, spec.kind),
+                            _RestoredDescriptor(spec.name, spec.kind, False, _file_types(spec)),
                             len(self.key_group_range),
                             np.dtype(values.type.to_pandas_dtype()),
                         )
@@ -1804,7 +1817,10 @@ class HeapKeyedStateBackend:
                     dict_table.groups = table.to_dicts()
                     restored[spec.name] = table = dict_table
                 if table is None:
-                    table = StateTable(_RestoredDescriptor(spec.name, spec.kind, spec.ttl), len(self.key_group_range))
+                    table = StateTable(
+                        _RestoredDescriptor(spec.name, spec.kind, spec.ttl, _file_types(spec)),
+                        len(self.key_group_range),
+                    )
                     table.pickled = spec.serializer == "pickle" and spec.name not in allow_pickle
                     restored[spec.name] = table
                 elif table.descriptor.kind != spec.kind:
@@ -1813,6 +1829,7 @@ class HeapKeyedStateBackend:
                     )
                 else:  # a later file of a chain: its layout is the entries' (a TTL added since rewrote them all)
                     object.__setattr__(table.descriptor, "stamped", spec.ttl)
+                    object.__setattr__(table.descriptor, "types", _file_types(spec))
                 group = table.groups[key_group - self.key_group_range.start]
                 for k, v in zip(keys, values, strict=True):
                     if v is TOMBSTONE:  # a later delta deleted it
@@ -1860,6 +1877,9 @@ class HeapKeyedStateBackend:
         ttl = getattr(descriptor, "ttl", None) is not None
         if stamped is not None and stamped != ttl:
             _migrate_ttl(table, descriptor.kind, ttl, self._ttl_time())
+        written = getattr(table.descriptor, "types", None)  # None: not as restored
+        if written is not None and written != _declared_types(descriptor):
+            _check_restored_types(table, descriptor, written, ttl)
         if descriptor.kind == "list":
             _retype_lists(table, list_typecode(descriptor))
         table.descriptor = descriptor
@@ -1867,6 +1887,74 @@ class HeapKeyedStateBackend:
     def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
         """Full snapshots keep nothing between checkpoints but local copies."""
         self._prune_local(checkpoint_id)
+
+
+def _file_types(spec: Any) -> Tuple[Optional[str], Optional[str]]:
+    """The types a state file's column was declared with, (map key type, value or
+    element type), as text, None where none was: its writes were checked against
+    them, even where the column holds serialized values (a TTL, pickle)."""
+    return spec.declared  # type: ignore[no-any-return]
+
+
+def _declared_types(descriptor: Any) -> Tuple[Optional[str], Optional[str]]:
+    """A descriptor's declared types, as ``_file_types`` gives a file's."""
+    if descriptor.kind == "map":
+        key, value = descriptor.key_type, descriptor.value_type
+    else:
+        key, value = None, getattr(descriptor, "type", None)
+    return (None if key is None else str(key), None if value is None else str(value))
+
+
+def _check_restored_types(table: StateTable, descriptor: Any, written: Tuple[Any, Any], stamped: bool) -> None:
+    """A restored state declared with other types than it was checkpointed with: every
+    value must pass the check a write of it would (and is stored as that check gives
+    it: an int as a float for a float type), or the state is refused at once, naming
+    both types. Before, a float64 state declared int64 handed out floats and
+    truncated them in the next checkpoint, silently."""
+    kind = descriptor.kind
+    what = f"{kind} state {descriptor.name!r}"
+    value_type = descriptor.value_type if kind == "map" else getattr(descriptor, "type", None)
+    check = _validator(value_type, what)
+    check_key = _validator(descriptor.key_type, f"{what} key") if kind == "map" else None
+    if check is None and check_key is None:
+        return  # untyped now: any value goes
+
+    def value(v: Any) -> Any:
+        return v if check is None else check(v)
+
+    def key(k: Any) -> Any:
+        return k if check_key is None else check_key(k)
+
+    try:
+        for index, group in enumerate(table.groups):
+            for k, stored in list(group.items()):
+                if kind == "list":
+                    if stamped:
+                        new: Any = StampedList([(value(e), st) for e, st in stored])
+                    else:
+                        new = [value(e) for e in stored]
+                elif kind == "map":
+                    if stamped:
+                        new = {key(u): (None if e[0] is None else value(e[0]), e[1]) for u, e in stored.items()}
+                    else:
+                        new = {key(u): None if v is None else value(v) for u, v in stored.items()}
+                else:
+                    new = (value(stored[0]), stored[1]) if stamped else value(stored)
+                table.restamp(index, k, new)
+    except (StateTypeError, TypeError, ValueError) as exc:
+        raise StateTypeError(
+            f"{what} was checkpointed {_types_name(written, kind)} and is declared "
+            f"{_types_name(_declared_types(descriptor), kind)}, and a restored value does not fit: {exc}. Declare it "
+            "as it was checkpointed, or under a new name to start that state empty"
+        ) from None
+
+
+def _types_name(types: Tuple[Any, Any], kind: str) -> str:
+    if types == (None, None):
+        return "untyped"
+    if kind != "map":
+        return f"as {types[1]}"
+    return f"as {'any key' if types[0] is None else types[0]} -> {'any value' if types[1] is None else types[1]}"
 
 
 def _migrate_ttl(table: StateTable, kind: str, add: bool, now: int) -> None:
@@ -2000,8 +2088,12 @@ def _live_entries(group: Dict[Any, Any], kind: str, limit: int) -> Dict[Any, Any
 class _RestoredDescriptor(StateDescriptor):
     """Stands in for a restored state's descriptor until get_state provides the real one."""
 
-    def __init__(self, name: str, kind: str, stamped: bool = False) -> None:
+    def __init__(
+        self, name: str, kind: str, stamped: bool = False, types: Tuple[Optional[str], Optional[str]] = (None, None)
+    ) -> None:
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "kind", kind)  # shadows the class attribute of the kind
         # written with a TTL: its entries carry write times (snapshots keep the layout)
         object.__setattr__(self, "stamped", stamped)
+        # the Arrow types it was written with, as _declared_types gives them (None: untyped)
+        object.__setattr__(self, "types", types)
