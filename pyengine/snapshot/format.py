@@ -49,6 +49,7 @@ from ..state.keygroups import KeyGroupRange
 from ..state.serializers import (
     LIST_TYPECODES,
     TYPED_LIST,
+    PickledBytes,
     PickleNotAllowedError,
     SafeSerializer,
     StateSerializationError,
@@ -306,6 +307,8 @@ def _flat_maps(column: StateColumn, values: List[Any]) -> Optional[pa.Array]:
     it does not take): pyarrow's conversion then, which also names a bad value."""
     if column.map_key_type is None or column.arrow_type is None or TOMBSTONE in values:
         return None
+    if _FLAT_LIST_DTYPES.get(column.arrow_type) is not None and any(None in m.values() for m in values):
+        return None  # a None value (put(k, None)): NumPy would make it False or NaN, pyarrow a null
     lengths = np.fromiter(map(len, values), np.int64, len(values))
     offsets = np.zeros(len(values) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -355,6 +358,11 @@ def _value_child(column: StateColumn, values: List[Any]) -> pa.Array:
             dumps = serializer_for("pickle" if column.serializer == "pickle" else "safe").dumps
             if column.kind == "list":  # a typed list's arrays, restored but not declared again: as lists
                 values = [v.tolist() if type(v) is TYPED_LIST else v for v in values]
+            if column.serializer == "pickle":  # restored pickles not decoded yet: written back as they are
+                return pa.array(
+                    [None if v is TOMBSTONE else bytes(v) if type(v) is PickledBytes else dumps(v) for v in values],
+                    pa.binary(),
+                )
             return pa.array([None if v is TOMBSTONE else dumps(v) for v in values], pa.binary())
         if column.kind == "map":
             flat = _flat_maps(column, values)
@@ -904,7 +912,7 @@ def _decode_values(
         return values
     if column_spec.serializer == "pickle" and defer_pickle and not allow_pickle:
         # still pickled bytes: decoded only once someone opts in
-        return [TOMBSTONE if v is None else v for v in child.to_pylist()]
+        return [TOMBSTONE if v is None else PickledBytes(v) for v in child.to_pylist()]
     if column_spec.serializer == "pickle" and not allow_pickle:
         raise PickleNotAllowedError(
             f"state {column_spec.name!r} in {where} was written with pickle, which can run code when read; "

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from ..state.descriptors import MapStateDescriptor, StateDescriptor
+from ..state.descriptors import StateDescriptor
 from ..state.keygroups import KeyGroupRange
 from ..storage.filesystem import INLINE_THRESHOLD, CheckpointStorageLocation
 from ..storage.handles import KeyGroupsStateHandle
@@ -37,8 +37,8 @@ def column_of(descriptor: StateDescriptor) -> StateColumn:
     """How a state is laid out in a state file."""
     arrow_type = getattr(descriptor, "type", None)
     map_key_type = None
-    if isinstance(descriptor, MapStateDescriptor):
-        arrow_type, map_key_type = descriptor.value_type, descriptor.key_type
+    if descriptor.kind == "map":  # a MapStateDescriptor, or a restored map state's stand-in
+        arrow_type, map_key_type = getattr(descriptor, "value_type", None), getattr(descriptor, "key_type", None)
     return StateColumn(
         name=descriptor.name,
         kind=descriptor.kind,

@@ -1800,14 +1800,13 @@ class HeapKeyedStateBackend:
                     keys = keys.to_pylist()
                     values = [TOMBSTONE if v is None else v for v in values.to_pylist()]
                 if isinstance(keys, pa.Array):  # typed value state with int keys: straight into columns
+                    dtype = np.dtype(values.type.to_pandas_dtype())
                     if table is None:
-                        table = ColumnarValueTable(
-                            _RestoredDescriptor(spec.name, spec.kind, False, _file_types(spec)),
-                            len(self.key_group_range),
-                            np.dtype(values.type.to_pandas_dtype()),
-                        )
+                        table = ColumnarValueTable(_RestoredDescriptor(spec), len(self.key_group_range), dtype)
                         restored[spec.name] = table
-                    if isinstance(table, ColumnarValueTable):
+                    # another file of another type (a chain across a type change): dict storage
+                    # below, not a cast into the first file's columns (1.5 into int64 is 1)
+                    if isinstance(table, ColumnarValueTable) and table.dtype == dtype:
                         table.load(key_group - self.key_group_range.start, keys, values)
                         continue
                     keys = keys.to_pylist()
@@ -1817,19 +1816,15 @@ class HeapKeyedStateBackend:
                     dict_table.groups = table.to_dicts()
                     restored[spec.name] = table = dict_table
                 if table is None:
-                    table = StateTable(
-                        _RestoredDescriptor(spec.name, spec.kind, spec.ttl, _file_types(spec)),
-                        len(self.key_group_range),
-                    )
+                    table = StateTable(_RestoredDescriptor(spec), len(self.key_group_range))
                     table.pickled = spec.serializer == "pickle" and spec.name not in allow_pickle
                     restored[spec.name] = table
                 elif table.descriptor.kind != spec.kind:
                     raise ValueError(
                         f"state {spec.name!r} is {table.descriptor.kind} in one file, {spec.kind} in another"
                     )
-                else:  # a later file of a chain: its layout is the entries' (a TTL added since rewrote them all)
-                    object.__setattr__(table.descriptor, "stamped", spec.ttl)
-                    object.__setattr__(table.descriptor, "types", _file_types(spec))
+                else:
+                    table.descriptor.refile(spec, table, self._ttl_time())
                 group = table.groups[key_group - self.key_group_range.start]
                 for k, v in zip(keys, values, strict=True):
                     if v is TOMBSTONE:  # a later delta deleted it
@@ -1873,13 +1868,14 @@ class HeapKeyedStateBackend:
                 for k, raw in group.items():
                     group[k] = loads(raw)
             table.pickled = False
-        stamped = getattr(table.descriptor, "stamped", None)  # None: not as restored
+        restored = table.descriptor if isinstance(table.descriptor, _RestoredDescriptor) else None
         ttl = getattr(descriptor, "ttl", None) is not None
-        if stamped is not None and stamped != ttl:
+        if restored is not None and restored.stamped != ttl:
             _migrate_ttl(table, descriptor.kind, ttl, self._ttl_time())
-        written = getattr(table.descriptor, "types", None)  # None: not as restored
-        if written is not None and written != _declared_types(descriptor):
-            _check_restored_types(table, descriptor, written, ttl)
+            object.__setattr__(restored, "stamped", ttl)  # done: a declaration refused below does not redo it
+        if restored is not None and restored.types != _declared_types(descriptor):
+            _check_restored_types(table, descriptor, restored.types, ttl)
+            object.__setattr__(restored, "types", _declared_types(descriptor))
         if descriptor.kind == "list":
             _retype_lists(table, list_typecode(descriptor))
         table.descriptor = descriptor
@@ -1949,9 +1945,14 @@ def _check_restored_types(table: StateTable, descriptor: Any, written: Tuple[Any
         ) from None
 
 
+_SEVERAL_TYPES = ("several types", "several types")  # files of one state that disagree: checked when declared
+
+
 def _types_name(types: Tuple[Any, Any], kind: str) -> str:
     if types == (None, None):
         return "untyped"
+    if types == _SEVERAL_TYPES:
+        return "in files of different types"
     if kind != "map":
         return f"as {types[1]}"
     return f"as {'any key' if types[0] is None else types[0]} -> {'any value' if types[1] is None else types[1]}"
@@ -2086,14 +2087,35 @@ def _live_entries(group: Dict[Any, Any], kind: str, limit: int) -> Dict[Any, Any
 
 
 class _RestoredDescriptor(StateDescriptor):
-    """Stands in for a restored state's descriptor until get_state provides the real one."""
+    """Stands in for a restored state's descriptor until get_state provides the real
+    one: made from the state file's column (``spec``), so a checkpoint taken before
+    the state is declared again writes it as it was written (its types, serializer
+    and TTL layout)."""
 
-    def __init__(
-        self, name: str, kind: str, stamped: bool = False, types: Tuple[Optional[str], Optional[str]] = (None, None)
-    ) -> None:
-        object.__setattr__(self, "name", name)
-        object.__setattr__(self, "kind", kind)  # shadows the class attribute of the kind
+    stamped: bool
+    types: Tuple[Optional[str], Optional[str]]
+
+    def __init__(self, spec: Any) -> None:
+        object.__setattr__(self, "name", spec.name)
+        object.__setattr__(self, "kind", spec.kind)  # shadows the class attribute of the kind
         # written with a TTL: its entries carry write times (snapshots keep the layout)
-        object.__setattr__(self, "stamped", stamped)
-        # the Arrow types it was written with, as _declared_types gives them (None: untyped)
-        object.__setattr__(self, "types", types)
+        object.__setattr__(self, "stamped", spec.ttl)
+        # the types it was declared with, as _declared_types gives them (text; None: none)
+        object.__setattr__(self, "types", _file_types(spec))
+        object.__setattr__(self, "serializer", "pickle" if spec.serializer == "pickle" else "safe")
+        if spec.kind == "map":
+            object.__setattr__(self, "key_type", spec.map_key_type)
+            object.__setattr__(self, "value_type", spec.arrow_type)
+        else:
+            object.__setattr__(self, "type", spec.arrow_type)
+
+    def refile(self, spec: Any, table: Any, now: int) -> None:
+        """Another file of this state (a later one of an incremental chain, or another
+        old subtask's on a rescale): its entries go into the same table, so the table
+        takes their TTL layout (converting what it holds), and differing declared
+        types leave the check to the state's declaration."""
+        if spec.ttl != self.stamped:
+            _migrate_ttl(table, self.kind, spec.ttl, now)
+            object.__setattr__(self, "stamped", spec.ttl)
+        if _file_types(spec) != self.types:
+            object.__setattr__(self, "types", _SEVERAL_TYPES)

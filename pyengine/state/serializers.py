@@ -90,6 +90,15 @@ def list_typecode(descriptor: Any) -> Optional[str]:
     return None if element is None else LIST_TYPECODES.get(element)
 
 
+class PickledBytes(bytes):
+    """A restored state's value still as the pickle it was written as: decoded only
+    once a descriptor opts in to pickle, and written back as these very bytes by a
+    checkpoint taken before that (pickling it again would store the bytes, not the
+    value)."""
+
+    __slots__ = ()
+
+
 def stored_as_list(cls: type) -> type:
     """Registers ``cls`` (a read-only sequence type) to be stored as a list."""
     STORED_AS_LISTS.add(cls)
@@ -99,8 +108,9 @@ def stored_as_list(cls: type) -> type:
 def unviewed(values: List[Any]) -> Optional[List[Any]]:
     """``values`` with each ``ListState.get()`` (a ``ListView``, or another of the
     engine's read-only sequences), at any depth, as the list it shows, or None when
-    there is none: pyarrow takes lists, not other sequences. Asked only once a
-    conversion failed, so rows cost nothing for it."""
+    there is none: pyarrow takes lists, not other sequences. Arrow conversions ask
+    only once they failed, so their rows cost nothing for it; a CollectSink asks of
+    every batch (its records are kept as plain data)."""
     if not any(_has_view(v) for v in values):
         return None
     return [_as_lists(v) for v in values]

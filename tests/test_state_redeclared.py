@@ -24,6 +24,7 @@ from pyengine.state import (
     ValueStateDescriptor,
     create_keyed_backend,
 )
+from pyengine.state.keygroups import assign_to_key_group, key_group_range_for_subtask
 from pyengine.storage import checkpoint_storage
 
 TTL = StateTtlConfig(1_000)
@@ -193,3 +194,129 @@ def test_a_type_changed_across_a_restore_is_checked_value_by_value(
     assert got == expected and [type(x) for x in (got if isinstance(got, list) else [got])] == [
         type(x) for x in (expected if isinstance(expected, list) else [expected])
     ]
+
+
+# -- found by a review: files that disagree, a refused declaration, state not declared again ----------
+
+
+def _restore(kind: str, handles: Any, clock: Any = None) -> Any:
+    backend = create_keyed_backend(kind, max_parallelism=8, ttl_clock_ms=clock)
+    backend.restore(handles)
+    return backend
+
+
+@pytest.mark.parametrize("value_type", [pa.bool_(), pa.float64(), pa.int64()])
+def test_a_none_in_a_typed_map_stays_none(tmp_path: Any, value_type: pa.DataType) -> None:
+    """The flat arrays of a typed map's values made a None value False or NaN."""
+    descriptor = MapStateDescriptor("m", pa.string(), value_type)
+    backend = create_keyed_backend("heap", max_parallelism=8)
+    state = backend.get_state(descriptor)
+    backend.set_current_key(1)
+    state.put_all({"none": None, "one": {pa.bool_(): True, pa.float64(): 1.5}.get(value_type, 1)})
+    storage = checkpoint_storage(str(tmp_path), "none")
+    restored = _restore("heap", _checkpoint(backend, storage, 1))
+    restored.set_current_key(1)
+    again = restored.get_state(descriptor)
+    assert again.get("none") is None and again.contains("none") and again.get("one") is not None
+
+
+@pytest.mark.parametrize("declared_ttl", [True, False])
+def test_files_of_one_state_with_and_without_write_times_restore_together(tmp_path: Any, declared_ttl: bool) -> None:
+    """Rescaling 2 -> 1: one old subtask declared the state without its TTL (its file
+    has no write times), the other never declared it (its file kept them). Both
+    files' entries must read as values, whatever order they are read in."""
+    clock = Clock()
+    storage = checkpoint_storage(str(tmp_path), "rescale")
+    halves = [key_group_range_for_subtask(8, 2, i) for i in (0, 1)]
+    first, second = (
+        create_keyed_backend("heap", max_parallelism=8, key_group_range=r, ttl_clock_ms=clock) for r in halves
+    )
+    written = {}
+    for backend, keys in ((first, halves[0]), (second, halves[1])):
+        state = backend.get_state(ValueStateDescriptor("v", ttl=TTL))
+        for key in range(40):
+            if keys.start <= assign_to_key_group(key, 8) <= keys.end:
+                backend.set_current_key(key)
+                state.update(f"v{key}")
+                written[key] = f"v{key}"
+    stamped = _checkpoint(first, storage, 1)
+    unstamped_source = create_keyed_backend("heap", max_parallelism=8, key_group_range=halves[1], ttl_clock_ms=clock)
+    unstamped_source.restore(_checkpoint(second, storage, 2))
+    unstamped_source.get_state(ValueStateDescriptor("v"))  # declared without the TTL: its entries lose their times
+    unstamped = _checkpoint(unstamped_source, storage, 3)
+    for order in ([*stamped, *unstamped], [*unstamped, *stamped]):
+        merged = _restore("heap", order, clock)
+        state = merged.get_state(ValueStateDescriptor("v", ttl=TTL if declared_ttl else None))
+        for key, value in written.items():
+            merged.set_current_key(key)
+            assert state.value() == value
+
+
+def test_an_incremental_chain_across_a_type_change_keeps_the_later_values(tmp_path: Any) -> None:
+    """A base written as int64, a delta after the job was resumed as float64: the
+    delta's 2.5 was cast into the base's int64 columns on restore (2.0)."""
+    storage = checkpoint_storage(str(tmp_path), "chain")
+    as_int = ValueStateDescriptor("v", None, pa.int64())
+    as_float = ValueStateDescriptor("v", None, pa.float64())
+    base = create_keyed_backend("incremental", max_parallelism=8)
+    state = base.get_state(as_int)
+    for key in range(5):
+        base.set_current_key(key)
+        state.update(key)
+    first = _checkpoint(base, storage, 1)
+    resumed = _restore("incremental", first)
+    floats = resumed.get_state(as_float)
+    resumed.set_current_key(1)
+    floats.update(2.5)
+    second = _checkpoint(resumed, storage, 2)  # a delta over the int64 base
+    again = _restore("incremental", second)
+    values = again.get_state(as_float)
+    got = {}
+    for key in range(5):
+        again.set_current_key(key)
+        got[key] = values.value()
+    assert got == {0: 0.0, 1: 2.5, 2: 2.0, 3: 3.0, 4: 4.0}
+    refused = _restore("incremental", second)
+    with pytest.raises(StateTypeError, match=r"files of different types .* is not an int64 value"):
+        refused.get_state(as_int)
+
+
+def test_a_refused_declaration_leaves_the_state_as_restored(tmp_path: Any) -> None:
+    """A TTL state declared with another type and no TTL: its write times are gone
+    (migrated) when the type check refuses it, and declaring it again as it was
+    must not take them off a second time ('hello' read as 'h')."""
+    clock = Clock()
+    storage = checkpoint_storage(str(tmp_path), "atomic")
+    backend = create_keyed_backend("heap", max_parallelism=8, ttl_clock_ms=clock)
+    backend.get_state(ValueStateDescriptor("v", None, pa.string(), ttl=TTL))
+    backend.set_current_key(1)
+    backend.get_state(ValueStateDescriptor("v", None, pa.string(), ttl=TTL)).update("hello")
+    restored = _restore("heap", _checkpoint(backend, storage, 1), clock)
+    restored.set_current_key(1)
+    with pytest.raises(StateTypeError, match="'hello' is not an int64 value"):
+        restored.get_state(ValueStateDescriptor("v", None, pa.int64()))
+    assert restored.get_state(ValueStateDescriptor("v", None, pa.string())).value() == "hello"
+
+
+@pytest.mark.parametrize("backend_kind", ["heap", "incremental"])
+def test_state_checkpointed_before_it_is_declared_again_restores_as_it_was(tmp_path: Any, backend_kind: str) -> None:
+    """A restored state not declared again (yet) is written by the next checkpoint as
+    it was written: a typed columnar value state stayed typed (it was written into an
+    untyped column and that checkpoint failed to restore), a pickled one stayed its
+    pickle (it was written as msgpack of the pickle's bytes)."""
+    storage = checkpoint_storage(str(tmp_path), "undeclared")
+    typed = ValueStateDescriptor("n", None, pa.int64())
+    pickled = ValueStateDescriptor("p", serializer="pickle")
+    mapped = MapStateDescriptor("m", pa.string(), pa.float64())
+    backend = create_keyed_backend(backend_kind, max_parallelism=8)
+    n, p, m = (backend.get_state(d) for d in (typed, pickled, mapped))
+    backend.set_current_key(1)
+    n.update(7)
+    p.update(frozenset({1, 2}))
+    m.put("a", 0.5)
+    restored = _restore(backend_kind, _checkpoint(backend, storage, 1))  # nothing declared before the next one
+    again = _restore(backend_kind, _checkpoint(restored, storage, 2))
+    again.set_current_key(1)
+    assert again.get_state(typed).value() == 7
+    assert again.get_state(pickled).value() == frozenset({1, 2})
+    assert again.get_state(mapped).items() == [("a", 0.5)]
