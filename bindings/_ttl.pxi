@@ -139,3 +139,20 @@ def ttl_values(stored, Py_ssize_t n, limit):
         if stamp > limit:
             out.append(e[0])
     return out
+
+
+cdef class ListViewBase:
+    """The fields of ``pyengine.state.heap.ListView`` (its methods are Python's): a
+    view is made by every ``ListState.get()``, and made here it costs a C allocation
+    instead of a Python ``__init__`` setting four slots (about half of the call)."""
+
+    cdef public object _list  # the state's list (never changed in place but by appends), or the view's own copy
+    cdef public Py_ssize_t _n  # the elements of the view: _list[:_n]; -1 once the view owns _list
+    cdef public object _ttl  # > 0: elements are (value, stamp), those expired at _now left out
+    cdef public object _now
+
+    def __init__(self, stored, Py_ssize_t n, ttl_ms=0, now=0):
+        self._list = stored
+        self._n = n
+        self._ttl = ttl_ms
+        self._now = now

@@ -139,6 +139,15 @@ def route_int_keys(
     records: List[Any], get_key: Callable[[Any], Any], max_parallelism: int, buffers: List[List[Any]]
 ) -> int: ...
 
+class ListViewBase:
+    """The fields of ``pyengine.state.heap.ListView``, made in C."""
+
+    _list: Any
+    _n: int
+    _ttl: Any
+    _now: Any
+    def __init__(self, stored: Any, n: int, ttl_ms: Any = 0, now: Any = 0) -> None: ...
+
 class StampedList:
     """A TTL list state's elements and their stamps in two parallel lists; to other
     code the sequence of ``(value, stamp)`` tuples it stands for (pickled: that list)."""

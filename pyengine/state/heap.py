@@ -44,6 +44,7 @@ import numpy as np
 import pyarrow as pa
 
 from .._native import ListCalls as _ListCalls
+from .._native import ListViewBase as _ListViewBase
 from .._native import MapCalls as _MapCalls
 from .._native import StampedList
 from .._native import StateCalls as _StateCalls
@@ -716,7 +717,7 @@ class AggregatingState(_FoldingState, Generic[IN, OUT]):
 
 
 @stored_as_list
-class ListView(MutableSequence[T]):
+class ListView(_ListViewBase, MutableSequence[T]):
     """What ``ListState.get()`` returns: the current key's elements as they were
     at the call, read from the state without copying them.
 
@@ -732,13 +733,11 @@ class ListView(MutableSequence[T]):
     that list.
     """
 
-    __slots__ = ("_list", "_n", "_now", "_ttl")
-
-    def __init__(self, stored: List[Any], n: int, ttl_ms: int = 0, now: int = 0) -> None:
-        self._list = stored  # the state's list (never changed in place but by appends), or our own copy
-        self._n = n  # the elements of the view: stored[:n]; -1 once the view owns _list
-        self._ttl = ttl_ms  # >0: elements are (value, stamp) and those expired at `now` are left out
-        self._now = now
+    # fields and __init__(stored, n, ttl_ms=0, now=0) in _native.ListViewBase: _list (the
+    # state's list, never changed in place but by appends, or the view's own copy), _n
+    # (the view's elements are _list[:_n]; -1 once it owns _list), _ttl (> 0: elements
+    # are (value, stamp), those expired at _now left out)
+    __slots__ = ()
 
     def _own(self) -> List[Any]:
         if self._n >= 0:
@@ -876,36 +875,25 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
         self._atomic = self._check is not None  # typed elements are immutable (ints, strs...)
         self._typecode = list_typecode(d)  # the keys' elements in an array.array (serializers.LIST_TYPECODES)
 
-    def _readable_list(self, index: int, key: Any) -> Any:
-        """The stored list, made private first if an element handed out could be
-        changed in place while an unfinished snapshot holds it."""
-        table = self._table
-        stored = table.groups[index].get(key)
-        if stored is None:
-            return None
-        if table.tainted[index] and key not in table.owned[index] and not self._atomic:
-            stored = table.own(index, key, stored)  # once per key and snapshot
-        elif not self._atomic and table.changes is not None:
-            table.changes[index].add(key)  # its elements handed out (see _out)
-        return stored
-
     def get(self) -> ListView[T]:
         """The current key's elements as they are now (an empty view when there are
         none), read from the state without copying them: a ``ListView``, which
         costs the same for one element or ten thousand. Flink's ``get`` returns an
         ``Iterable`` for the same reason. Iterate it, index it, compare it with a
         list; ``list(state.get())`` makes a list of your own."""
-        return self.view()
-
-    def view(self) -> ListView[T]:
-        """The same as ``get()``, the name it had when ``get()`` returned a copy."""
         b = self._backend
         index = b._key_index
         if index < 0:
             raise _no_key(self)
-        stored = self._readable_list(index, b._key)
+        table = self._table
+        stored = table.groups[index].get(b._key)
         if not stored:
             return ListView([], 0)
+        if not self._atomic:  # elements user code may change in place (typed ones cannot)
+            if table.tainted[index] and b._key not in table.owned[index]:
+                stored = table.own(index, b._key, stored)  # private first: an unfinished snapshot holds them
+            elif table.changes is not None:
+                table.changes[index].add(b._key)  # handed out: changed, for the next delta (see _out)
         ttl = self._ttl
         if ttl is None:
             return ListView(stored, len(stored))
@@ -921,6 +909,8 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
         if ttl.return_expired:
             return ListView([e[0] for e in stored], -1)
         return ListView(stored, len(stored), ttl.ttl_ms, now)
+
+    view = get  # the name ``get()`` had while it returned a copy: the same call, one Python frame
 
     def _element(self, value: Any) -> Any:
         if value is None:
