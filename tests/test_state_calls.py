@@ -935,6 +935,22 @@ def test_list_get_hands_out_the_state_list_without_copying_it() -> None:
     assert len(got) == 10_000 and len(lst.get()) == 10_001  # an append after the call is not in it
 
 
+class Seen(pe.KeyedProcessFunction):
+    """Adds each record's ``x`` to the key's list state and emits ``emit(record, the
+    list's get())``: a record carrying a ListView downstream."""
+
+    def __init__(self, emit: Any, element_type: Any = None) -> None:
+        self.emit = emit
+        self.descriptor = ListStateDescriptor[int]("seen", element_type)
+
+    def open(self, ctx: Any) -> None:
+        self.seen = ctx.get_list_state(self.descriptor)
+
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        self.seen.add(value["x"])
+        yield self.emit(value, self.seen.get())
+
+
 def test_a_list_view_extends_by_itself_orders_and_repeats_as_a_list() -> None:
     """The review: ``view.extend(view)`` iterated the list it was extending, for ever;
     and a view had no ``*`` or ordering, which lists have (``sorted`` of records)."""
@@ -971,20 +987,11 @@ def test_a_list_get_in_a_record_reaches_an_arrow_operator_as_a_list() -> None:
     """A record carrying ``get()`` goes into a vectorised operator (an aggregate makes
     an Arrow batch of its input): pyarrow does not infer a type for a ListView, so
     the batch is made from the lists the views show."""
-    seen = ListStateDescriptor[int]("seen")
-
-    class Seen(pe.KeyedProcessFunction):
-        def open(self, ctx: Any) -> None:
-            self.seen = ctx.get_list_state(seen)
-
-        def process_element(self, value: Any, ctx: Any) -> Any:
-            self.seen.add(value["x"])
-            yield {"k": value["k"], "seen": self.seen.get(), "x": value["x"]}
-
     env = pe.StreamEnvironment(parallelism=1)
     sink = pe.sinks.CollectSink()
     records = [{"k": i % 2, "x": i} for i in range(6)]
-    env.from_collection(records).key_by("k").process(Seen()).key_by("k").aggregate(pe.agg.sum("x")).sink_to(sink)
+    seen = Seen(lambda value, view: {"k": value["k"], "seen": view, "x": value["x"]})
+    env.from_collection(records).key_by("k").process(seen).key_by("k").aggregate(pe.agg.sum("x")).sink_to(sink)
     assert env.execute("views-into-arrow").status == "FINISHED"
     final = {r["k"]: r["sum_x"] for r in sink.records}
     assert final == {0: 0 + 2 + 4, 1: 1 + 3 + 5}
@@ -1084,19 +1091,10 @@ def test_a_collect_sink_holds_views_as_the_lists_they_show() -> None:
     processes, lists. Now lists with either."""
     import json
 
-    seen = ListStateDescriptor[int]("seen", pa.int64())
-
-    class Seen(pe.KeyedProcessFunction):
-        def open(self, ctx: Any) -> None:
-            self.seen = ctx.get_list_state(seen)
-
-        def process_element(self, value: Any, ctx: Any) -> Any:
-            self.seen.add(value["x"])
-            yield {"k": value["k"], "seen": self.seen.get(), "nested": [self.seen.get()]}
-
     env = pe.StreamEnvironment(parallelism=1, monitoring=None)
     sink = pe.sinks.CollectSink()
-    env.from_collection([{"k": 0, "x": i} for i in range(3)]).key_by("k").process(Seen()).sink_to(sink)
+    seen = Seen(lambda value, view: {"k": value["k"], "seen": view, "nested": [view]}, pa.int64())
+    env.from_collection([{"k": 0, "x": i} for i in range(3)]).key_by("k").process(seen).sink_to(sink)
     assert env.execute("collect-views").status == "FINISHED"
     assert all(type(r["seen"]) is list and type(r["nested"][0]) is list for r in sink.records)
     assert json.loads(json.dumps(sink.records))[-1] == {"k": 0, "seen": [0, 1, 2], "nested": [[0, 1, 2]]}

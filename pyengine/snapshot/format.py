@@ -206,24 +206,38 @@ def _flat_lists(column: StateColumn, values: List[Any]) -> Optional[pa.Array]:
     live = values if dead is None else [v for v in values if v is not TOMBSTONE]
     lengths = np.zeros(len(values), np.int64)
     lengths[slice(None) if dead is None else ~dead] = np.fromiter(map(len, live), np.int64, len(live))
-    offsets = np.zeros(len(values) + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    total = int(offsets[-1])
-    if total > _MAX_LIST_OFFSET:
+    offsets = _offsets(lengths)
+    if offsets is None:
         return None  # pyarrow says why it cannot
-    flat = _joined_buffers(live, LIST_TYPECODES.get(column.arrow_type), dtype)  # type: ignore[arg-type]
+    joined = _joined_buffers(live, LIST_TYPECODES.get(column.arrow_type), dtype)  # type: ignore[arg-type]
+    if joined is not None:
+        flat: Optional[pa.Array] = pa.array(joined, column.arrow_type)
+    else:  # a value the state's checks would have refused: None, and pyarrow names it
+        flat = _flat_column(itertools.chain.from_iterable(live), int(offsets[-1]), column.arrow_type)
     if flat is None:
-        try:
-            with np.errstate(all="ignore"):  # a float32 out of range becomes inf, as pyarrow makes it
-                flat = np.fromiter(itertools.chain.from_iterable(live), dtype, total)
-        except (TypeError, ValueError, OverflowError):
-            return None  # a value the state's checks would have refused: pyarrow names it
+        return None
     return pa.ListArray.from_arrays(
         pa.array(offsets.astype(np.int32)),
-        pa.array(flat, column.arrow_type),
+        flat,
         type=column.storage_type,
         mask=None if dead is None else pa.array(dead),
     )
+
+
+def _offsets(lengths: np.ndarray) -> Optional[np.ndarray]:
+    """A list or map column's offsets (0 and the running sum of ``lengths``), or None
+    when its elements outrun the int32 offsets."""
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return None if int(offsets[-1]) > _MAX_LIST_OFFSET else offsets
+
+
+def _with_tombstones(child: pa.Array, values: List[Any]) -> List[Any]:
+    """``values`` read from ``child``, a null of it (a key a delta deleted) as TOMBSTONE."""
+    if not child.null_count:
+        return values
+    nulls = child.is_null().to_numpy(zero_copy_only=False)
+    return [TOMBSTONE if dead else v for v, dead in zip(values, nulls.tolist(), strict=True)]
 
 
 def _joined_buffers(live: List[Any], typecode: Optional[str], dtype: Any) -> Optional[np.ndarray]:
@@ -252,19 +266,11 @@ def _listed(column: StateColumn, child: pa.Array, typed_arrays: bool = False) ->
         return None
     typecode = LIST_TYPECODES.get(column.arrow_type) if typed_arrays else None  # type: ignore[arg-type]
     if typecode is not None:
-        lists = _typed_lists(elements, offsets - base, typecode)
-        if child.null_count:
-            nulls = child.is_null().to_numpy(zero_copy_only=False)
-            lists = [TOMBSTONE if dead else v for v, dead in zip(lists, nulls.tolist(), strict=True)]
-        return lists
+        return _with_tombstones(child, _typed_lists(elements, offsets - base, typecode))
     # Each key's list made from its own piece of the array: one flat list sliced
     # per key would touch every element object twice, the second time out of cache.
     pieces = np.split(elements.to_numpy(zero_copy_only=False), (offsets[1:-1] - base).tolist())
-    lists = [piece.tolist() for piece in pieces]
-    if child.null_count:
-        nulls = child.is_null().to_numpy(zero_copy_only=False)
-        lists = [TOMBSTONE if dead else v for v, dead in zip(lists, nulls.tolist(), strict=True)]
-    return lists
+    return _with_tombstones(child, [piece.tolist() for piece in pieces])
 
 
 def _typed_lists(elements: pa.Array, offsets: np.ndarray, typecode: str) -> List[Any]:
@@ -285,13 +291,14 @@ _FLAT_STRINGS = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
 
 
 def _flat_column(elements: Iterator[Any], total: int, arrow_type: pa.DataType) -> Optional[pa.Array]:
-    """``total`` elements of a typed map's keys or values as one Arrow array: numbers
-    and bools through NumPy, strings and bytes through one pyarrow conversion of a
-    flat list; None for other types, or a value the state's checks would refuse."""
+    """``total`` elements of a typed list, or of a typed map's keys or values, as one
+    Arrow array: numbers and bools through NumPy, strings and bytes through one
+    pyarrow conversion of a flat list; None for other types, or a value the state's
+    checks would refuse."""
     dtype = _FLAT_LIST_DTYPES.get(arrow_type)
     try:
         if dtype is not None:
-            with np.errstate(all="ignore"):
+            with np.errstate(all="ignore"):  # a float32 out of range becomes inf, as pyarrow makes it
                 return pa.array(np.fromiter(elements, dtype, total), arrow_type)
         if arrow_type in _FLAT_STRINGS:
             return pa.array(list(elements), arrow_type)
@@ -309,12 +316,10 @@ def _flat_maps(column: StateColumn, values: List[Any]) -> Optional[pa.Array]:
         return None
     if _FLAT_LIST_DTYPES.get(column.arrow_type) is not None and any(None in m.values() for m in values):
         return None  # a None value (put(k, None)): NumPy would make it False or NaN, pyarrow a null
-    lengths = np.fromiter(map(len, values), np.int64, len(values))
-    offsets = np.zeros(len(values) + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    total = int(offsets[-1])
-    if total > _MAX_LIST_OFFSET:
+    offsets = _offsets(np.fromiter(map(len, values), np.int64, len(values)))
+    if offsets is None:
         return None
+    total = int(offsets[-1])
     try:
         keys = _flat_column(itertools.chain.from_iterable(values), total, column.map_key_type)
         items = _flat_column(itertools.chain.from_iterable(map(dict.values, values)), total, column.arrow_type)
@@ -339,11 +344,7 @@ def _mapped(column: StateColumn, child: pa.Array) -> Optional[List[Any]]:
     ks = _python_values(keys, column.map_key_type)
     vs = _python_values(items, column.arrow_type)
     bounds = (offsets - base).tolist()
-    maps: List[Any] = [dict(zip(ks[a:b], vs[a:b], strict=True)) for a, b in itertools.pairwise(bounds)]
-    if child.null_count:
-        nulls = child.is_null().to_numpy(zero_copy_only=False)
-        maps = [TOMBSTONE if dead else m for m, dead in zip(maps, nulls.tolist(), strict=True)]
-    return maps
+    return _with_tombstones(child, [dict(zip(ks[a:b], vs[a:b], strict=True)) for a, b in itertools.pairwise(bounds)])
 
 
 def _python_values(array: pa.Array, arrow_type: Optional[pa.DataType]) -> List[Any]:

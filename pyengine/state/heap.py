@@ -1875,15 +1875,9 @@ class HeapKeyedStateBackend:
         self._prune_local(checkpoint_id)
 
 
-def _file_types(spec: Any) -> Tuple[Optional[str], Optional[str]]:
-    """The types a state file's column was declared with, (map key type, value or
-    element type), as text, None where none was: its writes were checked against
-    them, even where the column holds serialized values (a TTL, pickle)."""
-    return spec.declared  # type: ignore[no-any-return]
-
-
 def _declared_types(descriptor: Any) -> Tuple[Optional[str], Optional[str]]:
-    """A descriptor's declared types, as ``_file_types`` gives a file's."""
+    """A descriptor's declared types as a state file's column records them
+    (``StateColumn.declared``: map key type, value or element type, as text)."""
     if descriptor.kind == "map":
         key, value = descriptor.key_type, descriptor.value_type
     else:
@@ -2090,8 +2084,9 @@ class _RestoredDescriptor(StateDescriptor):
         object.__setattr__(self, "kind", spec.kind)  # shadows the class attribute of the kind
         # written with a TTL: its entries carry write times (snapshots keep the layout)
         object.__setattr__(self, "stamped", spec.ttl)
-        # the types it was declared with, as _declared_types gives them (text; None: none)
-        object.__setattr__(self, "types", _file_types(spec))
+        # the types its writes were checked against (text; None: none), kept in the file even
+        # where its values are serialized (a TTL, pickle)
+        object.__setattr__(self, "types", spec.declared)
         object.__setattr__(self, "serializer", "pickle" if spec.serializer == "pickle" else "safe")
         if spec.kind == "map":
             object.__setattr__(self, "key_type", spec.map_key_type)
@@ -2107,5 +2102,5 @@ class _RestoredDescriptor(StateDescriptor):
         if spec.ttl != self.stamped:
             _migrate_ttl(table, self.kind, spec.ttl, now)
             object.__setattr__(self, "stamped", spec.ttl)
-        if _file_types(spec) != self.types:
+        if spec.declared != self.types:
             object.__setattr__(self, "types", _SEVERAL_TYPES)
