@@ -118,3 +118,4 @@ cdef extern from "pe_i64map.h" nogil:
     int64_t pe_i64map_get(const pe_i64map *m, int64_t key)
     int pe_i64map_put(pe_i64map *m, int64_t key, int64_t val, const pe_allocator *alloc)
     int pe_i64map_remove(pe_i64map *m, int64_t key, int64_t *old)
+    void pe_i64map_prefetch(const pe_i64map *m, int64_t key)

@@ -7,7 +7,7 @@ static uint32_t pe_slot(const pe_i64map *m, int64_t key)
     return (uint32_t)(pe_fmix64((uint64_t)key) >> (64u - m->bits));
 }
 
-static int pe_alloc_arrays(pe_i64map *m, uint32_t cap, const pe_allocator *alloc)
+static int pe_alloc_slots(pe_i64map *m, uint32_t cap, const pe_allocator *alloc)
 {
     uint32_t bits = 0;
     while ((1u << bits) < cap) {
@@ -17,15 +17,8 @@ static int pe_alloc_arrays(pe_i64map *m, uint32_t cap, const pe_allocator *alloc
         bits = 1;
         cap = 2;
     }
-    m->keys = (int64_t *)alloc->calloc(cap, sizeof(int64_t));
-    m->vals = (int64_t *)alloc->calloc(cap, sizeof(int64_t));
-    m->used = (uint8_t *)alloc->calloc(cap, 1);
-    if (!m->keys || !m->vals || !m->used) {
-        if (m->keys) alloc->free(m->keys);
-        if (m->vals) alloc->free(m->vals);
-        if (m->used) alloc->free(m->used);
-        m->keys = m->vals = NULL;
-        m->used = NULL;
+    m->slots = (pe_i64slot *)alloc->calloc(cap, sizeof(pe_i64slot)); /* all empty */
+    if (!m->slots) {
         return PE_ERR_NOMEM;
     }
     m->cap = cap;
@@ -37,16 +30,13 @@ static int pe_alloc_arrays(pe_i64map *m, uint32_t cap, const pe_allocator *alloc
 int pe_i64map_init(pe_i64map *m, uint32_t min_cap, const pe_allocator *alloc)
 {
     uint32_t cap = pe_next_pow2(min_cap < 8 ? 8 : min_cap + min_cap / 2);
-    return pe_alloc_arrays(m, cap, alloc);
+    return pe_alloc_slots(m, cap, alloc);
 }
 
 void pe_i64map_destroy(pe_i64map *m, const pe_allocator *alloc)
 {
-    if (m->keys) alloc->free(m->keys);
-    if (m->vals) alloc->free(m->vals);
-    if (m->used) alloc->free(m->used);
-    m->keys = m->vals = NULL;
-    m->used = NULL;
+    if (m->slots) alloc->free(m->slots);
+    m->slots = NULL;
     m->size = 0;
 }
 
@@ -54,13 +44,17 @@ int64_t pe_i64map_get(const pe_i64map *m, int64_t key)
 {
     uint32_t mask = m->cap - 1u;
     uint32_t i = pe_slot(m, key);
-    while (m->used[i]) {
-        if (m->keys[i] == key) {
-            return m->vals[i];
+    const pe_i64slot *s;
+    for (;;) {
+        s = &m->slots[i];
+        if (s->stored == 0) {
+            return -1;
+        }
+        if (s->key == key) {
+            return s->stored - 1;
         }
         i = (i + 1u) & mask;
     }
-    return -1;
 }
 
 static int pe_grow(pe_i64map *m, const pe_allocator *alloc)
@@ -70,13 +64,13 @@ static int pe_grow(pe_i64map *m, const pe_allocator *alloc)
     if (old.cap >= (1u << 31)) {
         return PE_ERR_NOMEM;
     }
-    if (pe_alloc_arrays(m, old.cap * 2u, alloc) != PE_OK) {
+    if (pe_alloc_slots(m, old.cap * 2u, alloc) != PE_OK) {
         *m = old;
         return PE_ERR_NOMEM;
     }
     for (i = 0; i < old.cap; i++) {
-        if (old.used[i]) {
-            pe_i64map_put(m, old.keys[i], old.vals[i], alloc);
+        if (old.slots[i].stored != 0) {
+            pe_i64map_put(m, old.slots[i].key, old.slots[i].stored - 1, alloc);
         }
     }
     pe_i64map_destroy(&old, alloc);
@@ -86,6 +80,10 @@ static int pe_grow(pe_i64map *m, const pe_allocator *alloc)
 int pe_i64map_put(pe_i64map *m, int64_t key, int64_t val, const pe_allocator *alloc)
 {
     uint32_t mask, i;
+    pe_i64slot *s;
+    if (val < 0 || val == INT64_MAX) {
+        return PE_ERR_ARG;
+    }
     if ((uint64_t)(m->size + 1u) * 10u > (uint64_t)m->cap * 7u) {
         if (pe_grow(m, alloc) != PE_OK) {
             return PE_ERR_NOMEM;
@@ -93,16 +91,19 @@ int pe_i64map_put(pe_i64map *m, int64_t key, int64_t val, const pe_allocator *al
     }
     mask = m->cap - 1u;
     i = pe_slot(m, key);
-    while (m->used[i]) {
-        if (m->keys[i] == key) {
-            m->vals[i] = val;
+    for (;;) {
+        s = &m->slots[i];
+        if (s->stored == 0) {
+            break;
+        }
+        if (s->key == key) {
+            s->stored = val + 1;
             return 0;
         }
         i = (i + 1u) & mask;
     }
-    m->used[i] = 1;
-    m->keys[i] = key;
-    m->vals[i] = val;
+    s->key = key;
+    s->stored = val + 1;
     m->size++;
     return 1;
 }
@@ -112,32 +113,31 @@ int pe_i64map_remove(pe_i64map *m, int64_t key, int64_t *old)
     uint32_t mask = m->cap - 1u;
     uint32_t i = pe_slot(m, key);
     uint32_t j;
-    while (m->used[i] && m->keys[i] != key) {
+    while (m->slots[i].stored != 0 && m->slots[i].key != key) {
         i = (i + 1u) & mask;
     }
-    if (!m->used[i]) {
+    if (m->slots[i].stored == 0) {
         return 0;
     }
     if (old) {
-        *old = m->vals[i];
+        *old = m->slots[i].stored - 1;
     }
     /* Backward-shift: pull later entries of the probe run into the hole. */
     j = i;
     for (;;) {
         uint32_t home;
         j = (j + 1u) & mask;
-        if (!m->used[j]) {
+        if (m->slots[j].stored == 0) {
             break;
         }
-        home = pe_slot(m, m->keys[j]);
+        home = pe_slot(m, m->slots[j].key);
         /* Move j to i if its home lies cyclically outside (i, j]. */
         if ((j > i && (home <= i || home > j)) || (j < i && (home <= i && home > j))) {
-            m->keys[i] = m->keys[j];
-            m->vals[i] = m->vals[j];
+            m->slots[i] = m->slots[j];
             i = j;
         }
     }
-    m->used[i] = 0;
+    m->slots[i].stored = 0;
     m->size--;
     return 1;
 }

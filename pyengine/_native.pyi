@@ -191,9 +191,11 @@ class TimerHeap:
     def peek(self) -> Optional[int]: ...
     def drain(self) -> Tuple[List[int], List[int], List[int]]: ...
     def register(self, ts: int) -> None:
-        """The backend's current key's timer at ``ts``: stored in the key's first free slot and
-        pushed when new; already there: nothing; every slot taken: ``overflow(ts)``; else
-        ``fallback(ts)``."""
+        """The backend's current key's timer at ``ts``, applied at the next ``flush()`` (every
+        reading call flushes first): stored in the key's first free slot and pushed when new;
+        already there: nothing; every slot taken: ``overflow(ts)``; else ``fallback(ts)``."""
+    def flush(self) -> None:
+        """Applies the registrations waiting, their lookups prefetched ahead."""
     def remove_current(self, ts: int) -> int:
         """Removes the current key's timer: 1 removed, 0 absent, -1 ask Python, 2 removed (refill),
         -3 only the key's overflow may hold it."""

@@ -107,6 +107,7 @@ def test_timers_fill_typed_slots_then_the_overflow_and_keep_no_holes() -> None:
     _register(service, backend, 1, 10)
     for ts in range(100, 100 + MAX_SLOTS + 3):  # key 2: every slot, and three in the overflow
         _register(service, backend, 2, ts)
+    backend.apply_pending_writes()  # registrations wait in the native heap until something reads the state
     tables = backend._tables
     assert isinstance(tables["_timer_state/event_timers"], ColumnarValueTable)
     assert isinstance(tables[f"_timer_state/event_timers@{MAX_SLOTS - 1}"], ColumnarValueTable)

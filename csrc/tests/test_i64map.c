@@ -18,6 +18,13 @@ static void test_put_get_replace_remove(void)
     CHECK_EQ(old, 8);
     CHECK_EQ(pe_i64map_remove(&m, 42, &old), 0);
     CHECK_EQ(m.size, 1);
+    /* values are positions: a negative one (or one with no room for the empty mark) is refused */
+    CHECK_EQ(pe_i64map_put(&m, 5, -1, pe_default_allocator()), PE_ERR_ARG);
+    CHECK_EQ(pe_i64map_put(&m, 5, INT64_MAX, pe_default_allocator()), PE_ERR_ARG);
+    CHECK_EQ(pe_i64map_get(&m, 5), -1);
+    CHECK_EQ(pe_i64map_put(&m, 5, 0, pe_default_allocator()), 1);
+    CHECK_EQ(pe_i64map_get(&m, 5), 0);
+    CHECK_EQ(m.size, 2);
     pe_i64map_destroy(&m, pe_default_allocator());
 }
 

@@ -1475,6 +1475,7 @@ class HeapKeyedStateBackend:
         # state an older job had, though no key of it lands here.
         self.restored_state_kinds: Dict[str, str] = {}
         self._states: Dict[str, Any] = {}
+        self._pending_writes: List[Callable[[], None]] = []  # see add_pending_writes
         self._key: Any = None
         self._key_group = -1
         self._key_index = -1
@@ -1673,6 +1674,16 @@ class HeapKeyedStateBackend:
         descriptors = [t.descriptor for t in self._tables.values()] + [descriptor]
         check_state_count(count, [column_of(d).storage_type for d in descriptors], where=f"state {descriptor.name!r}")
 
+    def add_pending_writes(self, flush: Callable[[], None]) -> None:
+        """``flush()`` applies writes that a state's owner holds back to batch them
+        (the timers' registrations): called before anything reads every state (a
+        snapshot, ``keys``, ``num_entries``)."""
+        self._pending_writes.append(flush)
+
+    def apply_pending_writes(self) -> None:
+        for flush in self._pending_writes:
+            flush()
+
     @property
     def restored_state_names(self) -> FrozenSet[str]:
         """The states the restored checkpoint names (``restored_state_kinds``)."""
@@ -1684,6 +1695,7 @@ class HeapKeyedStateBackend:
 
     def keys(self, state_name: str) -> Iterator[Any]:
         """Every key that has an entry in ``state_name`` (expired ones included until cleaned up)."""
+        self.apply_pending_writes()
         table = self._tables.get(state_name)
         if table is None:
             raise KeyError(f"no state named {state_name!r}; known: {', '.join(self.state_names) or 'none'}")
@@ -1694,6 +1706,7 @@ class HeapKeyedStateBackend:
             yield from list(group)
 
     def num_entries(self, state_name: Optional[str] = None) -> int:
+        self.apply_pending_writes()
         tables = self._tables.values() if state_name is None else [self._tables[state_name]]
         return sum(len(t) for t in tables)
 
@@ -1711,6 +1724,7 @@ class HeapKeyedStateBackend:
         writes the state file and returns a SnapshotResult."""
         from ..snapshot.strategies import FullSnapshot, column_of
 
+        self.apply_pending_writes()
         names = sorted(self._tables)
         with self._freeze_lock:
             tables = [self._tables[n] for n in names]

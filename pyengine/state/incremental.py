@@ -110,6 +110,7 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
     def snapshot(self, checkpoint_id: int, location: CheckpointStorageLocation) -> IncrementalSnapshot:
         """Synchronous part: freezes state (copy-on-write) and takes the change log;
         the asynchronous part writes a delta on the last completed chain, or a full base."""
+        self.apply_pending_writes()
         names = sorted(self._tables)
         full = self._materialising or not self._base or len(self._base) > self.max_chain or not self._base_in(location)
         self._materialising = full

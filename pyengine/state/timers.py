@@ -89,6 +89,9 @@ class TimerQueue:
         self._heap: List[int] = []  # the Python index: distinct timestamps
         self._keys: Dict[int, List[Tuple[Any, int]]] = {}  # timestamp -> (key, key group index)
         self.register: Callable[[int], None] = self._native.register
+        # The native heap applies registrations in batches (see its register): the
+        # backend applies them before a snapshot reads the slot states.
+        backend.add_pending_writes(self._flush)
         self._rebuild()
 
     def _add_slot(self) -> str:
@@ -105,6 +108,7 @@ class TimerQueue:
     def _to_dicts(self) -> None:
         """A key that is no int64: the slot states go to dict storage (as a typed value
         state does at its first such key), and the index to Python."""
+        self._flush()  # the registrations waiting go to the slots before they move
         for name in self._slots:
             if type(self._tables[name]) is ColumnarValueTable:
                 self._backend._columnar_table_to_dict(name)
@@ -116,6 +120,11 @@ class TimerQueue:
             self.register = self._register
             for t, key, index in zip(ts, keys, indexes, strict=True):
                 self._index(t, key, index)
+
+    def _flush(self) -> None:
+        """Registrations the native heap holds back go to the slot states now."""
+        if self._native is not None:
+            self._native.flush()
 
     def _index(self, ts: int, key: Any, index: int) -> None:
         if self._native is not None:
@@ -294,6 +303,7 @@ class TimerQueue:
 
     def timestamps(self) -> Tuple[int, ...]:
         """The current key's timers, in order."""
+        self._flush()
         key, index = self._current()
         out = []
         for name in self._slots:
@@ -378,6 +388,7 @@ class TimerQueue:
     def last_time(self) -> Optional[int]:
         """The latest pending timer's timestamp (this subtask's key groups), or None: a
         pass over the timer states, for the rare caller that needs it (the end of input)."""
+        self._flush()
         latest: Optional[int] = None
         for name in self._slots:
             table = self._tables[name]
