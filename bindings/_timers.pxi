@@ -95,6 +95,7 @@ cdef enum:
     # lookup in a job at 100k keys, the half of what a timer per record cost.
     PENDING_MAX = 1024
     PREFETCH_AHEAD = 8
+    PREFETCH_STATES = 4
 
 
 cdef enum:  # results of TimerHeap._apply
@@ -315,6 +316,8 @@ cdef class TimerHeap:
 
     def push(self, int64_t ts, int64_t key, Py_ssize_t index):
         """Adds an entry (the state already holds the timer)."""
+        if index < 0:
+            raise ValueError(f"push: a key group index is never negative, got {index}")
         self._flush()  # registrations waiting came first (the order of equal timestamps)
         self._push(ts, key, index)
 
@@ -328,6 +331,8 @@ cdef class TimerHeap:
             raise ValueError("push_many: timestamps, keys and indexes differ in length")
         self._flush()
         for i in range(t.shape[0]):
+            if x[i] < 0:
+                raise ValueError(f"push_many: a key group index is never negative, got {x[i]}")
             self._push(t[i], k[i], <Py_ssize_t>x[i])
 
     def peek(self):
@@ -401,6 +406,8 @@ cdef class TimerHeap:
         cdef ColumnarGroup g
         cdef int64_t pos
         cdef Py_ssize_t j
+        if self.disabled:  # the slots went to dicts during this flush: Python registers the rest
+            return TO_FALLBACK
         for j in range(len(self.slots)):
             g = self.group(j, i)
             if g is None:
@@ -417,15 +424,18 @@ cdef class TimerHeap:
 
     cdef int _register_now(self, int64_t k, int64_t t, Py_ssize_t i, ts) except -1:
         """``_apply``, with the Python hand-over run as for the key current then: the
-        backend's current key is ``k`` for the call and put back after it."""
+        backend's current key is ``k`` (an int, as registered) for the call and is put
+        back after it. Only an int current key counts as ``k`` already: one equal to
+        it may be no int (True, 1.0), and Python would take it for another key."""
         cdef int r = self._apply(k, t, i)
         if r == APPLIED:
             return 0
         backend = self.backend
-        saved = (backend._key, backend._key_group, backend._key_index)
-        if saved[0] is not None and saved[2] == i and saved[0] == k:
+        current = backend._key
+        if type(current) is int and current == k and backend._key_index == i:  # the key current already
             (self.overflow if r == TO_OVERFLOW else self.fallback)(ts)
             return 0
+        saved = (current, backend._key_group, backend._key_index)
         backend._key = k
         backend._key_group = backend.key_group_range.start + i
         backend._key_index = i
@@ -437,9 +447,9 @@ cdef class TimerHeap:
 
     cdef int _flush(self) except -1:
         """Applies the waiting registrations in order, each key's slot-0 lookup asked
-        for PREFETCH_AHEAD entries early. Whatever happens, the buffer is empty after
-        it: a registration that failed fails the task (its error is raised here)."""
-        cdef Py_ssize_t n = self.npending, i, ahead
+        for PREFETCH_AHEAD entries early. One that fails (no room for another slot
+        state, no memory) raises here and is dropped; those after it stay waiting."""
+        cdef Py_ssize_t n = self.npending, i = 0, ahead
         cdef TimerEntry* e
         cdef list groups0
         cdef object g0
@@ -448,19 +458,22 @@ cdef class TimerHeap:
         self.flushing = True
         try:
             groups0 = self.tables[self.slots[0]].groups
-            for i in range(n):
+            while i < n:
                 ahead = i + PREFETCH_AHEAD
                 if ahead < n:
                     e = &self.pending[ahead]
-                    if e.index < len(groups0):  # else _apply raises its IndexError when it gets there
+                    if 0 <= e.index < len(groups0):  # else _apply raises its IndexError when it gets there
                         g0 = groups0[e.index]
                         if type(g0) is ColumnarGroup:
                             pe_i64map_prefetch(&(<ColumnarGroup>g0).index, e.key)
                 e = &self.pending[i]
+                i += 1  # consumed, whether it succeeds or raises
                 if self._apply(e.key, e.ts, e.index) != APPLIED:
                     self._register_now(e.key, e.ts, e.index, e.ts)
         finally:
-            self.npending = 0
+            if i < n:  # an error: the entries after the failed one wait for the next flush
+                memmove(self.pending, self.pending + i, (n - i) * sizeof(TimerEntry))
+            self.npending = n - i
             self.flushing = False
         return 0
 
@@ -533,7 +546,7 @@ cdef class TimerHeap:
             ctx.current_key = key
             ctx._timer_ts = ts
             result = on_timer(ts, ctx)
-            if result is not None:
+            if result is not None and result is not ():  # () is a singleton: nothing to add
                 if type(result) is dict or type(result) is str:
                     from pyengine.errors import not_records
                     raise not_records(result, "", "on_timer")
@@ -551,14 +564,18 @@ cdef class TimerHeap:
     cdef list _state_groups(self):
         """The groups lists to prefetch a firing key's lookups in: the first two slots'
         (a key with one timer: the one that fires, and the next slot found empty) and
-        every columnar state that is not the timers' own (those on_timer may read)."""
+        the first PREFETCH_STATES columnar states that are not the timers' own (those
+        on_timer may read; past a few, the lookups would cost more than they save)."""
         cdef list out = []
+        cdef Py_ssize_t states = 0
         for name, table in self.tables.items():
-            if name.startswith("_timer_state/") and name not in self.slots[:2]:
+            timers = name.startswith("_timer_state/")
+            if (timers and name not in self.slots[:2]) or (not timers and states == PREFETCH_STATES):
                 continue
             groups = getattr(table, "groups", None)
             if type(groups) is list and groups and type((<list>groups)[0]) is ColumnarGroup:
                 out.append(groups)
+                states += not timers
         return out
 
     cdef void _prefetch_values(self, list groups_of_states, int64_t key, Py_ssize_t index) noexcept:
@@ -568,7 +585,7 @@ cdef class TimerHeap:
         for groups in groups_of_states:
             if index < len(groups):
                 g = groups[index]
-                if type(g) is ColumnarGroup:
+                if type(g) is ColumnarGroup and (<ColumnarGroup>g).index_ready:
                     pos = pe_i64map_get(&(<ColumnarGroup>g).index, key)
                     if pos >= 0:
                         values = <cnp.ndarray>(<ColumnarGroup>g).values

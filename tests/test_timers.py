@@ -613,3 +613,61 @@ def test_timer_state_is_readable_from_a_checkpoint(tmp_path: Any) -> None:
         (k, k + 10**9) for k in range(20)
     ]
     assert os.path.isdir(savepoint)
+
+
+# -- registrations held back in the native heap (TimerHeap.flush) -------------------------------
+
+
+@pytest.mark.parametrize("odd", [True, 1.0], ids=["bool", "float"])
+def test_a_held_back_registration_is_applied_under_its_own_key(odd: Any) -> None:
+    """A registration that Python applies during a flush (key 1's second timer needs a
+    slot state not made yet) runs with its own int key current, not with a current key
+    that merely equals it (``True``, ``1.0``): that one would move the slots to dicts
+    in the middle of the flush and the registrations after it were lost."""
+    backend = create_keyed_backend("heap")
+    service = InternalTimerService(backend, MIN_WATERMARK)
+    for key, ts in ((1, 10), (1, 20), (2, 30)):
+        backend.set_current_key(key)
+        service.event.register(ts)
+    backend.set_current_key(odd)  # equal to 1, in the same key group, no int: flushes, then Python
+    service.event.register(40)
+    fired = list(service.advance_watermark(100))
+    assert [(type(k), k, t) for k, t in fired] == [(int, 1, 10), (int, 1, 20), (int, 2, 30), (type(odd), odd, 40)]
+
+
+def test_a_held_back_registration_that_fails_keeps_the_others() -> None:
+    """A registration refused as it is applied (here: no room for another slot state)
+    raises from the call that flushed it; the registrations after it are applied at
+    the next flush, not dropped."""
+    backend = create_keyed_backend("heap")
+    service = InternalTimerService(backend, MIN_WATERMARK)
+    check_room = backend._check_room
+
+    def refuse(descriptor: Any) -> None:
+        if "@" in descriptor.name:
+            raise RuntimeError(f"no room for state {descriptor.name!r}")
+        check_room(descriptor)
+
+    backend._check_room = refuse
+    for key, ts in ((1, 10), (1, 20), (2, 30), (3, 40)):
+        backend.set_current_key(key)
+        service.event.register(ts)
+    with pytest.raises(RuntimeError, match="event_timers@1"):
+        service.event.timestamps()
+    assert list(service.advance_watermark(100)) == [(1, 10), (2, 30), (3, 40)]
+
+
+def test_a_restore_drops_the_writes_held_back_for_the_state_it_replaces(tmp_path: Any) -> None:
+    backend = create_keyed_backend("heap")
+    service = InternalTimerService(backend, MIN_WATERMARK)
+    backend.set_current_key(1)
+    service.event.register(10)
+    storage = checkpoint_storage(str(tmp_path / "ckpt"), "job")
+    handles = backend.snapshot(1, storage.location(1)).run().handles
+    backend.set_current_key(2)
+    service.event.register(20)  # held back, then the state it was for is replaced
+    backend.restore(handles)
+    restored = InternalTimerService(backend, MIN_WATERMARK)
+    backend.snapshot(2, storage.location(2)).run()  # the old queue's flush is not run against the new tables
+    assert list(restored.advance_watermark(100)) == [(1, 10)]
+    assert len(backend._pending_writes) == 2  # the new queues' (event and processing time)

@@ -1711,6 +1711,7 @@ class HeapKeyedStateBackend:
         return sum(len(t) for t in tables)
 
     def dispose(self) -> None:
+        self._pending_writes.clear()
         self._tables.clear()
         self._states.clear()
         self._ttl_states.clear()
@@ -1767,7 +1768,10 @@ class HeapKeyedStateBackend:
         under their names and take their descriptors from ``get_state``; values a
         state pickled stay undecoded until a descriptor that opts in asks for them
         (or the state is named in ``allow_pickle``). The cyclic garbage collector
-        is paused meanwhile (``COLLECTOR_PAUSE``)."""
+        is paused meanwhile (``COLLECTOR_PAUSE``). Writes held back for the state it
+        replaces (``add_pending_writes``) are dropped with it: their owners (the timer
+        queues) are made again over the restored states."""
+        self._pending_writes.clear()
         with COLLECTOR_PAUSE:
             self._restore(handles, allow_pickle)
 
