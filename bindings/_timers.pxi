@@ -581,6 +581,7 @@ cdef class TimerHeap:
     cdef void _prefetch_values(self, list groups_of_states, int64_t key, Py_ssize_t index) noexcept:
         cdef list groups
         cdef int64_t pos
+        cdef Py_ssize_t last
         cdef cnp.ndarray values
         for groups in groups_of_states:
             if index < len(groups):
@@ -590,6 +591,14 @@ cdef class TimerHeap:
                     if pos >= 0:
                         values = <cnp.ndarray>(<ColumnarGroup>g).values
                         pe_prefetch(<char*>cnp.PyArray_DATA(values) + pos * cnp.PyArray_ITEMSIZE(values))
+                        # a removal moves the group's last entry into the hole and
+                        # rewrites that key's slot in the map: ask for it too
+                        last = (<ColumnarGroup>g).n - 1
+                        if last > pos:
+                            pe_i64map_prefetch(
+                                &(<ColumnarGroup>g).index,
+                                (<int64_t*>cnp.PyArray_DATA(<cnp.ndarray>(<ColumnarGroup>g).keys))[last],
+                            )
 
     cdef void _prefetch_key(self, list groups_of_states, int64_t key, Py_ssize_t index) noexcept:
         cdef list groups
