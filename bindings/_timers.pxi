@@ -435,14 +435,13 @@ cdef class TimerHeap:
         if type(current) is int and current == k and backend._key_index == i:  # the key current already
             (self.overflow if r == TO_OVERFLOW else self.fallback)(ts)
             return 0
-        saved = (current, backend._key_group, backend._key_index)
+        saved = (current, backend._key_index)
         backend._key = k
-        backend._key_group = backend.key_group_range.start + i
         backend._key_index = i
         try:
             (self.overflow if r == TO_OVERFLOW else self.fallback)(ts)
         finally:
-            backend._key, backend._key_group, backend._key_index = saved
+            backend._key, backend._key_index = saved
         return 0
 
     cdef int _flush(self) except -1:
@@ -492,9 +491,9 @@ cdef class TimerHeap:
         except OverflowError:
             return ASK_PYTHON
 
-    def fire_due(self, int64_t upto, Py_ssize_t start, ctx, on_timer, list out, check, refill, check_overflow):
+    def fire_due(self, int64_t upto, ctx, on_timer, list out, check, refill, check_overflow):
         """Fires every timer at or before ``upto``, in order: for each, the backend's
-        current key (``_key``, ``_key_group``, ``_key_index``) and ``ctx.current_key`` /
+        current key (``_key``, ``_key_index``) and ``ctx.current_key`` /
         ``ctx._timer_ts`` are set, the timer is removed from its slot, then
         ``on_timer(ts, ctx)`` runs and what it returns (an iterable, or None) goes into
         ``out``. Where the slots cannot tell, ``check(ts)`` (Python, key set) removes
@@ -527,7 +526,6 @@ cdef class TimerHeap:
             key = e.key
             ts = e.ts
             backend._key = key
-            backend._key_group = start + e.index
             backend._key_index = e.index
             r = self._remove(e.key, e.index, e.ts)
             if r == REMOVED:
@@ -608,7 +606,7 @@ cdef class TimerHeap:
                 if type(g) is ColumnarGroup:
                     pe_i64map_prefetch(&(<ColumnarGroup>g).index, key)
 
-    def pop_due(self, int64_t upto, Py_ssize_t start):
+    def pop_due(self, int64_t upto):
         """The next timer at or before ``upto``, with the backend's current key set to its
         key: ``(key, ts, code)``, ``code`` as ``remove_current``'s (1 or 2: removed; -1
         or -3: Python decides); None when nothing more is due. Entries of deleted timers are
@@ -620,7 +618,6 @@ cdef class TimerHeap:
         while self._due(upto):
             e = self._pop()
             backend._key = e.key
-            backend._key_group = start + e.index
             backend._key_index = e.index
             r = self._remove(e.key, e.index, e.ts)
             if r != ABSENT:

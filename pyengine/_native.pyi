@@ -199,12 +199,11 @@ class TimerHeap:
     def remove_current(self, ts: int) -> int:
         """Removes the current key's timer: 1 removed, 0 absent, -1 ask Python, 2 removed (refill),
         -3 only the key's overflow may hold it."""
-    def pop_due(self, upto: int, start: int) -> Optional[Tuple[int, int, int]]:
+    def pop_due(self, upto: int) -> Optional[Tuple[int, int, int]]:
         """The next timer at or before ``upto`` as (key, ts, code) with the backend's key set."""
     def fire_due(
         self,
         upto: int,
-        start: int,
         ctx: Any,
         on_timer: Callable[[int, Any], Any],
         out: List[Any],

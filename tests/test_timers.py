@@ -671,3 +671,25 @@ def test_a_restore_drops_the_writes_held_back_for_the_state_it_replaces(tmp_path
     backend.snapshot(2, storage.location(2)).run()  # the old queue's flush is not run against the new tables
     assert list(restored.advance_watermark(100)) == [(1, 10)]
     assert len(backend._pending_writes) == 2  # the new queues' (event and processing time)
+
+
+@pytest.mark.parametrize("keys", ["int", "str"])
+def test_delete_checks_its_timestamp_as_register_does(keys: str) -> None:
+    """A float given to delete was cut to an int on int keys: delete(1500.5) removed the
+    timer at 1500 (found by a new-user trial). It is refused, as register refuses it."""
+    from pyengine.state.timers import InvalidTimerTypeError
+
+    backend = create_keyed_backend("heap")
+    service = InternalTimerService(backend, MIN_WATERMARK)
+    backend.set_current_key(1 if keys == "int" else "a")
+    service.event.register(1500)
+    service.event.register(1)
+    for wrong in (1500.5, 1500.0, True, "1500"):
+        with pytest.raises(InvalidTimerTypeError, match="int milliseconds"):
+            service.event.delete(wrong)
+    assert service.event.delete(2**70) is False  # beyond int64: no timer there
+    assert service.event.timestamps() == (1, 1500)
+    import numpy as np
+
+    assert service.event.delete(np.int64(1500)) is True
+    assert service.event.timestamps() == (1,)

@@ -421,7 +421,6 @@ def _unset_key(backend: Any) -> None:
     state kept from ``open`` and used in ``process_broadcast_element`` fails, naming
     ``apply_to_keyed_state``, instead of reading whichever key came last."""
     backend._key = None
-    backend._key_group = -1
     backend._key_index = -1
 
 

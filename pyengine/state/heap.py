@@ -1477,7 +1477,6 @@ class HeapKeyedStateBackend:
         self._states: Dict[str, Any] = {}
         self._pending_writes: List[Callable[[], None]] = []  # see add_pending_writes
         self._key: Any = None
-        self._key_group = -1
         self._key_index = -1
         # Freezing (task thread) and releasing (a snapshot's thread) must not interleave.
         self._freeze_lock = threading.Lock()
@@ -1503,7 +1502,6 @@ class HeapKeyedStateBackend:
                 f"{self.key_group_range}"
             )
         self._key = key
-        self._key_group = key_group
         self._key_index = index
         self._ttl_now = self._ttl_step_now  # None (read the clock afresh) but inside a step
 
@@ -1576,7 +1574,10 @@ class HeapKeyedStateBackend:
 
     @property
     def current_key_group(self) -> int:
-        return self._key_group
+        # Derived, not stored: set_current_key and a firing timer set the key and its
+        # index only (one attribute write fewer per record and per timer).
+        index = self._key_index
+        return self._kg_start + index if index >= 0 else -1
 
     # -- states -------------------------------------------------------------------
 

@@ -254,7 +254,13 @@ class TimerQueue:
         return self._delete_overflow(ts, b._key, b._key_index)
 
     def delete(self, ts: int) -> bool:
-        """Removes the current key's timer at ``ts``; True if there was one."""
+        """Removes the current key's timer at ``ts``; True if there was one. ``ts`` is
+        checked as ``register`` checks it: a float (``1500.5``) is refused, not cut to
+        the timer at 1500."""
+        if ts.__class__ is not int:
+            ts = _timestamp(ts)
+        if not _INT64_MIN < ts <= _INT64_MAX:
+            return False  # no timer is registered there
         if self._native is not None:
             code = self._native.remove_current(ts)
             if code == 1:
@@ -329,11 +335,10 @@ class TimerQueue:
         just before it is yielded with the backend's current key set to its key. Timers
         registered meanwhile at or before ``upto`` are yielded too (as Flink fires them)."""
         b = self._backend
-        start = b.key_group_range.start
         while True:
             native = self._native
             if native is not None:
-                got = native.pop_due(upto, start)
+                got = native.pop_due(upto)
                 if got is None:
                     return
                 key, ts, code = got
@@ -355,7 +360,7 @@ class TimerQueue:
                 del self._keys[ts]
                 continue
             key, index = bucket.pop()
-            b._key, b._key_group, b._key_index = key, start + index, index
+            b._key, b._key_index = key, index
             if self._delete_python(ts):  # else deleted meanwhile (or a second entry of one re-registered)
                 yield key, ts
 
@@ -365,10 +370,7 @@ class TimerQueue:
         ctx)``, its results into ``out``. The native heap does the loop itself (one C
         iteration and the call per timer); the Python index, if any, follows."""
         if self._native is not None:
-            start = self._backend.key_group_range.start
-            self._native.fire_due(
-                upto, start, ctx, on_timer, out, self._delete_python, self._refill, self._check_overflow
-            )
+            self._native.fire_due(upto, ctx, on_timer, out, self._delete_python, self._refill, self._check_overflow)
         for key, ts in self.due(upto):
             ctx.current_key = key
             ctx._timer_ts = ts
@@ -413,7 +415,6 @@ class TimerQueue:
     def _rebuild(self) -> None:
         """The index from the states (after a restore: this subtask's key groups)."""
         b = self._backend
-        start = b.key_group_range.start
         if any(type(self._tables[name]) is not ColumnarValueTable for name in self._slots):
             self._to_dicts()
         for name in self._slots:
@@ -430,7 +431,7 @@ class TimerQueue:
         for index, group in enumerate(more.groups if more is not None else []):
             for key, times in list(group.items()):
                 if self._native is not None and not (type(key) is int and _INT64_MIN <= key <= _INT64_MAX):
-                    b._key, b._key_group, b._key_index = key, start + index, index
+                    b._key, b._key_index = key, index
                     self._to_dicts()
                 for ts in times:
                     self._index(ts, key, index)
@@ -483,7 +484,10 @@ class InvalidTimerTypeError(InvalidTimerError, TypeError):
 def _timestamp(ts: Any) -> int:
     if isinstance(ts, (int, np.integer)) and not isinstance(ts, bool):
         return int(ts)
-    raise InvalidTimerTypeError(f"a timer's timestamp must be int milliseconds, got {ts!r}")
+    raise InvalidTimerTypeError(
+        f"a timer's timestamp must be int milliseconds, got {type(ts).__name__} {ts!r}: "
+        "pass a whole number of milliseconds, e.g. int(seconds * 1000)"
+    )
 
 
 class InternalTimerService:
