@@ -37,4 +37,12 @@ static inline uint32_t pe_next_pow2(uint32_t v)
     return p;
 }
 
+/* A hint that the cache line at p will be read soon; nothing where the compiler has
+   no such builtin (MSVC). */
+#if defined(__GNUC__) || defined(__clang__)
+#define PE_PREFETCH(p) __builtin_prefetch((const void *)(p), 0, 3)
+#else
+#define PE_PREFETCH(p) ((void)(p))
+#endif
+
 #endif /* PE_COMMON_H */

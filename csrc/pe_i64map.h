@@ -7,10 +7,12 @@
  * key group from the same hash's low bits, so inside one key group the low bits
  * are all alike and must not choose the slot.
  *
- * A slot holds its key and value side by side (an empty one is all zeros), so a
- * lookup reads one cache line. With the keys, the values and a used flag in three
- * arrays, a lookup that missed the cache waited on three lines: a keyed job's maps
- * outgrow the L2 cache, and those misses were most of a state call's cost.
+ * A slot holds its key and value side by side (stored as value + 1: a slot that
+ * stores 0 is empty, as calloc's memory is), so a lookup reads one cache line (two
+ * when its probe run crosses into the next). With the keys, the values and a used
+ * flag in three arrays, a lookup that missed the cache waited on three lines: a
+ * keyed job's maps outgrow the L2 cache, and those misses were most of a state
+ * call's cost.
  */
 #ifndef PE_I64MAP_H
 #define PE_I64MAP_H
@@ -60,7 +62,7 @@ static inline uint64_t pe_fmix64(uint64_t x)
 static inline void pe_i64map_prefetch(const pe_i64map *m, int64_t key)
 {
     if (m->slots != NULL) {
-        __builtin_prefetch(&m->slots[pe_fmix64((uint64_t)key) >> (64u - m->bits)], 0, 3);
+        PE_PREFETCH(&m->slots[pe_fmix64((uint64_t)key) >> (64u - m->bits)]);
     }
 }
 

@@ -1677,8 +1677,10 @@ class HeapKeyedStateBackend:
 
     def add_pending_writes(self, flush: Callable[[], None]) -> None:
         """``flush()`` applies writes that a state's owner holds back to batch them
-        (the timers' registrations): called before anything reads every state (a
-        snapshot, ``keys``, ``num_entries``)."""
+        (the timers' registrations; the owner applies them itself before it reads its
+        states): called before a snapshot freezes the states. Only ever on the task's
+        thread: a flush runs Python under the backend's current key (an overflowing
+        timer), which another thread would change under the task's feet."""
         self._pending_writes.append(flush)
 
     def apply_pending_writes(self) -> None:
@@ -1696,7 +1698,6 @@ class HeapKeyedStateBackend:
 
     def keys(self, state_name: str) -> Iterator[Any]:
         """Every key that has an entry in ``state_name`` (expired ones included until cleaned up)."""
-        self.apply_pending_writes()
         table = self._tables.get(state_name)
         if table is None:
             raise KeyError(f"no state named {state_name!r}; known: {', '.join(self.state_names) or 'none'}")
@@ -1707,8 +1708,10 @@ class HeapKeyedStateBackend:
             yield from list(group)
 
     def num_entries(self, state_name: Optional[str] = None) -> int:
-        self.apply_pending_writes()
-        tables = self._tables.values() if state_name is None else [self._tables[state_name]]
+        """Entries of one state or of all (read from other threads, by the monitoring: it
+        applies no held-back writes, so timers registered since the last flush are not
+        counted yet)."""
+        tables = list(self._tables.values()) if state_name is None else [self._tables[state_name]]
         return sum(len(t) for t in tables)
 
     def dispose(self) -> None:
@@ -1772,9 +1775,9 @@ class HeapKeyedStateBackend:
         is paused meanwhile (``COLLECTOR_PAUSE``). Writes held back for the state it
         replaces (``add_pending_writes``) are dropped with it: their owners (the timer
         queues) are made again over the restored states."""
-        self._pending_writes.clear()
         with COLLECTOR_PAUSE:
             self._restore(handles, allow_pickle)
+        self._pending_writes.clear()  # after: a restore that fails leaves the queues as they were
 
     def _restore(self, handles: Any, allow_pickle: Any) -> None:
         from ..snapshot.format import TOMBSTONE, read_keyed_state
