@@ -27,9 +27,10 @@ restore and never snapshotted: for int keys (columnar storage) the native
 ``TimerHeap`` (``bindings/_timers.pxi``), which also does the common register,
 remove and fire in C (a registration waits in its buffer, applied with up to 1,023
 others in one pass that prefetches their lookups, before anything reads the timers
-and before a snapshot: ``backend.add_pending_writes``); for other keys a heap of distinct timestamps with, per
-timestamp, the keys that registered one. Deletions leave stale entries in it,
-which firing skips by checking the state (the state is the truth)."""
+and before a snapshot: ``backend.add_pending_writes``); for other keys a heap of
+distinct timestamps with, per timestamp, the keys that registered one. Deletions
+leave stale entries in it, which firing skips by checking the state (the state is
+the truth)."""
 
 from __future__ import annotations
 
