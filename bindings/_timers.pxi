@@ -363,7 +363,6 @@ cdef class TimerHeap:
         current key) goes to ``fallback(ts)`` now, after the waiting ones."""
         cdef int64_t k, t
         cdef Py_ssize_t i
-        cdef TimerEntry* e
         backend = self.backend
         key = backend._key
         index = backend._key_index
@@ -387,18 +386,18 @@ cdef class TimerHeap:
             try:
                 self._flush()
             finally:  # kept even if the flush raised (another entry's error): that left room
-                e = &self.pending[self.npending]
-                e.ts = t
-                e.key = k
-                e.index = i
-                self.npending += 1
+                self._hold(k, t, i)
             return None
-        e = &self.pending[self.npending]
+        self._hold(k, t, i)
+        return None
+
+    cdef inline void _hold(self, int64_t k, int64_t t, Py_ssize_t i) noexcept:
+        """Appends a registration to the buffer (there is room)."""
+        cdef TimerEntry* e = &self.pending[self.npending]
         e.ts = t
         e.key = k
         e.index = i
         self.npending += 1
-        return None
 
     def flush(self):
         """Applies the registrations waiting (see ``register``)."""
@@ -569,10 +568,11 @@ cdef class TimerHeap:
         the first PREFETCH_STATES columnar states that are not the timers' own (those
         on_timer may read; past a few, the lookups would cost more than they save)."""
         cdef list out = []
+        cdef list first_slots = self.slots[:2]
         cdef Py_ssize_t states = 0
         for name, table in self.tables.items():
             timers = name.startswith("_timer_state/")
-            if (timers and name not in self.slots[:2]) or (not timers and states == PREFETCH_STATES):
+            if (timers and name not in first_slots) or (not timers and states == PREFETCH_STATES):
                 continue
             groups = getattr(table, "groups", None)
             if type(groups) is list and groups and type((<list>groups)[0]) is ColumnarGroup:

@@ -635,10 +635,9 @@ def test_a_held_back_registration_is_applied_under_its_own_key(odd: Any) -> None
     assert [(type(k), k, t) for k, t in fired] == [(int, 1, 10), (int, 1, 20), (int, 2, 30), (type(odd), odd, 40)]
 
 
-def test_a_held_back_registration_that_fails_keeps_the_others() -> None:
-    """A registration refused as it is applied (here: no room for another slot state)
-    raises from the call that flushed it; the registrations after it are applied at
-    the next flush, not dropped."""
+def _refusing_a_second_slot() -> Tuple[Any, InternalTimerService]:
+    """A heap backend and its timers, where making a second slot state fails as it
+    would with no room for another state."""
     backend = create_keyed_backend("heap")
     service = InternalTimerService(backend, MIN_WATERMARK)
     check_room = backend._check_room
@@ -649,6 +648,14 @@ def test_a_held_back_registration_that_fails_keeps_the_others() -> None:
         check_room(descriptor)
 
     backend._check_room = refuse
+    return backend, service
+
+
+def test_a_held_back_registration_that_fails_keeps_the_others() -> None:
+    """A registration refused as it is applied (here: no room for another slot state)
+    raises from the call that flushed it; the registrations after it are applied at
+    the next flush, not dropped."""
+    backend, service = _refusing_a_second_slot()
     for key, ts in ((1, 10), (1, 20), (2, 30), (3, 40)):
         backend.set_current_key(key)
         service.event.register(ts)
@@ -684,16 +691,7 @@ def test_a_restore_drops_the_writes_held_back_for_the_state_it_replaces(tmp_path
 def test_a_registration_is_kept_when_a_full_buffer_fails_to_flush() -> None:
     """The 1,025th registration flushes the buffer; when another entry of it fails
     (here: no room for another slot state), the new registration is still kept."""
-    backend = create_keyed_backend("heap")
-    service = InternalTimerService(backend, MIN_WATERMARK)
-    check_room = backend._check_room
-
-    def refuse(descriptor: Any) -> None:
-        if "@" in descriptor.name:
-            raise RuntimeError(f"no room for state {descriptor.name!r}")
-        check_room(descriptor)
-
-    backend._check_room = refuse
+    backend, service = _refusing_a_second_slot()
     backend.set_current_key(1)
     service.event.register(10)
     service.event.register(11)  # needs a second slot state: refused when applied
