@@ -900,6 +900,7 @@ cdef int dispatch(list notes) except -1:
     for fn, args in notes:
         fn(*args)
     return 0
+include "_keycore.pxi"
 include "_columnar.pxi"
 include "_keygroups.pxi"
 include "_ttl.pxi"

@@ -119,7 +119,7 @@ cdef class TimerHeap:
     cdef Py_ssize_t run_tail
     cdef Py_ssize_t run_cap
     cdef int64_t seq
-    cdef object backend  # the keyed backend: its current key and key-group index
+    cdef object backend  # the keyed backend: its current key and key-group index (see _keycore.pxi)
     cdef object tables  # the backend's tables by name
     cdef public list slots  # the slot states' names, in order (Python appends one when it makes it)
     cdef public Py_ssize_t max_slots  # slots a key may use before the overflow
@@ -128,10 +128,13 @@ cdef class TimerHeap:
     cdef list groups  # per slot: its table's list of groups (cached; the tables stay while columnar)
     cdef public bint disabled  # the state left columnar storage: everything goes to Python
     cdef TimerEntry* pending  # registrations not yet applied (ts, key, index; seq unused)
+    cdef object more_name  # the overflow state's name (use_overflow), or None: Python does it all
+    cdef object timer_set  # the overflow's TimerSet class
     cdef Py_ssize_t npending
     cdef bint flushing
 
     def __cinit__(self, backend, tables, list slots, Py_ssize_t max_slots, fallback, overflow):
+        check_backend(backend)
         self.cap = 256
         self.entries = <TimerEntry*>malloc(self.cap * sizeof(TimerEntry))
         self.run_cap = 256
@@ -174,6 +177,99 @@ cdef class TimerHeap:
         if type(group) is not ColumnarGroup:
             return None
         return <ColumnarGroup>group
+
+    def use_overflow(self, str name, type timer_set):
+        """The overflow state (dict-backed, a ``timer_set`` per key) whose common
+        changes run here: adding to, removing from and refilling a slot from a key's
+        set that no unfinished snapshot holds. Everything else stays Python's."""
+        self.more_name = name
+        self.timer_set = timer_set
+
+    cdef object _overflow_of(self, Py_ssize_t index, object key, bint* absent):
+        """``key``'s overflow set, when it exists and may be changed in place; else
+        None (Python decides: one a snapshot holds, a restored tuple), with ``absent``
+        set when the key has no overflow at all."""
+        cdef PyObject* p
+        absent[0] = False
+        if self.more_name is None:
+            return None
+        table = self.tables.get(self.more_name)
+        group = _group(table, index)
+        if group is None:
+            return None
+        p = PyDict_GetItemWithError(group, key)
+        if p is NULL:
+            absent[0] = True
+            return None
+        if type(<object>p) is not self.timer_set:
+            return None
+        more = <object>p
+        if _private(table, index, key) != 1:
+            return None
+        return more
+
+    cdef int _overflow_changed(self, Py_ssize_t index, object key) except -1:
+        """An incremental backend's delta takes ``key``'s overflow set."""
+        changes = (<StateTableBase>self.tables[self.more_name]).changes
+        if changes is not None:
+            PySet_Add(changes[index], key)
+        return 0
+
+    cdef bint _overflow_add(self, int64_t k, int64_t t, Py_ssize_t i) except -1:
+        """Adds timer ``t`` to ``k``'s overflow set (all its slots taken by others);
+        False: Python must."""
+        cdef bint absent
+        key = k
+        more = self._overflow_of(i, key, &absent)
+        if more is None:
+            return False  # Python makes the set (or copies one a snapshot holds)
+        times = more.times
+        ts = t
+        if type(times) is not dict:
+            return False
+        if ts in <dict>times:
+            return True  # registered already
+        (<dict>times)[ts] = None
+        self._overflow_changed(i, key)
+        self._push(t, k, i)
+        return True
+
+    cdef int _overflow_remove(self, object key, Py_ssize_t index, object ts) except -2:
+        """Removes ``ts`` from ``key``'s overflow set: 1 removed, 0 not there, -1
+        Python must (no set to change in place, or its last timer: the set goes)."""
+        cdef bint absent
+        more = self._overflow_of(index, key, &absent)
+        if more is None:
+            return 0 if absent else -1
+        times = more.times
+        if type(times) is not dict:
+            return -1
+        if ts not in <dict>times:
+            return 0
+        if len(<dict>times) == 1:
+            return -1
+        del (<dict>times)[ts]
+        self._overflow_changed(index, key)
+        return 1
+
+    cdef bint _overflow_refill(self, object key, int64_t k, Py_ssize_t index) except -1:
+        """A timer left ``key``'s full slots: its overflow's newest timer takes the
+        last slot (as Python's ``_refill``); False: Python must (see _overflow_remove)."""
+        cdef ColumnarGroup g
+        cdef bint absent
+        more = self._overflow_of(index, key, &absent)
+        if more is None:
+            return absent  # no overflow: nothing to move up
+        times = more.times
+        if type(times) is not dict or len(<dict>times) < 2:
+            return False  # no set, or its last timer: the set goes (Python)
+        g = self.group(self.max_slots - 1, index)
+        if g is None or len(self.slots) != self.max_slots:
+            return False
+        ts, _ = (<dict>times).popitem()
+        self._overflow_changed(index, key)
+        g.put(k, ts)
+        return True
 
     def __dealloc__(self):
         free(self.entries)
@@ -362,11 +458,9 @@ cdef class TimerHeap:
         Anything not the common case (a key or timestamp that is no int64, no
         current key) goes to ``fallback(ts)`` now, after the waiting ones."""
         cdef int64_t k, t
-        cdef Py_ssize_t i
-        backend = self.backend
-        key = backend._key
-        index = backend._key_index
-        if self.disabled or type(ts) is not int or type(key) is not int or index < 0:
+        cdef Py_ssize_t i = backend_index(self.backend)
+        key = backend_key(self.backend)
+        if self.disabled or type(ts) is not int or type(key) is not int or i < 0:
             self._flush()
             return self.fallback(ts)
         try:
@@ -375,7 +469,6 @@ cdef class TimerHeap:
         except OverflowError:
             self._flush()
             return self.fallback(ts)
-        i = index
         if t == INT64_MIN:
             self._flush()
             return self.fallback(ts)
@@ -433,18 +526,19 @@ cdef class TimerHeap:
         cdef int r = self._apply(k, t, i)
         if r == APPLIED:
             return 0
+        if r == TO_OVERFLOW and self._overflow_add(k, t, i):
+            return 0
         backend = self.backend
-        current = backend._key
-        if type(current) is int and current == k and backend._key_index == i:  # the key current already
+        current = backend_key(backend)
+        cdef Py_ssize_t current_index = backend_index(backend)
+        if type(current) is int and current == k and current_index == i:  # the key current already
             (self.overflow if r == TO_OVERFLOW else self.fallback)(ts)
             return 0
-        saved = (current, backend._key_index)
-        backend._key = k
-        backend._key_index = i
+        set_backend_key(backend, k, i)
         try:
             (self.overflow if r == TO_OVERFLOW else self.fallback)(ts)
         finally:
-            backend._key, backend._key_index = saved
+            set_backend_key(backend, current, current_index)
         return 0
 
     cdef int _flush(self) except -1:
@@ -455,6 +549,7 @@ cdef class TimerHeap:
         cdef TimerEntry* e
         cdef list groups0
         cdef object g0
+        cdef int64_t pos
         if n == 0 or self.flushing:
             return 0
         self.flushing = True
@@ -468,6 +563,17 @@ cdef class TimerHeap:
                         g0 = groups0[e.index]
                         if type(g0) is ColumnarGroup:
                             pe_i64map_prefetch(&(<ColumnarGroup>g0).index, e.key)
+                # Half as far ahead the slot's line has come: a key with a timer
+                # already has its timestamp compared next, so that is asked for too.
+                ahead = i + PREFETCH_AHEAD // 2
+                if ahead < n:
+                    e = &self.pending[ahead]
+                    if 0 <= e.index < len(groups0):
+                        g0 = groups0[e.index]
+                        if type(g0) is ColumnarGroup and (<ColumnarGroup>g0).index_ready:
+                            pos = pe_i64map_get(&(<ColumnarGroup>g0).index, e.key)
+                            if pos >= 0:
+                                PE_PREFETCH(timer_values(<ColumnarGroup>g0) + pos)
                 e = &self.pending[i]
                 i += 1  # consumed, whether it succeeds or raises
                 if self._apply(e.key, e.ts, e.index) != APPLIED:
@@ -484,9 +590,8 @@ cdef class TimerHeap:
         must look (not columnar), 2 removed from a key whose slots were all taken
         (Python refills from the overflow), -3 only the key's overflow may hold it."""
         self._flush()
-        backend = self.backend
-        key = backend._key
-        index = backend._key_index
+        key = backend_key(self.backend)
+        cdef Py_ssize_t index = backend_index(self.backend)
         if type(key) is not int or index < 0:
             return ASK_PYTHON
         try:
@@ -506,12 +611,13 @@ cdef class TimerHeap:
         many fired."""
         cdef TimerEntry e
         cdef Py_ssize_t fired = 0
-        cdef int r
+        cdef int r, c
         cdef bint live
         cdef list ahead = None
         cdef Py_ssize_t next_at
-        self._flush()
+        cdef bint bound = is_bound_context(ctx)  # its fields written at their offsets
         backend = self.backend
+        self._flush()
         while self._due(upto):
             # The keys of the timers to fire next are known: their columnar states'
             # lookups (the slots', and what on_timer will likely read: the key's
@@ -528,24 +634,28 @@ cdef class TimerHeap:
             e = self._pop()
             key = e.key
             ts = e.ts
-            backend._key = key
-            backend._key_index = e.index
+            set_backend_key(backend, key, e.index)
             r = self._remove(e.key, e.index, e.ts)
             if r == REMOVED:
                 live = True
             elif r == ABSENT:
                 live = False
             elif r == REMOVED_FULL:
-                refill()
+                if not self._overflow_refill(key, e.key, e.index):
+                    refill()
                 live = True
             elif r == IN_OVERFLOW:
-                live = check_overflow(ts)
+                c = self._overflow_remove(key, e.index, ts)
+                live = check_overflow(ts) if c < 0 else c == 1
             else:
                 live = check(ts)
             if not live:
                 continue
-            ctx.current_key = key
-            ctx._timer_ts = ts
+            if bound:
+                set_context_timer(ctx, key, ts)
+            else:
+                ctx.current_key = key
+                ctx._timer_ts = ts
             result = on_timer(ts, ctx)
             if result is not None and result is not ():  # () is a singleton: nothing to add
                 if type(result) is dict or type(result) is str:
@@ -617,12 +727,11 @@ cdef class TimerHeap:
         skipped."""
         cdef TimerEntry e
         cdef int r
-        self._flush()
         backend = self.backend
+        self._flush()
         while self._due(upto):
             e = self._pop()
-            backend._key = e.key
-            backend._key_index = e.index
+            set_backend_key(backend, e.key, e.index)
             r = self._remove(e.key, e.index, e.ts)
             if r != ABSENT:
                 return (e.key, e.ts, r)

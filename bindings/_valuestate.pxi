@@ -11,7 +11,7 @@
 
 cdef class ColumnarValueCalls:
     """The C half of ``ColumnarValueState``: see the module comment above."""
-    cdef object _cbackend  # HeapKeyedStateBackend: its _key and _key_index
+    cdef object _cbackend  # HeapKeyedStateBackend: its _key and _key_index (see _keycore.pxi)
     cdef list _cgroups  # the table's ColumnarGroup per key group (a fixed list)
     cdef object _cdefault
     cdef object _ccheck  # the descriptor type's per-write check, or None
@@ -19,6 +19,7 @@ cdef class ColumnarValueCalls:
     cdef public object _fallback  # the dict-backed state once a key left int64 (Python sets it)
 
     def __init__(self, backend, groups, default, check, bint int64_checked):
+        check_backend(backend)
         self._cbackend = backend
         self._cgroups = groups
         self._cdefault = default
@@ -28,12 +29,10 @@ cdef class ColumnarValueCalls:
 
     cdef inline ColumnarGroup _current(self, int64_t* k):
         """The current key's group, ``k`` set to the key; None when not the common case."""
-        backend = self._cbackend
-        key = backend._key
+        key = backend_key(self._cbackend)
         if type(key) is not int:
             return None
-        index = backend._key_index
-        cdef Py_ssize_t i = index
+        cdef Py_ssize_t i = backend_index(self._cbackend)
         if i < 0:
             return None
         try:

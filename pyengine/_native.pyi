@@ -46,6 +46,14 @@ class InputGate:
     @property
     def bytes_processed_during_alignment(self) -> int: ...
 
+def bind_backend_fields(cls: type) -> None:
+    """The keyed backends' base class, whose ``__slots__`` ``_key`` and ``_key_index``
+    the native state calls and timers read and write in place."""
+
+def bind_context_fields(cls: type) -> None:
+    """``KeyedContext``'s base class, whose ``__slots__`` ``current_key`` and
+    ``_timer_ts`` firing timers write in place."""
+
 class ColumnarGroup:
     """Typed keyed state of one key group: int64 keys -> positions in dense arrays."""
 
@@ -185,6 +193,9 @@ class TimerHeap:
         fallback: Callable[[int], None],
         overflow: Callable[[int], None],
     ) -> None: ...
+    def use_overflow(self, name: str, timer_set: type) -> None:
+        """The overflow state (a ``timer_set`` per key past its slots) whose common changes
+        (add, remove, refill a slot) run in C; the rest stays Python's."""
     def __len__(self) -> int: ...
     def push(self, ts: int, key: int, index: int) -> None: ...
     def push_many(self, timestamps: Any, keys: Any, indexes: Any) -> None: ...

@@ -188,6 +188,51 @@ def test_a_hot_key_with_thousands_of_pending_timers_against_a_set_model(tmp_path
     assert sorted((t, k) for k, t in got) == sorted((t, k) for k, v in at_snapshot.items() for t in v)
 
 
+@pytest.mark.parametrize("kind", ["heap", "incremental"])
+def test_a_hot_keys_overflow_is_changed_in_c_and_python_only_makes_and_drops_the_set(
+    monkeypatch: Any, kind: str
+) -> None:
+    """Registering into, firing from and refilling the slots from a key's overflow run in
+    the native heap (they were a Python call each: ~1.5 us a timer for a key with more than
+    eight pending); Python only makes the set, drops it at its last timer and copies one a
+    snapshot holds. Whichever side runs, the timers fire in order, each once, and an
+    incremental backend's delta has the changed set."""
+    from pyengine.runtime.operators import KeyedContext
+    from pyengine.state.timers import MAX_SLOTS, TimerQueue
+
+    calls: Dict[str, int] = defaultdict(int)
+    for name in ("_register_overflow", "_refill", "_check_overflow"):
+        original = getattr(TimerQueue, name)
+
+        def counted(self: Any, *args: Any, _name: str = name, _original: Any = original) -> Any:
+            calls[_name] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(TimerQueue, name, counted)
+    backend = create_keyed_backend(kind)
+    service = InternalTimerService(backend, MIN_WATERMARK)
+    times = list(range(100, 100 + MAX_SLOTS + 200))
+    for ts in times + times[::7]:  # duplicates deduplicated in the overflow as in the slots
+        _register(service, backend, 7, ts)
+    backend.apply_pending_writes()
+    assert calls["_register_overflow"] == 1, "only the set's first timer goes through Python"
+    more = backend._tables["_timer_state/event_timers_more"]
+    if kind == "incremental":
+        more.changes[backend._key_index].clear()
+    fired: List[int] = []
+    ctx = KeyedContext.__new__(KeyedContext)
+    ctx.current_key = ctx._timer_ts = None
+    service.event.fire(150, ctx, lambda ts, c: fired.append(ts), [])
+    assert fired == list(range(100, 151)) and ctx.current_key == 7
+    assert calls["_refill"] + calls["_check_overflow"] == 0, "refills and removals ran in C"
+    if kind == "incremental":
+        assert 7 in more.changes[backend._key_index], "the changed set is in the next delta"
+    service.event.fire(10**9, ctx, lambda ts, c: fired.append(ts), [])
+    assert fired == times
+    assert calls["_refill"] + calls["_check_overflow"] == 1, "Python dropped the emptied set"
+    assert len(more) == 0 and len(service.event) == 0
+
+
 def test_an_overflow_from_an_older_checkpoint_a_tuple_is_read_and_changed() -> None:
     """Checkpoints written before the overflow was a ``TimerSet`` hold a tuple (and
     ``TimerSet`` is written as a list): either is read and becomes a ``TimerSet`` at its

@@ -13,6 +13,7 @@ from typing import Any, Callable, FrozenSet, Iterable, List, Optional, Set, Tupl
 
 import pyarrow as pa
 
+from .._native import bind_context_fields as _bind_context_fields
 from ..errors import ColumnNotFoundError, NonRetryableError, OutputTypeError, not_records, refuse_non_records
 from ..io.events import MAX_WATERMARK, MIN_WATERMARK, WATERMARK_ACTIVE, WATERMARK_IDLE, Watermark
 from ..state import ListStateDescriptor, OperatorStateBackend, create_keyed_backend, key_group_range_for_subtask
@@ -430,7 +431,22 @@ def batch_of(records: Any) -> pa.RecordBatch:
         return pa.RecordBatch.from_pylist(plain)
 
 
-class KeyedContext:
+class _KeyedContextFields:
+    """``KeyedContext``'s fields that firing timers set, once per timer: slots, which
+    the native timer heap writes at their place in the object (see
+    ``bindings/_keycore.pxi``)."""
+
+    __slots__ = ("_timer_ts", "current_key")
+
+    def __init__(self) -> None:
+        self.current_key: Any = None  # the record's key (or the firing timer's)
+        self._timer_ts: Optional[int] = None
+
+
+_bind_context_fields(_KeyedContextFields)
+
+
+class KeyedContext(_KeyedContextFields):
     """The ``ctx`` of a ``KeyedProcessFunction``'s ``open``, ``process_element`` and
     ``on_timer`` (PyFlink's ``KeyedProcessFunction.Context`` and, for state, its
     ``RuntimeContext``): keyed state, the current key, timers, the record's time.
@@ -441,11 +457,10 @@ class KeyedContext:
     names for the same call."""
 
     def __init__(self, operator: KeyedProcessOperator) -> None:
+        super().__init__()
         self._op = operator
         self._backend: Any = None  # the operator's keyed backend, once state is asked for
-        self.current_key: Any = None  # the record's key (or the firing timer's)
         self._record: Any = None
-        self._timer_ts: Optional[int] = None
         self._time_domain: Any = None
         self._service: Any = None  # the operator's TimerService, once made
 

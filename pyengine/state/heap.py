@@ -50,6 +50,7 @@ from .._native import StampedList
 from .._native import StateCalls as _StateCalls
 from .._native import StateTableBase as _StateTableBase
 from .._native import ValueCalls as _ValueCalls
+from .._native import bind_backend_fields as _bind_backend_fields
 from .._native import int_key_group as _int_key_group
 from .._native import ttl_values as _ttl_values
 from .columnar import NO_KEY_HINT, NoCurrentKeyError
@@ -1432,7 +1433,24 @@ class _CollectorPause:
 COLLECTOR_PAUSE = _CollectorPause()
 
 
-class HeapKeyedStateBackend:
+class _CurrentKey:
+    """The current key of a keyed backend: ``_key``, and ``_key_index``, its key
+    group's index in the backend's range (-1: no key). Slots, not instance
+    attributes: the native state calls and timers (``_native``, see
+    ``bindings/_keycore.pxi``) read and write them at their place in the object,
+    once per state call, timer registration and firing timer."""
+
+    __slots__ = ("_key", "_key_index")
+
+    def __init__(self) -> None:
+        self._key: Any = None
+        self._key_index: int = -1
+
+
+_bind_backend_fields(_CurrentKey)
+
+
+class HeapKeyedStateBackend(_CurrentKey):
     """Keyed state of one subtask, held in memory; see the module docstring."""
 
     kind = "heap"
@@ -1476,8 +1494,7 @@ class HeapKeyedStateBackend:
         self.restored_state_kinds: Dict[str, str] = {}
         self._states: Dict[str, Any] = {}
         self._pending_writes: List[Callable[[], None]] = []  # see add_pending_writes
-        self._key: Any = None
-        self._key_index = -1
+        super().__init__()  # no current key
         # Freezing (task thread) and releasing (a snapshot's thread) must not interleave.
         self._freeze_lock = threading.Lock()
         self._local: Any = None

@@ -91,6 +91,7 @@ class TimerQueue:
         )
         self._heap: List[int] = []  # the Python index: distinct timestamps
         self._keys: Dict[int, List[Tuple[Any, int]]] = {}  # timestamp -> (key, key group index)
+        self._native.use_overflow(self._more_name, TimerSet)  # its common changes in C too
         self.register: Callable[[int], None] = self._native.register
         # The native heap applies registrations in batches (see its register): the
         # backend applies them before a snapshot reads the slot states.
