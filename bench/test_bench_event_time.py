@@ -193,20 +193,25 @@ def test_a_timer_per_record_against_the_same_function_without(
         f"records / {KEYS:,} keys, p=2: {TIMER_RECORDS / best['timers'] / 1e6:.2f} M records/s, without timers "
         f"{TIMER_RECORDS / best['plain'] / 1e6:.2f} M/s -> {ratio:.0%} (target >= 70%: {met})"
     )
-    # The target is 70%; measured 50-51% here at p=1 and p=2 (43-47% before this
-    # change, 38-47% in CI runs). The function without timers costs ~0.9 us a record;
-    # a timer per record adds ~0.9 us: its registration (~0.2 us: the call site's
-    # Python, two attribute reads and a batched, prefetched slot lookup) and its firing
-    # (~0.3 us outside a job with a no-op on_timer: four attribute writes, the call,
-    # the slot lookups prefetched ahead), on_timer's own Python and its clear(), and
-    # the cache misses a job's other memory (the records, the channels) causes. What
-    # this change took out were lookups waiting on memory one at a time: registrations
-    # are now applied in batches with each key's lookup asked for ahead
-    # (TimerHeap.flush), firing asks for the next timers' slot and state lines ahead,
-    # and the hash map reads one cache line per lookup instead of three. What is left
-    # is mostly CPython's per-call cost on both sides of each timer: reaching 70%
-    # would need the whole timer (registration, firing, on_timer's call) under
-    # ~0.4 us, less than those calls alone cost here. The guard catches a regression.
+    # The target is 70%; measured 50-53% here at p=1 and p=2 (43-47% before the
+    # registrations were batched, 38-47% in CI runs then). The function without timers
+    # costs ~0.9-1.0 us a record; a timer per record adds ~0.8-1.0 us. Of that, the
+    # Python the timer cannot do without (the call site, on_timer's call from C and its
+    # clear()) is ~0.15 us in a loop outside a job; the rest is the timer service in C
+    # and the memory it waits on. Watermarks come every 200 ms of wall time (Flink's
+    # default), so tens of thousands of records are registered between two firings and
+    # the fired timers' keys are long out of the cache; a key registered again before
+    # its timer fired takes a second slot state (another lookup, in another map), and
+    # with that many records between firings many keys are. What the last changes took
+    # out: lookups waiting on memory one at a time (registrations applied in batches
+    # with each key's slot and value
+    # asked for ahead; firing asks for the next timers' slots and states ahead; one
+    # cache line per map lookup) and attribute lookups from C for the current key and
+    # the context (slots written in place, see bindings/_keycore.pxi). Reaching 70%
+    # would need the timer service itself under ~0.3 us a timer in a job: one lookup
+    # per timer, not one per slot walked (a (key, timestamp) set per key group, as
+    # Flink's heap timer queue) - a change of the timers' state layout and its
+    # checkpoint format, not made here. The guard catches a regression.
     assert ratio >= 0.33, f"timers at {ratio:.0%} of the function without them"
 
 
@@ -394,7 +399,8 @@ def test_a_hot_keys_timers_cost_what_spread_keys_timers_cost(benchmark: Any, wha
     overflow was a tuple, copied whole at each registration and removal: quadratic,
     the hot key took 305 us a timer here, 438x the spread keys (11-16 us at 1,100
     pending); as a set (TimerSet) it is O(1), 2.4x the spread keys (the slots are walked
-    first), ~3x since the spread keys' registrations are batched (TimerHeap.flush)."""
+    first), ~3x since the spread keys' registrations are batched (TimerHeap.flush),
+    ~2x since the overflow's common changes run in C (TimerHeap._overflow_add...)."""
     benchmark.group = "event-time: a hot key's timers"
     spread = list(range(HOT_TIMERS))
     if what == "spread-keys":
