@@ -8,8 +8,12 @@
 # the type's dict for descriptors, then the instance's). They are ``__slots__`` of a
 # Python base class instead (``state.heap._CurrentKey``, ``runtime.operators.
 # _KeyedContextFields``): Python code reads them as fast as before (3.11 specialises
-# slot access), and C reads and writes them at their offsets in the object, taken
-# from the slots' member descriptors when the classes are bound here.
+# slot access), and C reads and writes them at their offsets in the object.
+#
+# The offsets come from the member descriptors that the object's own type (its C type,
+# not ``__class__``, which a mock may fake) resolves the names to, so a subclass that
+# shadows a field with a property, or any other class, is never written at a wrong
+# place: it is refused (a backend) or gets ordinary attribute writes (a context).
 
 cdef extern from "structmember.h":
     ctypedef struct PyMemberDef:
@@ -21,13 +25,23 @@ cdef extern from "structmember.h":
 cdef extern from "Python.h":
     ctypedef struct PyMemberDescrObject:
         PyMemberDef* d_member
+    PyTypeObject* PyDescr_TYPE(object descr)
+    int PyType_IsSubtype(PyTypeObject* a, PyTypeObject* b)
+
+cdef object _MEMBER_DESCRIPTOR = type(type.__dict__["__dictoffset__"])  # what __slots__ make
 
 
-cdef Py_ssize_t _slot_offset(type cls, str name) except -1:
-    """Where ``cls``'s ``__slots__`` field ``name`` lives in an instance."""
-    d = cls.__dict__.get(name)
-    if type(d).__name__ != "member_descriptor" or (<PyMemberDescrObject*>d).d_member.type != T_OBJECT_EX:
-        raise TypeError(f"{cls.__name__}.{name} must be a __slots__ field of {cls.__name__}")
+cdef Py_ssize_t slot_offset(object o, str name) except -2:
+    """Where the ``__slots__`` field ``name`` lives in ``o``, as ``o``'s type resolves
+    the name; -1 when that is not an object slot of a class ``o`` really is."""
+    cls = type(o)
+    d = getattr(cls, name, None)
+    if type(d) is not _MEMBER_DESCRIPTOR:
+        return -1
+    if (<PyMemberDescrObject*>d).d_member.type != T_OBJECT_EX:
+        return -1
+    if not PyType_IsSubtype(<PyTypeObject*>cls, PyDescr_TYPE(d)):
+        return -1
     return (<PyMemberDescrObject*>d).d_member.offset
 
 
@@ -46,62 +60,56 @@ cdef inline void _set_slot(object o, Py_ssize_t offset, object value) noexcept:
     Py_XDECREF(old)
 
 
-cdef object _BACKEND_TYPE = None  # the class whose slots _key and _key_index are at:
-cdef Py_ssize_t _KEY_AT = 0
-cdef Py_ssize_t _INDEX_AT = 0
-cdef object _CONTEXT_TYPE = None  # the class whose slots current_key and _timer_ts are at:
-cdef Py_ssize_t _CTX_KEY_AT = 0
-cdef Py_ssize_t _CTX_TS_AT = 0
+cdef class KeyFields:
+    """Where a keyed backend keeps its current key: the offsets of its ``_key`` and
+    ``_key_index`` slots, checked once (the backend's type does not change)."""
+    cdef object backend
+    cdef Py_ssize_t key_at
+    cdef Py_ssize_t index_at
+
+    def __cinit__(self, backend):
+        self.key_at = slot_offset(backend, "_key")
+        self.index_at = slot_offset(backend, "_key_index")
+        if self.key_at < 0 or self.index_at < 0:
+            raise TypeError(
+                f"a keyed backend's _key and _key_index must be the __slots__ of "
+                f"pyengine.state.heap._CurrentKey, got a {type(backend).__name__}"
+            )
+        self.backend = backend
+
+    cdef inline object key(self):
+        return _slot(self.backend, self.key_at)
+
+    cdef inline Py_ssize_t index(self) except? -2:
+        """The current key's group index, -1 for none."""
+        return _slot(self.backend, self.index_at)
+
+    cdef inline void set(self, object key, object index) noexcept:
+        _set_slot(self.backend, self.key_at, key)
+        _set_slot(self.backend, self.index_at, index)
 
 
-def bind_backend_fields(type cls):
-    """Binds the keyed backends' base class: ``_key`` and ``_key_index`` are its
-    ``__slots__``, read and written here at their offsets (see _keycore.pxi)."""
-    global _BACKEND_TYPE, _KEY_AT, _INDEX_AT
-    _KEY_AT = _slot_offset(cls, "_key")
-    _INDEX_AT = _slot_offset(cls, "_key_index")
-    _BACKEND_TYPE = cls
+cdef struct TimerContextFields:
+    Py_ssize_t key_at  # -1: ordinary attribute writes
+    Py_ssize_t ts_at
 
 
-def bind_context_fields(type cls):
-    """Binds ``KeyedContext``'s base class: ``current_key`` and ``_timer_ts`` are its
-    ``__slots__``, written here at their offsets as timers fire."""
-    global _CONTEXT_TYPE, _CTX_KEY_AT, _CTX_TS_AT
-    _CTX_KEY_AT = _slot_offset(cls, "current_key")
-    _CTX_TS_AT = _slot_offset(cls, "_timer_ts")
-    _CONTEXT_TYPE = cls
+cdef inline TimerContextFields timer_context_fields(object ctx) except *:
+    """Where ``ctx`` keeps ``current_key`` and ``_timer_ts`` (-1: not as slots)."""
+    cdef TimerContextFields f
+    f.key_at = slot_offset(ctx, "current_key")
+    f.ts_at = slot_offset(ctx, "_timer_ts")
+    if f.ts_at < 0:
+        f.key_at = -1
+    return f
 
 
-cdef int check_backend(object backend) except -1:
-    """What a native state call or timer heap keeps: a bound backend class's instance."""
-    if _BACKEND_TYPE is None or not isinstance(backend, _BACKEND_TYPE):
-        raise TypeError(
-            f"a keyed backend must be a {getattr(_BACKEND_TYPE, '__qualname__', 'bound backend class')}, "
-            f"got {type(backend).__name__}"
-        )
+cdef inline int set_timer_context(object ctx, TimerContextFields* f, object key, object ts) except -1:
+    """``ctx.current_key = key; ctx._timer_ts = ts``, in place where they are slots."""
+    if f.key_at >= 0:
+        _set_slot(ctx, f.key_at, key)
+        _set_slot(ctx, f.ts_at, ts)
+    else:
+        ctx.current_key = key
+        ctx._timer_ts = ts
     return 0
-
-
-cdef inline object backend_key(object backend):
-    """The current key (``backend`` passed check_backend)."""
-    return _slot(backend, _KEY_AT)
-
-
-cdef inline Py_ssize_t backend_index(object backend) except? -2:
-    """The current key's group index, -1 for none (``backend`` passed check_backend)."""
-    return _slot(backend, _INDEX_AT)
-
-
-cdef inline void set_backend_key(object backend, object key, object index) noexcept:
-    _set_slot(backend, _KEY_AT, key)
-    _set_slot(backend, _INDEX_AT, index)
-
-
-cdef inline bint is_bound_context(object ctx) noexcept:
-    return _CONTEXT_TYPE is not None and isinstance(ctx, _CONTEXT_TYPE)
-
-
-cdef inline void set_context_timer(object ctx, object key, object ts) noexcept:
-    """``ctx.current_key`` and ``ctx._timer_ts`` (``ctx`` passed is_bound_context)."""
-    _set_slot(ctx, _CTX_KEY_AT, key)
-    _set_slot(ctx, _CTX_TS_AT, ts)

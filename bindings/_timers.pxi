@@ -3,17 +3,19 @@
 # The timers themselves are keyed state: "slots", typed int64 value states keyed by
 # the record key, per key group a ColumnarGroup. A key's timers fill slots 0..m-1
 # (one timestamp each, no holes: removing one moves the key's last into its place);
-# past the last slot they go to an overflow state that Python keeps (a TimerSet per key,
-# so a hot key's thousands of pending timers cost O(1) each there too). TimerHeap is the
+# past the last slot they go to an overflow state, a dict-backed state with a TimerSet
+# per key (a hot key's thousands of pending timers cost O(1) each there too). TimerHeap is the
 # index over them for int keys: a binary min-heap of (timestamp, arrival) entries
 # with their key and key-group index, never snapshotted (rebuilt from the state on
 # restore). The heap says which timer may be due next; the slots say whether it
 # still is (a deleted timer's entry is skipped when it comes up).
 #
 # register(), remove and firing run once per record in a job that sets a timer per
-# record, so their common case is here in C. Everything else (no current key, a key
-# that is not an int64, a table that left columnar storage, a key with every slot
-# taken) goes back to Python.
+# record, so their common case is here in C, and so are the common changes of a key's
+# overflow set (adding, removing, moving its newest up into a freed slot) when no
+# unfinished snapshot holds it. Everything else (no current key, a key that is not an
+# int64, a table that left columnar storage, making or dropping a key's overflow set,
+# a set a snapshot holds) goes back to Python.
 
 from libc.stdint cimport INT64_MIN
 from libc.stdlib cimport free, malloc, realloc
@@ -96,7 +98,7 @@ cdef enum:
 
 cdef enum:  # results of TimerHeap._apply
     APPLIED = 0
-    TO_OVERFLOW = 1  # every slot taken by other timestamps: Python's overflow(ts)
+    TO_OVERFLOW = 1  # every slot taken by other timestamps: the key's overflow (_overflow_add, else overflow(ts))
     TO_FALLBACK = 2  # a slot state still to make, or a slot not columnar: Python's fallback(ts)
 
 
@@ -104,7 +106,7 @@ cdef enum:  # results of TimerHeap._remove
     REMOVED = 1
     ABSENT = 0
     ASK_PYTHON = -1  # all slots taken and ts not in them (it may be in the overflow), or not columnar
-    REMOVED_FULL = 2  # removed from a key whose every slot was taken: Python refills from the overflow
+    REMOVED_FULL = 2  # removed from a key whose every slot was taken: refilled from its overflow (_overflow_refill)
     IN_OVERFLOW = -3  # every slot taken and ts not in them: only the key's overflow may hold it
 
 
@@ -119,7 +121,8 @@ cdef class TimerHeap:
     cdef Py_ssize_t run_tail
     cdef Py_ssize_t run_cap
     cdef int64_t seq
-    cdef object backend  # the keyed backend: its current key and key-group index (see _keycore.pxi)
+    cdef object backend  # the keyed backend
+    cdef KeyFields current  # its current key and key-group index, in place (see _keycore.pxi)
     cdef object tables  # the backend's tables by name
     cdef public list slots  # the slot states' names, in order (Python appends one when it makes it)
     cdef public Py_ssize_t max_slots  # slots a key may use before the overflow
@@ -134,7 +137,7 @@ cdef class TimerHeap:
     cdef bint flushing
 
     def __cinit__(self, backend, tables, list slots, Py_ssize_t max_slots, fallback, overflow):
-        check_backend(backend)
+        self.current = KeyFields(backend)
         self.cap = 256
         self.entries = <TimerEntry*>malloc(self.cap * sizeof(TimerEntry))
         self.run_cap = 256
@@ -453,13 +456,14 @@ cdef class TimerHeap:
         """The current key's timer at ``ts``, applied at the next ``flush()`` (any
         call that reads the timers flushes first; so does the backend's snapshot):
         a timer the key has already is kept once; else it goes to the key's first
-        free slot and into the heap; with every slot taken, to ``overflow(ts)``; with
+        free slot and into the heap; with every slot taken, to the key's overflow set
+        (in C while it may be changed in place, else ``overflow(ts)``); with
         a slot state still to make (or anything unusual), to ``fallback(ts)``.
         Anything not the common case (a key or timestamp that is no int64, no
         current key) goes to ``fallback(ts)`` now, after the waiting ones."""
         cdef int64_t k, t
-        cdef Py_ssize_t i = backend_index(self.backend)
-        key = backend_key(self.backend)
+        cdef Py_ssize_t i = self.current.index()
+        key = self.current.key()
         if self.disabled or type(ts) is not int or type(key) is not int or i < 0:
             self._flush()
             return self.fallback(ts)
@@ -528,17 +532,16 @@ cdef class TimerHeap:
             return 0
         if r == TO_OVERFLOW and self._overflow_add(k, t, i):
             return 0
-        backend = self.backend
-        current = backend_key(backend)
-        cdef Py_ssize_t current_index = backend_index(backend)
+        current = self.current.key()
+        cdef Py_ssize_t current_index = self.current.index()
         if type(current) is int and current == k and current_index == i:  # the key current already
             (self.overflow if r == TO_OVERFLOW else self.fallback)(ts)
             return 0
-        set_backend_key(backend, k, i)
+        self.current.set(k, i)
         try:
             (self.overflow if r == TO_OVERFLOW else self.fallback)(ts)
         finally:
-            set_backend_key(backend, current, current_index)
+            self.current.set(current, current_index)
         return 0
 
     cdef int _flush(self) except -1:
@@ -590,8 +593,8 @@ cdef class TimerHeap:
         must look (not columnar), 2 removed from a key whose slots were all taken
         (Python refills from the overflow), -3 only the key's overflow may hold it."""
         self._flush()
-        key = backend_key(self.backend)
-        cdef Py_ssize_t index = backend_index(self.backend)
+        key = self.current.key()
+        cdef Py_ssize_t index = self.current.index()
         if type(key) is not int or index < 0:
             return ASK_PYTHON
         try:
@@ -605,18 +608,18 @@ cdef class TimerHeap:
         ``ctx._timer_ts`` are set, the timer is removed from its slot, then
         ``on_timer(ts, ctx)`` runs and what it returns (an iterable, or None) goes into
         ``out``. Where the slots cannot tell, ``check(ts)`` (Python, key set) removes
-        the timer and says whether it was live (``check_overflow(ts)`` where only the
-        key's overflow may hold it); ``refill()`` after a removal from a key whose
-        slots were all taken. Entries of deleted timers are skipped. Returns how
-        many fired."""
+        the timer and says whether it was live; where only the key's overflow may hold
+        it, that set is asked in C (``check_overflow(ts)`` when Python must: the set's
+        last timer, a set a snapshot holds); after a removal from a key whose slots were
+        all taken, its newest overflow timer moves up in C (``refill()`` when Python
+        must). Entries of deleted timers are skipped. Returns how many fired."""
         cdef TimerEntry e
         cdef Py_ssize_t fired = 0
         cdef int r, c
         cdef bint live
         cdef list ahead = None
         cdef Py_ssize_t next_at
-        cdef bint bound = is_bound_context(ctx)  # its fields written at their offsets
-        backend = self.backend
+        cdef TimerContextFields fields = timer_context_fields(ctx)  # written in place if slots
         self._flush()
         while self._due(upto):
             # The keys of the timers to fire next are known: their columnar states'
@@ -634,7 +637,7 @@ cdef class TimerHeap:
             e = self._pop()
             key = e.key
             ts = e.ts
-            set_backend_key(backend, key, e.index)
+            self.current.set(key, e.index)
             r = self._remove(e.key, e.index, e.ts)
             if r == REMOVED:
                 live = True
@@ -651,11 +654,7 @@ cdef class TimerHeap:
                 live = check(ts)
             if not live:
                 continue
-            if bound:
-                set_context_timer(ctx, key, ts)
-            else:
-                ctx.current_key = key
-                ctx._timer_ts = ts
+            set_timer_context(ctx, &fields, key, ts)
             result = on_timer(ts, ctx)
             if result is not None and result is not ():  # () is a singleton: nothing to add
                 if type(result) is dict or type(result) is str:
@@ -727,11 +726,10 @@ cdef class TimerHeap:
         skipped."""
         cdef TimerEntry e
         cdef int r
-        backend = self.backend
         self._flush()
         while self._due(upto):
             e = self._pop()
-            set_backend_key(backend, e.key, e.index)
+            self.current.set(e.key, e.index)
             r = self._remove(e.key, e.index, e.ts)
             if r != ABSENT:
                 return (e.key, e.ts, r)

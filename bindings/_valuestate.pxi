@@ -11,7 +11,7 @@
 
 cdef class ColumnarValueCalls:
     """The C half of ``ColumnarValueState``: see the module comment above."""
-    cdef object _cbackend  # HeapKeyedStateBackend: its _key and _key_index (see _keycore.pxi)
+    cdef KeyFields _ccurrent  # the backend's current key, read in place (see _keycore.pxi)
     cdef list _cgroups  # the table's ColumnarGroup per key group (a fixed list)
     cdef object _cdefault
     cdef object _ccheck  # the descriptor type's per-write check, or None
@@ -19,8 +19,7 @@ cdef class ColumnarValueCalls:
     cdef public object _fallback  # the dict-backed state once a key left int64 (Python sets it)
 
     def __init__(self, backend, groups, default, check, bint int64_checked):
-        check_backend(backend)
-        self._cbackend = backend
+        self._ccurrent = KeyFields(backend)
         self._cgroups = groups
         self._cdefault = default
         self._ccheck = check
@@ -29,10 +28,13 @@ cdef class ColumnarValueCalls:
 
     cdef inline ColumnarGroup _current(self, int64_t* k):
         """The current key's group, ``k`` set to the key; None when not the common case."""
-        key = backend_key(self._cbackend)
+        cdef KeyFields current = self._ccurrent
+        if current is None:  # never initialised: the Python path says so
+            return None
+        key = current.key()
         if type(key) is not int:
             return None
-        cdef Py_ssize_t i = backend_index(self._cbackend)
+        cdef Py_ssize_t i = current.index()
         if i < 0:
             return None
         try:

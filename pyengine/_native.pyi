@@ -46,14 +46,6 @@ class InputGate:
     @property
     def bytes_processed_during_alignment(self) -> int: ...
 
-def bind_backend_fields(cls: type) -> None:
-    """The keyed backends' base class, whose ``__slots__`` ``_key`` and ``_key_index``
-    the native state calls and timers read and write in place."""
-
-def bind_context_fields(cls: type) -> None:
-    """``KeyedContext``'s base class, whose ``__slots__`` ``current_key`` and
-    ``_timer_ts`` firing timers write in place."""
-
 class ColumnarGroup:
     """Typed keyed state of one key group: int64 keys -> positions in dense arrays."""
 

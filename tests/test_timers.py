@@ -233,6 +233,51 @@ def test_a_hot_keys_overflow_is_changed_in_c_and_python_only_makes_and_drops_the
     assert len(more) == 0 and len(service.event) == 0
 
 
+def test_the_current_key_is_written_in_place_only_into_the_slots_of_a_real_instance() -> None:
+    """The native timers and typed value state read and write the backend's current key
+    and the context's fields at their slots' offsets. An object that only claims the
+    class (a spec'd mock: ``isinstance`` believes its ``__class__``) is refused, not
+    written into; a context subclass that makes ``current_key`` a property gets it set
+    as an attribute (its setter runs)."""
+    from unittest import mock
+
+    from pyengine import _native
+    from pyengine.runtime.operators import KeyedContext
+    from pyengine.state.heap import HeapKeyedStateBackend
+
+    fake = mock.MagicMock(spec=HeapKeyedStateBackend)
+    assert isinstance(fake, HeapKeyedStateBackend)
+    with pytest.raises(TypeError, match="_CurrentKey"):
+        _native.TimerHeap(fake, {}, [], 8, print, print)
+    with pytest.raises(TypeError, match="_CurrentKey"):
+        _native.ColumnarValueCalls(fake, [], 0, None, True)
+
+    seen: List[Any] = []
+
+    class Watching(KeyedContext):
+        @property  # type: ignore[override]
+        def current_key(self) -> Any:
+            return seen[-1] if seen else None
+
+        @current_key.setter
+        def current_key(self, key: Any) -> None:
+            seen.append(key)
+
+    backend = create_keyed_backend("heap")
+    service = InternalTimerService(backend, MIN_WATERMARK)
+    for key in (3, 4):
+        _register(service, backend, key, 10 * key)
+    ctx = Watching.__new__(Watching)
+    ctx._timer_ts = None
+    keys: List[Any] = []
+    service.event.fire(100, ctx, lambda ts, c: keys.append((c.current_key, c._timer_ts)), [])
+    assert keys == [(3, 30), (4, 40)] and seen == [3, 4]
+    spoofed = mock.MagicMock(spec=KeyedContext)  # no slots of its own: plain attribute writes
+    _register(service, backend, 5, 50)
+    service.event.fire(100, spoofed, lambda ts, c: keys.append((c.current_key, c._timer_ts)), [])
+    assert keys[-1] == (5, 50)
+
+
 def test_an_overflow_from_an_older_checkpoint_a_tuple_is_read_and_changed() -> None:
     """Checkpoints written before the overflow was a ``TimerSet`` hold a tuple (and
     ``TimerSet`` is written as a list): either is read and becomes a ``TimerSet`` at its

@@ -13,7 +13,6 @@ from typing import Any, Callable, FrozenSet, Iterable, List, Optional, Set, Tupl
 
 import pyarrow as pa
 
-from .._native import bind_context_fields as _bind_context_fields
 from ..errors import ColumnNotFoundError, NonRetryableError, OutputTypeError, not_records, refuse_non_records
 from ..io.events import MAX_WATERMARK, MIN_WATERMARK, WATERMARK_ACTIVE, WATERMARK_IDLE, Watermark
 from ..state import ListStateDescriptor, OperatorStateBackend, create_keyed_backend, key_group_range_for_subtask
@@ -434,16 +433,14 @@ def batch_of(records: Any) -> pa.RecordBatch:
 class _KeyedContextFields:
     """``KeyedContext``'s fields that firing timers set, once per timer: slots, which
     the native timer heap writes at their place in the object (see
-    ``bindings/_keycore.pxi``)."""
+    ``bindings/_keycore.pxi``). A subclass that makes either a property gets it set
+    as an attribute instead."""
 
     __slots__ = ("_timer_ts", "current_key")
 
     def __init__(self) -> None:
         self.current_key: Any = None  # the record's key (or the firing timer's)
         self._timer_ts: Optional[int] = None
-
-
-_bind_context_fields(_KeyedContextFields)
 
 
 class KeyedContext(_KeyedContextFields):

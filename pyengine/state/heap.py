@@ -50,7 +50,6 @@ from .._native import StampedList
 from .._native import StateCalls as _StateCalls
 from .._native import StateTableBase as _StateTableBase
 from .._native import ValueCalls as _ValueCalls
-from .._native import bind_backend_fields as _bind_backend_fields
 from .._native import int_key_group as _int_key_group
 from .._native import ttl_values as _ttl_values
 from .columnar import NO_KEY_HINT, NoCurrentKeyError
@@ -1445,9 +1444,6 @@ class _CurrentKey:
     def __init__(self) -> None:
         self._key: Any = None
         self._key_index: int = -1
-
-
-_bind_backend_fields(_CurrentKey)
 
 
 class HeapKeyedStateBackend(_CurrentKey):

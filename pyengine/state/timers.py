@@ -68,10 +68,11 @@ class TimerQueue:
     key.
 
     ``register`` is the native heap's own method while the slot states are columnar
-    (int keys), so a job that sets a timer per record pays one C call for it; what the
-    native code does not do itself (a key with every slot taken, a key that is not an
-    int) comes back to ``_register``. The first non-int key turns the slot states into
-    dicts: the index then moves to Python for good."""
+    (int keys), so a job that sets a timer per record pays one C call for it; so are
+    the common changes of a key's overflow set. What the native code does not do
+    itself (making a key's overflow set: ``_register_overflow``; a slot state still to
+    make, a key that is not an int: ``_register``) comes back here. The first non-int
+    key turns the slot states into dicts: the index then moves to Python for good."""
 
     def __init__(self, backend: Any, domain: str) -> None:
         from .. import _native
@@ -195,7 +196,8 @@ class TimerQueue:
 
     def _register_overflow(self, ts: int) -> None:
         """The native ``register``'s hand-over for a key whose every slot is taken by
-        another timestamp (``ts`` checked and the key current: only the overflow is left)."""
+        another timestamp (``ts`` checked and the key current: only the overflow is left)
+        and whose overflow set C cannot change (none yet, or one a snapshot holds)."""
         b = self._backend
         self._add_overflow(ts, b._key, b._key_index)
 
@@ -251,7 +253,8 @@ class TimerQueue:
 
     def _check_overflow(self, ts: int) -> bool:
         """The native firing loop's question for a key whose slots are all taken by
-        other timestamps: removes ``ts`` from the current key's overflow; was it there?"""
+        other timestamps, where it cannot answer in C (the set's last timer, a set a
+        snapshot holds): removes ``ts`` from the current key's overflow; was it there?"""
         b = self._backend
         return self._delete_overflow(ts, b._key, b._key_index)
 
@@ -300,7 +303,9 @@ class TimerQueue:
 
     def _refill(self) -> None:
         """A timer left a key whose slots were all taken: one from its overflow, if
-        any, takes the last slot (a key's overflow exists only while its slots are full)."""
+        any, takes the last slot (a key's overflow exists only while its slots are full).
+        The native firing loop does this itself but for the set's last timer and a set
+        a snapshot holds."""
         b = self._backend
         key, index = b._key, b._key_index
         more = self._overflow(index, key, True)
