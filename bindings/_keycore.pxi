@@ -73,7 +73,7 @@ cdef class KeyFields:
         if self.key_at < 0 or self.index_at < 0:
             raise TypeError(
                 f"a keyed backend's _key and _key_index must be the __slots__ of "
-                f"pyengine.state.heap._CurrentKey, got a {type(backend).__name__}"
+                f"pyengine.state.heap._CurrentKey; {type(backend).__qualname__!r} has no such slots"
             )
         self.backend = backend
 

@@ -265,7 +265,7 @@ cdef class TimerHeap:
             return absent  # no overflow: nothing to move up
         times = more.times
         if type(times) is not dict or len(<dict>times) < 2:
-            return False  # no set, or its last timer: the set goes (Python)
+            return False  # not a dict, or its last timer: the set goes (Python)
         g = self.group(self.max_slots - 1, index)
         if g is None or len(self.slots) != self.max_slots:
             return False

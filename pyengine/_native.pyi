@@ -46,6 +46,13 @@ class InputGate:
     @property
     def bytes_processed_during_alignment(self) -> int: ...
 
+class KeyFields:
+    """Where a keyed backend keeps its current key: the offsets of its ``_key`` and
+    ``_key_index`` slots (``state.heap._CurrentKey``), read and written in place by the
+    native state calls and timers. Refuses a backend whose type has no such slots."""
+
+    def __init__(self, backend: Any) -> None: ...
+
 class ColumnarGroup:
     """Typed keyed state of one key group: int64 keys -> positions in dense arrays."""
 
