@@ -162,36 +162,44 @@ def _expiring(records: List[Dict[str, Any]], timers: bool) -> None:
     assert result.status == "FINISHED"
 
 
+def _timer_records(keys: int, n: int, seed: int) -> List[Dict[str, Any]]:
+    users = np.random.default_rng(seed).integers(0, keys, n).tolist()
+    return [{"user": u, "ts": i // 10} for i, u in enumerate(users)]
+
+
 @pytest.fixture(scope="module")
 def timer_records() -> List[Dict[str, Any]]:
-    rng = np.random.default_rng(1)
-    users = rng.integers(0, KEYS, TIMER_RECORDS).tolist()
-    return [{"user": u, "ts": i // 10} for i, u in enumerate(users)]
+    return _timer_records(KEYS, TIMER_RECORDS, 1)
+
+
+def _timers_row(benchmark: Any, name: str, records: List[Dict[str, Any]], what: str) -> Optional[Tuple[float, float]]:
+    """The no-timers row (None), or the timers row: the best seconds of (timers, plain)."""
+    if what == "no-timers":
+        _baseline_row(benchmark, name, lambda: _expiring(records, False))
+        return None
+    best = _compared_row(benchmark, name, lambda: _expiring(records, True), lambda: _expiring(records, False))
+    # Not needed past this row: a million dicts left alive for the module would make
+    # every garbage collection after it (the million timers' fixture) walk them.
+    records.clear()
+    return best
 
 
 @pytest.mark.parametrize("what", ["no-timers", "timer-per-record"])
 def test_a_timer_per_record_against_the_same_function_without(
     benchmark: Any, timer_records: List[Dict[str, Any]], what: str
 ) -> None:
-    records = timer_records
     benchmark.group = "event-time: timers"
-    if what == "no-timers":
-        _baseline_row(benchmark, "timers", lambda: _expiring(records, False))
+    best = _timers_row(benchmark, "timers", timer_records, what)
+    if best is None:
         return
-    timers, plain = _compared_row(
-        benchmark, "timers", lambda: _expiring(records, True), lambda: _expiring(records, False)
-    )
-    # Not needed past this row: 1.25M dicts left alive for the module would make every
-    # garbage collection after it (the million timers' fixture) walk them.
-    records.clear()
-    best = {"timers": timers, "plain": plain}
-    ratio = best["plain"] / best["timers"]
-    benchmark.extra_info.update(timer_records_per_s=TIMER_RECORDS / best["timers"], ratio_to_no_timers=ratio)
+    timers, plain = best
+    ratio = plain / timers
+    benchmark.extra_info.update(timer_records_per_s=TIMER_RECORDS / timers, ratio_to_no_timers=ratio)
     met = "met" if ratio >= 0.7 else "NOT MET, reported only"
     SUMMARY.append(
         f"KeyedProcessFunction, one event-time timer per record (state cleared when it fires), {TIMER_RECORDS:,} "
-        f"records / {KEYS:,} keys, p=2: {TIMER_RECORDS / best['timers'] / 1e6:.2f} M records/s, without timers "
-        f"{TIMER_RECORDS / best['plain'] / 1e6:.2f} M/s -> {ratio:.0%} (target >= 70%: {met})"
+        f"records / {KEYS:,} keys, p=2: {TIMER_RECORDS / timers / 1e6:.2f} M records/s, without timers "
+        f"{TIMER_RECORDS / plain / 1e6:.2f} M/s -> {ratio:.0%} (target >= 70%: {met})"
     )
     # The target is 70%; measured 50-53% here at p=1 and p=2 (43-47% before the
     # registrations were batched, 38-47% in CI runs then). The function without timers
@@ -204,10 +212,10 @@ def test_a_timer_per_record_against_the_same_function_without(
     # its timer fired takes a second slot state (another lookup, in another map), and
     # with that many records between firings many keys are. What the last changes took
     # out: lookups waiting on memory one at a time (registrations applied in batches
-    # with each key's slot and value
-    # asked for ahead; firing asks for the next timers' slots and states ahead; one
-    # cache line per map lookup) and attribute lookups from C for the current key and
-    # the context (slots written in place, see bindings/_keycore.pxi). Reaching 70%
+    # with each key's slot and value asked for ahead; firing asks for the next timers'
+    # slots and states ahead; one cache line per map lookup) and attribute lookups from
+    # C for the current key and the context (slots written in place, see
+    # bindings/_keycore.pxi). Reaching 70%
     # would need the timer service itself under ~0.3 us a timer in a job: one lookup
     # per timer, not one per slot walked (a (key, timestamp) set per key group, as
     # Flink's heap timer queue) - a change of the timers' state layout and its
@@ -226,24 +234,18 @@ FEW_KEYS_GUARD = 0.15
 
 @pytest.fixture(scope="module")
 def few_key_records() -> List[Dict[str, Any]]:
-    rng = np.random.default_rng(2)
-    users = rng.integers(0, FEW_KEYS, TIMER_RECORDS // 2).tolist()
-    return [{"user": u, "ts": i // 10} for i, u in enumerate(users)]
+    return _timer_records(FEW_KEYS, TIMER_RECORDS // 2, 2)
 
 
 @pytest.mark.parametrize("what", ["no-timers", "timer-per-record"])
 def test_a_timer_per_record_over_few_keys_against_the_same_function_without(
     benchmark: Any, few_key_records: List[Dict[str, Any]], what: str
 ) -> None:
-    records = few_key_records
     benchmark.group = "event-time: timers, few keys"
-    if what == "no-timers":
-        _baseline_row(benchmark, "timers-few-keys", lambda: _expiring(records, False))
+    best = _timers_row(benchmark, "timers-few-keys", few_key_records, what)
+    if best is None:
         return
-    timers, plain = _compared_row(
-        benchmark, "timers-few-keys", lambda: _expiring(records, True), lambda: _expiring(records, False)
-    )
-    records.clear()
+    timers, plain = best
     ratio = plain / timers
     n = TIMER_RECORDS // 2
     benchmark.extra_info.update(timer_records_per_s=n / timers, ratio_to_no_timers=ratio)
