@@ -59,7 +59,7 @@ static inline uint64_t pe_fmix64(uint64_t x)
  * slot). A loop that knows its next keys (a batch of timers to register or fire)
  * prefetches them some entries ahead, so their misses overlap instead of queueing.
  */
-static inline void pe_i64map_prefetch(const pe_i64map *m, int64_t key)
+PE_PREFETCH_INLINE void pe_i64map_prefetch(const pe_i64map *m, int64_t key)
 {
     if (m->slots != NULL) {
         PE_PREFETCH(&m->slots[pe_fmix64((uint64_t)key) >> (64u - m->bits)]);
