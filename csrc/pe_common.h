@@ -47,7 +47,7 @@ static inline uint32_t pe_next_pow2(uint32_t v)
 
 /* For a static inline function that only prefetches: GCC 12 at -O2/-O3 may judge
    such a function free of side effects and delete a call it did not inline, and
-   with it the prefetch (seen in a prototype whose hash made the function too big to
+   with it the prefetch (seen with pe_tset_prefetch, whose hash made it too big to
    inline early). Forced inline, the prefetch stays at the call site. */
 #if defined(__GNUC__) || defined(__clang__)
 #define PE_PREFETCH_INLINE static inline __attribute__((always_inline))
