@@ -175,51 +175,46 @@ def ttl_values(stored: Sequence[Any], n: int, limit: Any) -> List[Any]:
     """The values of the (value, stamp) entries in ``stored[:n]`` whose stamp is above
     ``limit`` (not yet expired), in order, as a new list: a TTL list state's read, one C pass."""
 
-class TimerHeap:
-    """The index of a keyed operator's timers with int64 keys (``pyengine.state.timers``): a
-    min-heap of (timestamp, arrival) entries with their key and key-group index over the typed
-    columnar slot states, which say whether an entry is still a timer."""
+class TimerOrder:
+    """The order of int64-keyed timers: a sorted run for those that come in timestamp
+    order and a binary min-heap for the rest, by (timestamp, arrival)."""
 
-    slots: List[str]
-    max_slots: int
-    disabled: bool
-    def __init__(
-        self,
-        backend: Any,
-        tables: Any,
-        slots: List[str],
-        max_slots: int,
-        fallback: Callable[[int], None],
-        overflow: Callable[[int], None],
-    ) -> None: ...
-    def use_overflow(self, name: str, timer_set: type) -> None:
-        """The overflow state (a ``timer_set`` per key past its slots) whose common changes
-        (add, remove, refill a slot) run in C; the rest stays Python's."""
+class FrozenTimerSet:
+    """One key group's timers as a snapshot froze them (``TimerSets.freeze``)."""
+
     def __len__(self) -> int: ...
-    def push(self, ts: int, key: int, index: int) -> None: ...
-    def push_many(self, timestamps: Any, keys: Any, indexes: Any) -> None: ...
-    def peek(self) -> Optional[int]: ...
-    def drain(self) -> Tuple[List[int], List[int], List[int]]: ...
+    def arrays(self) -> Tuple[Any, Any]:
+        """(keys, timestamps): two int64 NumPy arrays, in no particular order."""
+
+class TimerSets(TimerOrder):
+    """A keyed operator's pending timers of one domain with int64 keys
+    (``pyengine.state.timers``): a (key, timestamp) set per key group of ``backend``
+    and their order. Anything that is no int64 goes to ``fallback(ts)``."""
+
+    disabled: bool
+    def __init__(self, backend: Any, groups: int, fallback: Callable[[int], None], tables: Any = None) -> None: ...
     def register(self, ts: int) -> None:
-        """The backend's current key's timer at ``ts``, applied at the next ``flush()`` (every
-        reading call flushes first): stored in the key's first free slot and pushed when new;
-        already there: nothing; every slot taken: ``overflow(ts)``; else ``fallback(ts)``."""
+        """The backend's current key's timer at ``ts``, applied at the next ``flush()``
+        (every reading call flushes first)."""
     def flush(self) -> None:
-        """Applies the registrations waiting, their lookups prefetched ahead."""
-    def remove_current(self, ts: int) -> int:
-        """Removes the current key's timer: 1 removed, 0 absent, -1 ask Python, 2 removed (refill),
-        -3 only the key's overflow may hold it."""
-    def pop_due(self, upto: int) -> Optional[Tuple[int, int, int]]:
-        """The next timer at or before ``upto`` as (key, ts, code) with the backend's key set."""
-    def fire_due(
-        self,
-        upto: int,
-        ctx: Any,
-        on_timer: Callable[[int, Any], Any],
-        out: List[Any],
-        check: Callable[[int], bool],
-        refill: Callable[[], None],
-        check_overflow: Callable[[int], bool],
-    ) -> int:
+        """Applies the registrations waiting, their probes prefetched ahead."""
+    def freeze(self, i: int) -> FrozenTimerSet:
+        """Key group ``i``'s timers as they are now (copy-on-write, O(1))."""
+    def load(self, i: int, keys: Any, timestamps: Any) -> None:
+        """Adds timers to key group ``i`` (a restore): two int64 arrays."""
+    def freeze_all(self) -> List[Optional[FrozenTimerSet]]:
+        """Every key group's ``freeze``, None for an empty one."""
+    def clear(self) -> None:
+        """Drops every timer and the order (frozen sets keep what they share)."""
+    def size(self, i: int) -> int: ...
+    def __len__(self) -> int:
+        """The timers applied so far (registrations still waiting are not counted)."""
+    def delete_current(self, ts: int) -> bool: ...
+    def contains_current(self, ts: int) -> bool: ...
+    def timestamps_of(self, key: int, i: int) -> List[int]: ...
+    def peek(self) -> Optional[int]: ...
+    def pop_due(self, upto: int) -> Optional[Tuple[int, int]]:
+        """The next timer at or before ``upto`` as (key, ts), removed, with the backend's key set."""
+    def fire_due(self, upto: int, ctx: Any, on_timer: Callable[[int, Any], Any], out: List[Any]) -> int:
         """Fires every timer at or before ``upto`` in order, calling ``on_timer(ts, ctx)`` with the
         backend's current key and ``ctx`` set, its results into ``out``; returns how many fired."""

@@ -98,31 +98,33 @@ def test_timers_are_snapshotted_copy_on_write_and_rescaled_by_key_group(tmp_path
     assert sorted(fired, key=str) == sorted(((k, t) for k, ts in expected.items() for t in ts), key=str)
 
 
-def test_timers_fill_typed_slots_then_the_overflow_and_keep_no_holes() -> None:
-    from pyengine.state.columnar import ColumnarValueTable
-    from pyengine.state.timers import MAX_SLOTS
+def test_timers_are_one_set_of_key_timestamp_pairs_per_key_group() -> None:
+    """A domain's timers are one table of the backend, a set of (key, timestamp) pairs
+    per key group (Flink's HeapPriorityQueueSet): a key with many pending timers has no
+    per-key slots to walk, and the table is empty once they all fired."""
+    from pyengine.state.timers import TimerTable
 
     backend = create_keyed_backend("heap")
     service = InternalTimerService(backend, MIN_WATERMARK)
     _register(service, backend, 1, 10)
-    for ts in range(100, 100 + MAX_SLOTS + 3):  # key 2: every slot, and three in the overflow
+    for ts in [*range(100, 140), 120]:  # 120 twice: one timer
         _register(service, backend, 2, ts)
-    backend.apply_pending_writes()  # registrations wait in the native heap until something reads the state
     tables = backend._tables
-    assert isinstance(tables["_timer_state/event_timers"], ColumnarValueTable)
-    assert isinstance(tables[f"_timer_state/event_timers@{MAX_SLOTS - 1}"], ColumnarValueTable)
+    assert sorted(n for n in tables if n.startswith("_timer_state/")) == [
+        "_timer_state/event_timers",
+        "_timer_state/processing_timers",
+    ]
+    table = tables["_timer_state/event_timers"]
+    assert isinstance(table, TimerTable) and table.native is not None
+    assert len(service.event) == 41
     backend.set_current_key(2)
-    more = backend.get_state(ValueStateDescriptor("_timer_state/event_timers_more")).value()
-    assert sorted(more) == [100 + MAX_SLOTS, 101 + MAX_SLOTS, 102 + MAX_SLOTS]
-    assert service.event.delete(100)  # a slot frees: the last slot's and then one overflow timer move up
-    assert service.event.timestamps() == tuple(range(101, 100 + MAX_SLOTS + 3))
+    assert service.event.delete(100)
     assert not service.event.delete(100)
+    assert service.event.timestamps() == tuple(range(101, 140))
     backend.set_current_key(1)
     assert service.event.timestamps() == (10,)
-    assert list(service.advance_watermark(10**6)) == [(1, 10)] + [(2, t) for t in range(101, 100 + MAX_SLOTS + 3)]
-    backend.set_current_key(2)
-    assert service.event.timestamps() == ()
-    assert all(len(tables[_name]) == 0 for _name in tables if _name.startswith("_timer_state/"))
+    assert list(service.advance_watermark(10**6)) == [(1, 10)] + [(2, t) for t in range(101, 140)]
+    assert len(table) == 0 and len(service.event) == 0
 
 
 @pytest.mark.parametrize("kind", ["heap", "incremental"])
@@ -188,51 +190,6 @@ def test_a_hot_key_with_thousands_of_pending_timers_against_a_set_model(tmp_path
     assert sorted((t, k) for k, t in got) == sorted((t, k) for k, v in at_snapshot.items() for t in v)
 
 
-@pytest.mark.parametrize("kind", ["heap", "incremental"])
-def test_a_hot_keys_overflow_is_changed_in_c_and_python_only_makes_and_drops_the_set(
-    monkeypatch: Any, kind: str
-) -> None:
-    """Registering into, firing from and refilling the slots from a key's overflow run in
-    the native heap (they were a Python call each: ~1.5 us a timer for a key with more than
-    eight pending); Python only makes the set, drops it at its last timer and copies one a
-    snapshot holds. Whichever side runs, the timers fire in order, each once, and an
-    incremental backend's delta has the changed set."""
-    from pyengine.runtime.operators import KeyedContext
-    from pyengine.state.timers import MAX_SLOTS, TimerQueue
-
-    calls: Dict[str, int] = defaultdict(int)
-    for name in ("_register_overflow", "_refill", "_check_overflow"):
-        original = getattr(TimerQueue, name)
-
-        def counted(self: Any, *args: Any, _name: str = name, _original: Any = original) -> Any:
-            calls[_name] += 1
-            return _original(self, *args)
-
-        monkeypatch.setattr(TimerQueue, name, counted)
-    backend = create_keyed_backend(kind)
-    service = InternalTimerService(backend, MIN_WATERMARK)
-    times = list(range(100, 100 + MAX_SLOTS + 200))
-    for ts in times + times[::7]:  # duplicates deduplicated in the overflow as in the slots
-        _register(service, backend, 7, ts)
-    backend.apply_pending_writes()
-    assert calls["_register_overflow"] == 1, "only the set's first timer goes through Python"
-    more = backend._tables["_timer_state/event_timers_more"]
-    if kind == "incremental":
-        more.changes[backend._key_index].clear()
-    fired: List[int] = []
-    ctx = KeyedContext.__new__(KeyedContext)
-    ctx.current_key = ctx._timer_ts = None
-    service.event.fire(150, ctx, lambda ts, c: fired.append(ts), [])
-    assert fired == list(range(100, 151)) and ctx.current_key == 7
-    assert calls["_refill"] + calls["_check_overflow"] == 0, "refills and removals ran in C"
-    if kind == "incremental":
-        assert 7 in more.changes[backend._key_index], "the changed set is in the next delta"
-    service.event.fire(10**9, ctx, lambda ts, c: fired.append(ts), [])
-    assert fired == times
-    assert calls["_refill"] + calls["_check_overflow"] == 1, "Python dropped the emptied set"
-    assert len(more) == 0 and len(service.event) == 0
-
-
 def test_the_current_key_is_written_in_place_only_into_the_slots_of_a_real_instance() -> None:
     """The native timers and typed value state read and write the backend's current key
     and the context's fields at their slots' offsets. An object that only claims the
@@ -248,7 +205,7 @@ def test_the_current_key_is_written_in_place_only_into_the_slots_of_a_real_insta
     fake = mock.MagicMock(spec=HeapKeyedStateBackend)
     assert isinstance(fake, HeapKeyedStateBackend)
     with pytest.raises(TypeError, match="_CurrentKey"):
-        _native.TimerHeap(fake, {}, [], 8, print, print)
+        _native.TimerSets(fake, 1, print)
     with pytest.raises(TypeError, match="_CurrentKey"):
         _native.ColumnarValueCalls(fake, [], 0, None, True)
 
@@ -278,42 +235,88 @@ def test_the_current_key_is_written_in_place_only_into_the_slots_of_a_real_insta
     assert keys[-1] == (5, 50)
 
 
-def test_an_overflow_from_an_older_checkpoint_a_tuple_is_read_and_changed() -> None:
-    """Checkpoints written before the overflow was a ``TimerSet`` hold a tuple (and
-    ``TimerSet`` is written as a list): either is read and becomes a ``TimerSet`` at its
-    first change."""
-    from pyengine.state.timers import MAX_SLOTS, TimerSet
+@pytest.mark.parametrize("kind", ["heap", "incremental"])
+@pytest.mark.parametrize("keys", ["int", "str"])
+def test_the_timers_of_a_checkpoint_written_before_the_sets_are_restored(tmp_path: Any, kind: str, keys: str) -> None:
+    """Checkpoints written before the sets kept a key's timers in slot value states
+    (``_timer_state/event_timers``, ``...@1`` and so on, then a list per key in
+    ``..._more``): restored, their timers come into the sets and the slot states go;
+    the incremental backend's next checkpoint is a full one (a delta on those files
+    would bring the slot states back, fired timers and all, at the next restore)."""
+    storage = checkpoint_storage(str(tmp_path / "ckpt"), "job")
+    k = (lambda i: i) if keys == "int" else (lambda i: f"k{i}")
+    old = create_keyed_backend(kind)
+    slot0 = old.get_state(ValueStateDescriptor("_timer_state/event_timers", None, pa.int64()))
+    slot1 = old.get_state(ValueStateDescriptor("_timer_state/event_timers@1", None, pa.int64()))
+    more = old.get_state(ValueStateDescriptor("_timer_state/event_timers_more"))
+    processing = old.get_state(ValueStateDescriptor("_timer_state/processing_timers", None, pa.int64()))
+    old.set_current_key(k(1))
+    slot0.update(10)
+    old.set_current_key(k(2))
+    slot0.update(30)
+    slot1.update(20)
+    more.update([50, 40])
+    old.set_current_key(k(3))
+    processing.update(5)
+    handles = old.snapshot(1, storage.location(1)).run().handles
 
-    backend = create_keyed_backend("heap")
+    backend = create_keyed_backend(kind)
+    backend.restore(handles)
     service = InternalTimerService(backend, MIN_WATERMARK)
-    for ts in range(100, 100 + MAX_SLOTS):
-        _register(service, backend, 5, ts)
-    more = backend.get_state(ValueStateDescriptor("_timer_state/event_timers_more"))
-    more.update((500, 400, 600))  # as an older checkpoint restores it
-    for ts in (500, 400, 600):
-        service.event._index(ts, 5, backend._key_index)
-    assert service.event.timestamps() == (*range(100, 100 + MAX_SLOTS), 400, 500, 600)
-    service.event.register(400)  # there already
-    service.event.register(700)
-    assert service.event.delete(500)
-    assert isinstance(more.value(), TimerSet)
-    fired = list(service.advance_watermark(10**6))
-    assert fired == [(5, ts) for ts in (*range(100, 100 + MAX_SLOTS), 400, 600, 700)]
-    # written as the list of its timestamps, as the tuple was: a reader sees list<int64>
-    from pyengine.state.serializers import serializer_for
+    assert [n for n in backend.state_names if n.startswith("_timer_state/")] == [
+        "_timer_state/event_timers",
+        "_timer_state/processing_timers",
+    ]
+    backend.set_current_key(k(2))
+    assert service.event.timestamps() == (20, 30, 40, 50)
+    assert list(service.fire_processing(10)) == [(k(3), 5)]
+    snapshot = backend.snapshot(2, storage.location(2))
+    if kind == "incremental":
+        assert snapshot.is_full, "no delta on the files with the slot states"
+    handles = snapshot.run().handles
+    expected = [(k(1), 10), (k(2), 20), (k(2), 30), (k(2), 40), (k(2), 50)]
+    assert list(service.advance_watermark(100)) == expected
 
-    safe = serializer_for("safe")
-    assert safe.loads(safe.dumps(TimerSet((3, 1, 2)))) == [3, 1, 2]
+    again = create_keyed_backend(kind)
+    again.restore(handles)
+    restored = InternalTimerService(again, MIN_WATERMARK)
+    assert list(restored.fire_processing(10)) == []
+    assert list(restored.advance_watermark(100)) == expected
+
+
+@pytest.mark.parametrize("keys", ["int", "str"])
+def test_an_incremental_chain_restores_the_timers_of_its_last_file(tmp_path: Any, keys: str) -> None:
+    """Timers are whole in every delta: a timer fired or deleted after the base stays
+    gone when the chain is restored, and one registered since comes back."""
+    storage = checkpoint_storage(str(tmp_path / "ckpt"), "job")
+    k = (lambda i: i) if keys == "int" else (lambda i: f"k{i}")
+    backend = create_keyed_backend("incremental")
+    service = InternalTimerService(backend, MIN_WATERMARK)
+    for i in range(1, 6):
+        _register(service, backend, k(i), 10 * i)
+    assert backend.snapshot(1, storage.location(1)).run().handles
+    backend.notify_checkpoint_complete(1)
+    assert list(service.advance_watermark(25)) == [(k(1), 10), (k(2), 20)]
+    backend.set_current_key(k(5))
+    assert service.event.delete(50)
+    _register(service, backend, k(6), 60)
+    snapshot = backend.snapshot(2, storage.location(2))
+    assert not snapshot.is_full
+    handles = snapshot.run().handles
+    assert len(handles) == 2, "the base and a delta"
+    restored_backend = create_keyed_backend("incremental")
+    restored_backend.restore(handles)
+    restored = InternalTimerService(restored_backend, MIN_WATERMARK)
+    assert list(restored.advance_watermark(100)) == [(k(3), 30), (k(4), 40), (k(6), 60)]
 
 
 def _random_timer_run(
     seed: int, int_keys: bool, nkeys: int
-) -> Tuple[List[Tuple[int, int]], Dict[int, Tuple[int, ...]], int]:
+) -> Tuple[List[Tuple[int, int]], Dict[int, Tuple[int, ...]]]:
     """One random sequence of registrations, deletions and watermarks, with an
     ``on_timer`` that registers, deletes and clears a columnar count: int keys take
     the native heap (and its prefetching firing loop), str keys the Python index.
-    Returns the firings (key number, timestamp), each key's pending timers and how
-    many slot states the timers took (more than one: keys with several timers)."""
+    Returns the firings (key number, timestamp) and each key's pending timers."""
     import random
 
     rng = random.Random(seed)
@@ -362,22 +365,21 @@ def _random_timer_run(
     for i in range(nkeys):
         backend.set_current_key(name(i))
         pending[i] = service.event.timestamps()
-    return fired, pending, len(service.event._slots)
+    return fired, pending
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_the_native_timer_heap_fires_as_the_python_index(seed: int) -> None:
-    """The native heap (prefetching ahead while it fires) against the Python index on
+def test_the_native_timer_sets_fire_as_the_python_ones(seed: int) -> None:
+    """The native sets (prefetching ahead while they fire) against Python's on
     the same random sequence: the same timers fire, in the same timestamp order (the
     order among equal timestamps is not defined), and the same ones stay pending."""
-    nkeys = 20 if seed % 2 else 300  # 20: keys with every slot taken and an overflow
-    native_fired, native_pending, native_slots = _random_timer_run(seed, True, nkeys)
-    python_fired, python_pending, python_slots = _random_timer_run(seed, False, nkeys)
+    nkeys = 20 if seed % 2 else 300  # 20: keys with tens of pending timers each
+    native_fired, native_pending = _random_timer_run(seed, True, nkeys)
+    python_fired, python_pending = _random_timer_run(seed, False, nkeys)
     assert len(native_fired) > 300
     assert [ts for _, ts in native_fired] == [ts for _, ts in python_fired]
     assert sorted(native_fired) == sorted(python_fired)
     assert native_pending == python_pending
-    assert native_slots == python_slots > (7 if seed % 2 else 1)
 
 
 # -- timers in jobs ------------------------------------------------------------------------------
@@ -705,15 +707,14 @@ def test_timer_state_is_readable_from_a_checkpoint(tmp_path: Any) -> None:
     assert os.path.isdir(savepoint)
 
 
-# -- registrations held back in the native heap (TimerHeap.flush) -------------------------------
+# -- registrations held back in the native sets (TimerSets.flush) -------------------------------
 
 
 @pytest.mark.parametrize("odd", [True, 1.0], ids=["bool", "float"])
 def test_a_held_back_registration_is_applied_under_its_own_key(odd: Any) -> None:
-    """A registration that Python applies during a flush (key 1's second timer needs a
-    slot state not made yet) runs with its own int key current, not with a current key
-    that merely equals it (``True``, ``1.0``): that one would move the slots to dicts
-    in the middle of the flush and the registrations after it were lost."""
+    """Registrations held back for int keys are applied under their own keys when a key
+    that merely equals one (``True``, ``1.0``) moves the timers to Python: none is lost
+    or filed under the other key."""
     backend = create_keyed_backend("heap")
     service = InternalTimerService(backend, MIN_WATERMARK)
     for key, ts in ((1, 10), (1, 20), (2, 30)):
@@ -723,35 +724,6 @@ def test_a_held_back_registration_is_applied_under_its_own_key(odd: Any) -> None
     service.event.register(40)
     fired = list(service.advance_watermark(100))
     assert [(type(k), k, t) for k, t in fired] == [(int, 1, 10), (int, 1, 20), (int, 2, 30), (type(odd), odd, 40)]
-
-
-def _refusing_a_second_slot() -> Tuple[Any, InternalTimerService]:
-    """A heap backend and its timers, where making a second slot state fails as it
-    would with no room for another state."""
-    backend = create_keyed_backend("heap")
-    service = InternalTimerService(backend, MIN_WATERMARK)
-    check_room = backend._check_room
-
-    def refuse(descriptor: Any) -> None:
-        if "@" in descriptor.name:
-            raise RuntimeError(f"no room for state {descriptor.name!r}")
-        check_room(descriptor)
-
-    backend._check_room = refuse
-    return backend, service
-
-
-def test_a_held_back_registration_that_fails_keeps_the_others() -> None:
-    """A registration refused as it is applied (here: no room for another slot state)
-    raises from the call that flushed it; the registrations after it are applied at
-    the next flush, not dropped."""
-    backend, service = _refusing_a_second_slot()
-    for key, ts in ((1, 10), (1, 20), (2, 30), (3, 40)):
-        backend.set_current_key(key)
-        service.event.register(ts)
-    with pytest.raises(RuntimeError, match="event_timers@1"):
-        service.event.timestamps()
-    assert list(service.advance_watermark(100)) == [(1, 10), (2, 30), (3, 40)]
 
 
 def test_a_restore_drops_the_writes_held_back_for_the_state_it_replaces(tmp_path: Any) -> None:
@@ -778,30 +750,11 @@ def test_a_restore_drops_the_writes_held_back_for_the_state_it_replaces(tmp_path
     assert list(restored.advance_watermark(100)) == [(1, 10)]
 
 
-def test_a_registration_is_kept_when_a_full_buffer_fails_to_flush() -> None:
-    """The 1,025th registration flushes the buffer; when another entry of it fails
-    (here: no room for another slot state), the new registration is still kept."""
-    backend, service = _refusing_a_second_slot()
-    backend.set_current_key(1)
-    service.event.register(10)
-    service.event.register(11)  # needs a second slot state: refused when applied
-    for key in range(2, 1024):
-        backend.set_current_key(key)
-        service.event.register(1000 + key)
-    backend.set_current_key(5000)
-    with pytest.raises(RuntimeError, match="event_timers@1"):
-        service.event.register(7777)
-    backend.set_current_key(5000)
-    assert service.event.timestamps() == (7777,)
-    fired = list(service.advance_watermark(10**6))
-    assert len(fired) == 1024 and (5000, 7777) in fired and (1, 11) not in fired
-
-
 def test_counting_entries_leaves_held_back_timers_alone() -> None:
     """The monitoring counts entries from its own thread: applying held-back timers
-    there runs Python under a swapped current key (a key whose slots are full), and
-    the task's state calls meanwhile went to other keys (found by a review, 999 of
-    200k values written under another key). Counting applies nothing."""
+    there would change the sets from two threads at once (and, when they were slot
+    states, the task's state calls went to other keys meanwhile: found by a review,
+    999 of 200k values written under another key). Counting applies nothing."""
     backend = create_keyed_backend("heap")
     service = InternalTimerService(backend, MIN_WATERMARK)
     backend.set_current_key(1)
@@ -835,3 +788,65 @@ def test_delete_checks_its_timestamp_as_register_does(keys: str) -> None:
 
     assert service.event.delete(np.int64(1500)) is True
     assert service.event.timestamps() == (1,)
+
+
+@pytest.mark.parametrize("columnar", [True, False])
+def test_timers_of_mixed_keys_are_restored(tmp_path: Any, columnar: bool) -> None:
+    """A key group whose restored rows come as lists (a batch with a key that is no
+    int64, or a backend without columnar storage) while the timers are still native:
+    int keys go into the native sets, anything else moves them to Python (found by a
+    review: the restore failed, so such a job restarted for ever)."""
+    storage = checkpoint_storage(str(tmp_path / "ckpt"), "job")
+    backend = create_keyed_backend("heap", columnar=columnar)
+    service = InternalTimerService(backend, MIN_WATERMARK)
+    keys: List[Any] = [*range(50), "a"] if columnar else list(range(50))
+    for i, key in enumerate(keys):
+        _register(service, backend, key, 100 + i)
+    handles = backend.snapshot(1, storage.location(1)).run().handles
+    again = create_keyed_backend("heap", columnar=columnar)
+    again.restore(handles)
+    restored = InternalTimerService(again, MIN_WATERMARK)
+    assert list(restored.advance_watermark(10**6)) == [(key, 100 + i) for i, key in enumerate(keys)]
+
+
+def test_moving_to_python_while_firing_fires_each_timer_once_and_frees_the_native_sets() -> None:
+    """``on_timer`` that registers under a key that is no int64 moves the timers to
+    Python's storage in the middle of the native firing loop: the rest fire from Python,
+    once each, and the native sets and order are emptied (TimerService still holds
+    their register; they held every timer pending at the switch)."""
+    from pyengine.runtime.operators import KeyedContext
+
+    backend = create_keyed_backend("heap")
+    service = InternalTimerService(backend, MIN_WATERMARK)
+    for key in (1, 2, 3):
+        _register(service, backend, key, 10 * key)
+    native = service.event._native
+    fired: List[Tuple[Any, int]] = []
+
+    def on_timer(ts: int, ctx: Any) -> Any:
+        fired.append((ctx.current_key, ts))
+        if ts == 10:
+            backend.set_current_key("x")
+            service.event.register(10**6)
+        return ()
+
+    ctx = KeyedContext.__new__(KeyedContext)
+    ctx.current_key = ctx._timer_ts = None
+    service.event.fire(100, ctx, on_timer, [])
+    assert fired == [(1, 10), (2, 20), (3, 30)]
+    assert service.event._native is None and len(native) == 0 and native.peek() is None
+    assert list(service.advance_watermark(10**6)) == [("x", 10**6)]
+
+
+@pytest.mark.parametrize("other", [1.0, True], ids=["float", "bool"])
+def test_a_key_equal_to_an_int_key_finds_its_timers(other: Any) -> None:
+    """As in every keyed state, 1.0 and True are the key 1: ``timestamps()`` and
+    ``delete`` under them see key 1's timers while those are in the native sets."""
+    backend = create_keyed_backend("heap")
+    service = InternalTimerService(backend, MIN_WATERMARK)
+    _register(service, backend, 1, 100)
+    _register(service, backend, 1, 200)
+    backend.set_current_key(other)
+    assert service.event.timestamps() == (100, 200)
+    assert service.event.delete(100)
+    assert list(service.advance_watermark(10**6)) == [(1, 200)]

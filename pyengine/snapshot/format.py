@@ -980,7 +980,7 @@ def read_keyed_state(
                 codes = key_column.type_codes.to_numpy(zero_copy_only=False)
                 if len(codes) and bool((codes == _KEY_INT).all()):
                     int_keys = _union_child(key_column, _KEY_INT)
-            if arrays and spec.typed and spec.kind == "value" and int_keys is not None:
+            if arrays and spec.typed and spec.kind in ("value", "timers") and int_keys is not None:
                 for key_group, a, b in runs:  # keys and values as Arrow arrays, for columnar state
                     yield key_group, spec, int_keys.slice(a, b - a), value_column.slice(a, b - a)
                 continue

@@ -1692,8 +1692,7 @@ class HeapKeyedStateBackend(_CurrentKey):
         """``flush()`` applies writes that a state's owner holds back to batch them
         (the timers' registrations; the owner applies them itself before it reads its
         states): called before a snapshot freezes the states. Only ever on the task's
-        thread: a flush runs Python under the backend's current key (an overflowing
-        timer), which another thread would change under the task's feet."""
+        thread: a flush changes the timer sets, which the task changes too."""
         self._pending_writes.append(flush)
 
     def apply_pending_writes(self) -> None:
@@ -1796,6 +1795,7 @@ class HeapKeyedStateBackend(_CurrentKey):
         from ..snapshot.format import TOMBSTONE, read_keyed_state
         from ..storage.handles import KeyGroupsStateHandle
         from .columnar import ColumnarValueTable
+        from .timers import TIMERS_KIND, RestoredTimers
 
         restored: Dict[str, Any] = {}
         named: Dict[str, str] = {}
@@ -1813,8 +1813,23 @@ class HeapKeyedStateBackend(_CurrentKey):
                 handle, self.key_group_range, allow_pickle=allow_pickle, defer_pickle=True, arrays=self._columnar
             )
             named.update((column.name, column.kind) for column in info.columns)
+            # A file's timers are its key groups' timers whole (a delta's too): what an
+            # older file of the chain said of those key groups goes.
+            for column in info.columns:
+                if column.kind == TIMERS_KIND:
+                    timers = restored.get(column.name)
+                    if timers is None:
+                        timers = restored[column.name] = RestoredTimers(column.name, len(self.key_group_range))
+                    overlap = self.key_group_range.intersection(
+                        KeyGroupRange(handle.key_group_start, handle.key_group_end)
+                    )
+                    for key_group in overlap:
+                        timers.reset(key_group - self.key_group_range.start)
             for key_group, spec, keys, values in entries:
                 table = restored.get(spec.name)
+                if spec.kind == TIMERS_KIND:  # its RestoredTimers made above
+                    restored[spec.name].add(key_group - self.key_group_range.start, keys, values)
+                    continue
                 # typed value state with int keys: straight into columns, if NumPy can hold the
                 # type (a struct- or string-typed value state restores into dicts, as any other)
                 if isinstance(keys, pa.Array) and not (

@@ -56,6 +56,7 @@ from ..storage.handles import KeyGroupsStateHandle, StreamStateHandle
 from ..storage.store import owns_path
 from .columnar import ColumnarValueTable
 from .heap import HeapKeyedStateBackend, _ExpiringGroups, _without_expired
+from .timers import TIMERS_KIND
 
 __all__ = ["IncrementalKeyedStateBackend", "IncrementalSnapshot"]
 
@@ -90,6 +91,8 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
         self._results_lock = threading.Lock()  # snapshot threads write _results
 
     def _track(self, table: Any) -> Any:
+        if getattr(table, "whole_in_deltas", False):  # timers: written whole, no change log
+            return table
         if isinstance(table, ColumnarValueTable):
             if not table.tracking:
                 table.track_changes()
@@ -121,6 +124,8 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
             for name, table in zip(names, tables, strict=True):
                 if isinstance(table, ColumnarValueTable):
                     taken[name] = table.take_changes()
+                elif getattr(table, "whole_in_deltas", False):
+                    taken[name] = []
                 else:
                     taken[name] = table.changes
                     table.changes = [set() for _ in table.groups]
@@ -232,6 +237,11 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
         self._log = [(c, t) for c, t in self._log if c > confirmed]
         self._aborted = {c for c in self._aborted if c > confirmed}
 
+    def start_new_chain(self) -> None:
+        """The next checkpoint is a full one: no delta builds on the files written or
+        restored so far (the timers moved out of the slot states of an older checkpoint)."""
+        self._base = []
+
     def _prune_local(self, checkpoint_id: int) -> None:
         """Local copies are kept for the new base and the snapshots newer than it."""
         if self._local is None or checkpoint_id not in self._local_results:
@@ -305,9 +315,10 @@ class IncrementalSnapshot:
             else:
                 groups = [
                     frozen_table
-                    if isinstance(frozen_table, ColumnarChanges)  # columnar: already the delta
+                    # columnar: already the delta; timers: whole in every delta
+                    if isinstance(frozen_table, ColumnarChanges) or column.kind == TIMERS_KIND
                     else _delta(frozen_table, self._touched[name])
-                    for name, frozen_table in zip(self._names, self._frozen, strict=True)
+                    for name, column, frozen_table in zip(self._names, self._columns, self._frozen, strict=True)
                 ]
             r = self._backend.key_group_range
             kind = "base" if self._touched is None else "delta"

@@ -57,6 +57,7 @@ def read_keyed_state(checkpoint_path: str, operator: str, state_name: str, *, al
     # serializers, so a top-level import would make a cycle.
     from ..snapshot.format import TOMBSTONE
     from ..snapshot.format import read_keyed_state as _read_file
+    from .timers import TIMERS_KIND
 
     metadata = load_metadata(checkpoint_path)
     op = _operator(metadata, operator, checkpoint_path)
@@ -67,20 +68,30 @@ def read_keyed_state(checkpoint_path: str, operator: str, state_name: str, *, al
     spans = sorted((h.key_group_start, h.key_group_end) for h in handles)
     chained = any(b[0] <= a[1] for a, b in itertools.pairwise(spans))
     latest: Dict[Tuple[int, Any], Any] = {}
+    # A timer state (kind "timers": a row per timer, a key in several) is whole in
+    # every file of a chain: a file's rows replace its key groups' timers.
+    timers: Dict[int, List[Tuple[Any, Any]]] = {}
     keys: List[Any] = []
     values: List[Any] = []
     key_groups: List[int] = []
     spec = None
     for handle in handles:
-        _, entries = _read_file(
+        info, entries = _read_file(
             handle,
             KeyGroupRange(handle.key_group_start, handle.key_group_end),
             allow_pickle=[state_name] if allow_pickle else [],
             states=[state_name],
             what=f"checkpoint {metadata.checkpoint_id}, operator {operator!r}",
         )
+        whole = any(c.name == state_name and c.kind == TIMERS_KIND for c in info.columns)
+        if whole:
+            for key_group in range(handle.key_group_start, handle.key_group_end + 1):
+                timers.pop(key_group, None)
         for key_group, column, ks, vs in entries:
             spec = column
+            if whole:
+                timers.setdefault(key_group, []).extend(zip(ks, vs, strict=True))
+                continue
             if chained:
                 for k, v in zip(ks, vs, strict=True):
                     if v is TOMBSTONE:
@@ -95,6 +106,12 @@ def read_keyed_state(checkpoint_path: str, operator: str, state_name: str, *, al
         key_groups = [kg for kg, _ in latest]
         keys = [k for _, k in latest]
         values = list(latest.values())
+    if timers:  # none of it went through ``latest``
+        for key_group in sorted(timers):
+            for k, v in timers[key_group]:
+                key_groups.append(key_group)
+                keys.append(k)
+                values.append(v)
     if spec is not None and spec.ttl:
         values = [_unwrap_ttl(spec.kind, v) for v in values]
     if spec is None:

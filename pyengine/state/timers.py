@@ -4,33 +4,37 @@ A timer is a (key, timestamp) pair, in one of two domains (event time and
 processing time). Registering one twice is one timer; deleting one that is not
 there does nothing.
 
-Where they are kept: value states in the operator's keyed backend, so timers are
-snapshotted, restored and rescaled by key group exactly like the rest of the
-keyed state, by either backend, with no code of their own:
+Where they are kept: per domain, one table of the operator's keyed backend,
+``_timer_state/<domain>_timers`` (a ``TimerTable``), holding per key group the set
+of its (key, timestamp) pairs, as Flink's heap timers keep a
+``HeapPriorityQueueSet`` per key group. Registering costs one probe of the set,
+firing or deleting one more, whatever the key's other timers (a key's timers kept
+in value states, as before, cost a probe per timer of the key walked past).
 
-* *slots* ``_timer_state/<domain>_timers``, ``..._timers@1``, ... up to
-  ``MAX_SLOTS``, typed int64: a key's timers fill slots 0, 1, ... without holes
-  (removing one moves the key's last one into its place); with int keys these
-  are columnar, written as Arrow columns;
-* ``_timer_state/<domain>_timers_more``: a key's further timestamps once all
-  its slots are taken, a ``TimerSet`` (a dict of them inside), so that a hot key
-  with thousands of pending timers registers, deletes and fires each in O(1), as
-  Flink's heap timers do (a tuple, as it was, cost a copy of them all per call).
-  It is checkpointed as the list of its timestamps, as the tuple was.
+* With int64 keys the sets are native (``_native.TimerSets``, ``csrc/pe_tset.c``):
+  a registration waits in a buffer, applied with up to 1,023 others in one pass that
+  prefetches their probes, before anything reads the timers and before a snapshot
+  (``backend.add_pending_writes``).
+* The first key that is no int64 moves the timers to Python: a dict of (key,
+  timestamp) pairs per key group and a heap of timestamps with, per timestamp, the
+  keys that registered one.
 
-``pe.state.read_keyed_state(checkpoint, uid, "_timer_state/event_timers")``
-lists the first slot (most keys have one timer). The synchronous part of a
-snapshot freezes them copy-on-write like any state (O(key groups)).
+Snapshots. The synchronous part freezes each key group's set copy-on-write (O(key
+groups)); the asynchronous part writes the pairs as rows (key, timestamp) of a state
+of kind ``timers`` (a key may have several rows). The incremental backend writes a
+domain's timers whole in every delta, as Flink writes heap timers beside
+incremental RocksDB state, and on restore a file's rows replace the timers of its
+key groups. ``pe.state.read_keyed_state(checkpoint, uid,
+"_timer_state/event_timers")`` lists them, one row per timer.
 
-Which timer fires next is an index in memory, rebuilt from the states on
-restore and never snapshotted: for int keys (columnar storage) the native
-``TimerHeap`` (``bindings/_timers.pxi``), which also does the common register,
-remove and fire in C (a registration waits in its buffer, applied with up to 1,023
-others in one pass that prefetches their lookups, before anything reads the timers
-and before a snapshot: ``backend.add_pending_writes``); for other keys a heap of
-distinct timestamps with, per timestamp, the keys that registered one. Deletions
-leave stale entries in it, which firing skips by checking the state (the state is
-the truth)."""
+Checkpoints written before the sets kept a key's timers in "slot" value states
+(``_timer_state/<domain>_timers``, ``..._timers@1`` ... and ``..._timers_more``, a
+list per key); restoring one moves their timers into the sets, drops those states,
+and makes the incremental backend's next checkpoint a full one.
+
+Which timer fires next is an order in memory, rebuilt on restore and never
+snapshotted: ``_native.TimerOrder`` (a sorted run and a heap) for int keys. A deleted
+timer's entry stays in it and is skipped when it comes up (the set is the truth)."""
 
 from __future__ import annotations
 
@@ -41,25 +45,231 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import NonRetryableError, not_records, refuse_non_records
-from .columnar import ColumnarValueTable
-from .descriptors import ValueStateDescriptor
-from .serializers import stored_as_list
+from ..snapshot.format import ColumnarSlice
 
-__all__ = ["EVENT", "MAX_SLOTS", "PROCESSING", "SEVERAL", "InternalTimerService", "TimerQueue"]
+__all__ = ["EVENT", "PROCESSING", "SEVERAL", "InternalTimerService", "TimerQueue", "TimerTable"]
 
 SEVERAL = -(2**63)
 """Never a timer's timestamp (Flink's ``Long.MIN_VALUE``: before any watermark)."""
 
-MAX_SLOTS = 8
-"""Slot states per domain: a key's timers past this many go to the overflow (``TimerSet``)."""
-
 EVENT, PROCESSING = "event", "processing"
+TIMERS_KIND = "timers"
+"""The state kind of a domain's timers in a state file: rows (key, timestamp)."""
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_Pairs = Dict[Tuple[Any, int], None]
 
 
-def _slot_name(base: str, j: int) -> str:
-    return base if j == 0 else f"{base}@{j}"
+def timers_table_name(domain: str) -> str:
+    return f"_timer_state/{domain}_timers"
+
+
+class TimersDescriptor:
+    """What the backend's snapshot code asks of a state's descriptor, for a timer table:
+    rows of kind ``timers`` with int64 timestamps as values."""
+
+    kind = TIMERS_KIND
+    type = pa.int64()
+    ttl = None
+    allows_pickle = False
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"TimersDescriptor({self.name!r})"
+
+
+def _is_int64(key: Any) -> bool:
+    return type(key) is int and _INT64_MIN <= key <= _INT64_MAX
+
+
+class _FrozenTimers(ColumnarSlice):
+    """One key group's timers as a snapshot froze them (native sets): the pairs are
+    read into arrays when the writer first asks, on the snapshot's thread."""
+
+    __slots__ = ("_frozen",)
+
+    def __init__(self, frozen: Any) -> None:  # no ColumnarSlice.__init__: keys/values come lazily
+        self._frozen = frozen
+
+    def __len__(self) -> int:
+        return len(self._frozen)
+
+    def __getattr__(self, name: str) -> Any:  # keys / values, not read yet
+        if name not in ("keys", "values"):
+            raise AttributeError(name)
+        keys, ts = self._frozen.arrays()
+        ColumnarSlice.__init__(self, keys, ts)
+        return keys if name == "keys" else ts
+
+
+_NO_TIMERS = ColumnarSlice(np.empty(0, np.int64), np.empty(0, np.int64))  # an empty key group's, shared
+
+
+class _PairGroup:
+    """One key group's timers as (key, timestamp) pairs, for the snapshot writer's
+    dict path: ``keys()`` and ``values()`` in the same order, a key once per timer."""
+
+    __slots__ = ("_pairs",)
+
+    def __init__(self, pairs: Any) -> None:
+        self._pairs = pairs
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (k for k, _ in self._pairs)
+
+    def keys(self) -> List[Any]:
+        return [k for k, _ in self._pairs]
+
+    def values(self) -> List[int]:
+        return [t for _, t in self._pairs]
+
+
+class RestoredTimers:
+    """A domain's timers as a restore read them, until a ``TimerQueue`` takes them
+    (``TimerTable.adopt``); a table of the backend meanwhile, so a snapshot taken
+    before that writes them back unchanged."""
+
+    whole_in_deltas = True
+
+    def __init__(self, name: str, num_groups: int) -> None:
+        self.descriptor = TimersDescriptor(name)
+        self.pieces: List[List[Tuple[Any, Any]]] = [[] for _ in range(num_groups)]
+        self.active_snapshots = 0
+        self.changes: Any = None
+
+    def reset(self, index: int) -> None:
+        """A newer file (a delta of the chain) has this key group's timers whole."""
+        self.pieces[index] = []
+
+    def add(self, index: int, keys: Any, timestamps: Any) -> None:
+        """Keys and timestamps of key group ``index``: Arrow int64 arrays, or lists."""
+        if isinstance(keys, pa.Array):
+            keys = keys.to_numpy(zero_copy_only=False)
+            timestamps = timestamps.to_numpy(zero_copy_only=False)
+        self.pieces[index].append((keys, timestamps))
+
+    def pairs(self, index: int) -> Iterator[Tuple[Any, Any]]:
+        for keys, ts in self.pieces[index]:
+            yield from zip(keys.tolist() if isinstance(keys, np.ndarray) else keys, list(ts), strict=True)
+
+    def arrays(self, index: int) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        """The key group's timers as two int64 arrays, or None if a key is no int64."""
+        pieces = self.pieces[index]
+        if not all(isinstance(k, np.ndarray) for k, _ in pieces):
+            return None
+        if not pieces:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        return (
+            np.concatenate([k for k, _ in pieces]).astype(np.int64, copy=False),
+            np.concatenate([t for _, t in pieces]).astype(np.int64, copy=False),
+        )
+
+    def freeze(self) -> List[Any]:
+        self.active_snapshots += 1
+        out: List[Any] = []
+        for i in range(len(self.pieces)):
+            got = self.arrays(i)
+            out.append(ColumnarSlice(*got) if got is not None else _PairGroup(list(self.pairs(i))))
+        return out
+
+    def release(self) -> None:
+        self.active_snapshots -= 1
+
+    def iter_keys(self) -> Iterator[Any]:
+        for i in range(len(self.pieces)):
+            yield from dict.fromkeys(k for k, _ in self.pairs(i))
+
+    def __len__(self) -> int:
+        return sum(len(k) for piece in self.pieces for k, _ in piece)
+
+
+class TimerTable:
+    """One domain's timers, the backend's table ``_timer_state/<domain>_timers``: a
+    set of (key, timestamp) pairs per key group, native while every key is an int64
+    (``native``), else Python dicts of pairs (``pairs``, copied on the first write
+    after a snapshot froze them). See the module docstring."""
+
+    whole_in_deltas = True  # the incremental backend writes it whole in every delta
+
+    def __init__(self, backend: Any, domain: str, fallback: Callable[[int], None]) -> None:
+        from .. import _native
+
+        self.descriptor = TimersDescriptor(timers_table_name(domain))
+        self.groups_count = len(backend.key_group_range)
+        self.native: Any = _native.TimerSets(backend, self.groups_count, fallback, backend._tables)
+        self.pairs: Optional[List[_Pairs]] = None
+        self._shared: List[bool] = []
+        self.active_snapshots = 0
+        self.changes: Any = None
+
+    # -- the backend's table protocol -----------------------------------------------------
+
+    def freeze(self) -> List[Any]:
+        """Synchronous part of a snapshot: each key group's timers, shared from now on."""
+        self.active_snapshots += 1
+        if self.native is not None:
+            return [_NO_TIMERS if f is None else _FrozenTimers(f) for f in self.native.freeze_all()]
+        assert self.pairs is not None
+        self._shared = [True] * self.groups_count
+        return [_PairGroup(group) for group in self.pairs]
+
+    def release(self) -> None:
+        self.active_snapshots -= 1
+        if self.active_snapshots == 0 and self.pairs is not None:
+            self._shared = [False] * self.groups_count
+
+    def __len__(self) -> int:
+        """Timers applied so far (safe from another thread: the monitoring reads it)."""
+        native, pairs = self.native, self.pairs  # read once: the task may move them to Python meanwhile
+        if native is not None:
+            return len(native)
+        return sum(len(g) for g in pairs or ())
+
+    def iter_keys(self) -> Iterator[Any]:
+        """Each key with a timer, once."""
+        for i in range(self.groups_count):
+            yield from dict.fromkeys(key for key, _ in self.group_pairs(i))
+
+    # -- storage --------------------------------------------------------------------------
+
+    def group_pairs(self, i: int) -> List[Tuple[Any, int]]:
+        """Key group ``i``'s timers as (key, timestamp) pairs, in no order."""
+        if self.native is not None:
+            self.native.flush()
+            keys, ts = self.native.freeze(i).arrays()
+            return list(zip(keys.tolist(), ts.tolist(), strict=True))
+        assert self.pairs is not None
+        return list(self.pairs[i])
+
+    def writable(self, i: int) -> _Pairs:
+        """Python storage: key group ``i``'s dict, copied first if a snapshot holds it."""
+        assert self.pairs is not None
+        if self._shared[i]:
+            self.pairs[i] = dict(self.pairs[i])
+            self._shared[i] = False
+        return self.pairs[i]
+
+    def to_python(self) -> List[Tuple[int, Any, int]]:
+        """Moves the timers to Python storage (a key that is no int64); returns them as
+        (timestamp, key, key group index) for the Python order."""
+        native, self.native = self.native, None
+        native.flush()
+        native.disabled = True  # TimerService's bound register goes to the fallback from now on
+        self.pairs = []
+        out: List[Tuple[int, Any, int]] = []
+        for i in range(self.groups_count):
+            keys, ts = native.freeze(i).arrays()
+            pairs = list(zip(keys.tolist(), ts.tolist(), strict=True))
+            self.pairs.append(dict.fromkeys(pairs))
+            out.extend((t, k, i) for k, t in pairs)
+        self._shared = [False] * self.groups_count
+        native.clear()  # TimerService still holds its register: the sets and the order go now
+        return out
 
 
 class TimerQueue:
@@ -67,74 +277,57 @@ class TimerQueue:
     backend's current key, except ``due`` and ``fire``, which set it to each firing
     key.
 
-    ``register`` is the native heap's own method while the slot states are columnar
-    (int keys), so a job that sets a timer per record pays one C call for it; so are
-    the common changes of a key's overflow set. What the native code does not do
-    itself (making a key's overflow set: ``_register_overflow``; a slot state still to
-    make, a key that is not an int: ``_register``) comes back here. The first non-int
-    key turns the slot states into dicts: the index then moves to Python for good."""
+    ``register`` is the native sets' own method while keys are int64, so a job that
+    sets a timer per record pays one C call for it; what C does not take (a key or a
+    timestamp that is no int64) comes back to ``_register``."""
 
     def __init__(self, backend: Any, domain: str) -> None:
-        from .. import _native
-
         self.domain = domain
         self._backend = backend
-        self._base = f"_timer_state/{domain}_timers"
-        self._more_name = f"_timer_state/{domain}_timers_more"
-        self._tables = backend._tables
-        self._slots: List[str] = []
-        self._add_slot()
-        while _slot_name(self._base, len(self._slots)) in self._tables:  # restored ones
-            self._add_slot()
-        self._more = backend.get_state(ValueStateDescriptor(self._more_name))
-        self._native: Any = _native.TimerHeap(
-            backend, self._tables, self._slots, MAX_SLOTS, self._register, self._register_overflow
-        )
-        self._heap: List[int] = []  # the Python index: distinct timestamps
+        self._name = timers_table_name(domain)
+        restored = _take_restored(backend, domain)
+        self._table = TimerTable(backend, domain, self._register)
+        backend._tables[self._name] = self._table
+        self._heap: List[int] = []  # the Python order: distinct timestamps
         self._keys: Dict[int, List[Tuple[Any, int]]] = {}  # timestamp -> (key, key group index)
-        self._native.use_overflow(self._more_name, TimerSet)  # its common changes in C too
-        self.register: Callable[[int], None] = self._native.register
-        # The native heap applies registrations in batches (see its register): the
-        # backend applies them before a snapshot reads the slot states.
+        self.register: Callable[[int], None] = self._table.native.register
+        # Registrations wait in the native buffer (see TimerSets.register): the backend
+        # applies them before a snapshot reads the sets.
         backend.add_pending_writes(self._flush)
-        self._rebuild()
+        if restored is not None:
+            self._load(restored)
 
-    def _add_slot(self) -> str:
-        name = _slot_name(self._base, len(self._slots))
-        self._backend.get_state(ValueStateDescriptor(name, None, pa.int64()))
-        if getattr(self, "_native", True) is None and type(self._tables[name]) is ColumnarValueTable:
-            self._backend._columnar_table_to_dict(name)  # the slots are dicts already: this one too
-            self._backend._states.pop(name, None)
-        self._slots.append(name)  # the native heap holds this very list
-        return name
+    @property
+    def _native(self) -> Any:
+        return self._table.native
 
-    # -- the state, in Python ----------------------------------------------------------------
+    def _load(self, restored: RestoredTimers) -> None:
+        """The timers of a restore into the sets (or Python's storage) and the order."""
+        for i in range(len(restored.pieces)):
+            got = restored.arrays(i)
+            if got is None and self._native is not None:  # lists (a batch of mixed keys, dict storage)
+                pairs = list(restored.pairs(i))
+                if all(_is_int64(k) for k, _ in pairs):
+                    got = (np.array([k for k, _ in pairs], np.int64), np.array([t for _, t in pairs], np.int64))
+                else:
+                    self._to_python()
+            if got is not None and self._native is not None:
+                self._native.load(i, *got)
+                continue
+            for key, ts in restored.pairs(i):
+                self._add(int(ts), key, i)
 
-    def _to_dicts(self) -> None:
-        """A key that is no int64: the slot states go to dict storage (as a typed value
-        state does at its first such key), and the index to Python."""
-        self._flush()  # the registrations waiting go to the slots before they move
-        for name in self._slots:
-            if type(self._tables[name]) is ColumnarValueTable:
-                self._backend._columnar_table_to_dict(name)
-                self._backend._states.pop(name, None)  # its state object read the columns: a new one reads the dicts
-        if self._native is not None:
-            self._native.disabled = True  # its cached columns are gone: TimerService's bound register falls back
-            ts, keys, indexes = self._native.drain()
-            self._native = None
-            self.register = self._register
-            for t, key, index in zip(ts, keys, indexes, strict=True):
-                self._index(t, key, index)
+    def _to_python(self) -> None:
+        for ts, key, index in self._table.to_python():
+            self._index(ts, key, index)
+        self.register = self._register
 
     def _flush(self) -> None:
-        """Registrations the native heap holds back go to the slot states now."""
+        """Registrations the native sets hold back are applied now."""
         if self._native is not None:
             self._native.flush()
 
     def _index(self, ts: int, key: Any, index: int) -> None:
-        if self._native is not None:
-            self._native.push(ts, key, index)
-            return
         bucket = self._keys.get(ts)
         if bucket is None:
             self._keys[ts] = [(key, index)]
@@ -142,22 +335,13 @@ class TimerQueue:
         else:
             bucket.append((key, index))
 
-    def _get(self, name: str, index: int, key: Any) -> Any:
-        return self._tables[name].groups[index].get(key)
-
-    def _put(self, name: str, index: int, key: Any, ts: int) -> None:
-        table = self._tables[name]
-        if type(table) is ColumnarValueTable:
-            table.groups[index].put(key, ts)
-        else:
-            table.store(index, key, ts)
-
-    def _drop(self, name: str, index: int, key: Any) -> None:
-        table = self._tables[name]
-        if type(table) is ColumnarValueTable:
-            table.groups[index].remove(key)
-        else:
-            table.delete(index, key)
+    def _add(self, ts: int, key: Any, index: int) -> None:
+        """Python storage: adds the timer unless it is there."""
+        group = self._table.writable(index)
+        if (key, ts) in group:
+            return
+        group[(key, ts)] = None
+        self._index(ts, key, index)
 
     def _current(self) -> Tuple[Any, int]:
         b = self._backend
@@ -166,13 +350,11 @@ class TimerQueue:
             from .columnar import NO_KEY_HINT, NoCurrentKeyError
 
             raise NoCurrentKeyError(f"a timer was used with no current key: {NO_KEY_HINT}")
-        if not (type(key) is int and _INT64_MIN <= key <= _INT64_MAX) and self._native is not None:
-            self._to_dicts()
         return key, index
 
     def _register(self, ts: int) -> None:
         """Registers the current key's timer at ``ts`` in Python: what the native
-        ``register`` hands over (a key with every slot state taken, other keys)."""
+        ``register`` hands over (a key or timestamp that is no int64, no current key)."""
         if type(ts) is not int:
             ts = _timestamp(ts)
         if not _INT64_MIN < ts <= _INT64_MAX:
@@ -180,83 +362,12 @@ class TimerQueue:
                 f"a timer's timestamp must be an int64, above {SEVERAL} and at most {_INT64_MAX}, got {ts}"
             )
         key, index = self._current()
-        for name in self._slots:
-            current = self._get(name, index, key)
-            if current is None:
-                self._put(name, index, key, ts)
-                self._index(ts, key, index)
+        if self._native is not None:
+            if _is_int64(key):
+                self._native.register(ts)  # an int subclass or numpy int as timestamp, made an int above
                 return
-            if current == ts:
-                return
-        if len(self._slots) < MAX_SLOTS:
-            self._put(self._add_slot(), index, key, ts)
-            self._index(ts, key, index)
-            return
-        self._add_overflow(ts, key, index)
-
-    def _register_overflow(self, ts: int) -> None:
-        """The native ``register``'s hand-over for a key whose every slot is taken by
-        another timestamp (``ts`` checked and the key current: only the overflow is left)
-        and whose overflow set C cannot change (none yet, or one a snapshot holds)."""
-        b = self._backend
-        self._add_overflow(ts, b._key, b._key_index)
-
-    # -- the overflow: a key's timers past its slots, a TimerSet per key --------------------
-
-    def _overflow(self, index: int, key: Any, change: bool) -> Optional[TimerSet]:
-        """The key's overflow, or None; with ``change``, one that may be changed in
-        place (copied first while an unfinished snapshot holds it)."""
-        table = self._tables[self._more_name]
-        more = table.groups[index].get(key)
-        if more is None:
-            return None
-        if type(more) is not TimerSet:  # a tuple or list, as a checkpoint restores it
-            more = TimerSet(more)
-            table.store(index, key, more)
-        elif change:
-            if table.needs_private(index, key):
-                more = TimerSet(more)
-                table.store(index, key, more)
-            elif table.changes is not None:
-                table.changes[index].add(key)
-        return more  # type: ignore[no-any-return]
-
-    def _add_overflow(self, ts: int, key: Any, index: int) -> None:
-        table = self._tables[self._more_name]
-        more = table.groups[index].get(key)
-        if more is None:
-            table.store(index, key, TimerSet((ts,)))
-        elif ts in (more.times if more.__class__ is TimerSet else more):
-            return
-        elif more.__class__ is TimerSet and not table.needs_private(index, key):  # the common case, inline
-            more.times[ts] = None
-            if table.changes is not None:
-                table.changes[index].add(key)
-        else:
-            self._overflow(index, key, True).times[ts] = None  # type: ignore[union-attr]
-        self._index(ts, key, index)
-
-    def _delete_overflow(self, ts: int, key: Any, index: int) -> bool:
-        table = self._tables[self._more_name]
-        more = table.groups[index].get(key)
-        if more is None or ts not in (more.times if more.__class__ is TimerSet else more):
-            return False
-        if len(more) == 1:
-            table.delete(index, key)
-        elif more.__class__ is TimerSet and not table.needs_private(index, key):  # the common case, inline
-            del more.times[ts]
-            if table.changes is not None:
-                table.changes[index].add(key)
-        else:
-            del self._overflow(index, key, True).times[ts]  # type: ignore[union-attr]
-        return True
-
-    def _check_overflow(self, ts: int) -> bool:
-        """The native firing loop's question for a key whose slots are all taken by
-        other timestamps, where it cannot answer in C (the set's last timer, a set a
-        snapshot holds): removes ``ts`` from the current key's overflow; was it there?"""
-        b = self._backend
-        return self._delete_overflow(ts, b._key, b._key_index)
+            self._to_python()
+        self._add(ts, key, index)
 
     def delete(self, ts: int) -> bool:
         """Removes the current key's timer at ``ts``; True if there was one. ``ts`` is
@@ -266,81 +377,40 @@ class TimerQueue:
             ts = _timestamp(ts)
         if not _INT64_MIN < ts <= _INT64_MAX:
             return False  # no timer is registered there
-        if self._native is not None:
-            code = self._native.remove_current(ts)
-            if code == 1:
-                return True
-            if code == 0:
-                return False
-            if code == 2:
-                self._refill()
-                return True
-            if code == -3:
-                return self._check_overflow(ts)
-        return self._delete_python(ts)
-
-    def _delete_python(self, ts: int) -> bool:
         key, index = self._current()
-        found, last = -1, -1
-        for j, name in enumerate(self._slots):
-            current = self._get(name, index, key)
-            if current is None:
-                break
-            last = j
-            if found < 0 and current == ts:
-                found = j
-        full = last == MAX_SLOTS - 1
-        if found >= 0:
-            if found != last:  # no holes: the key's last timer moves into this one's place
-                self._put(self._slots[found], index, key, self._get(self._slots[last], index, key))
-            self._drop(self._slots[last], index, key)
-            if full:
-                self._refill()
-            return True
-        if not full:
+        if self._native is not None:
+            if _is_int64(key):
+                return bool(self._native.delete_current(ts))
+            # A key equal to an int one (1.0, True) is that key, as in every keyed state:
+            # Python's storage finds it (and the next registration would move there anyway).
+            self._to_python()
+        group = self._table.pairs[index]  # type: ignore[index]
+        if (key, ts) not in group:
             return False
-        return self._delete_overflow(ts, key, index)
-
-    def _refill(self) -> None:
-        """A timer left a key whose slots were all taken: one from its overflow, if
-        any, takes the last slot (a key's overflow exists only while its slots are full).
-        The native firing loop does this itself but for the set's last timer and a set
-        a snapshot holds."""
-        b = self._backend
-        key, index = b._key, b._key_index
-        more = self._overflow(index, key, True)
-        if not more:
-            return
-        ts, _ = more.times.popitem()  # the newest: O(1), where the oldest would walk the dict's holes
-        self._put(self._slots[MAX_SLOTS - 1], index, key, ts)
-        if not more:
-            self._tables[self._more_name].delete(index, key)
+        del self._table.writable(index)[(key, ts)]
+        return True
 
     def timestamps(self) -> Tuple[int, ...]:
-        """The current key's timers, in order."""
-        self._flush()
+        """The current key's timers, in order (a scan of its key group)."""
         key, index = self._current()
-        out = []
-        for name in self._slots:
-            current = self._get(name, index, key)
-            if current is None:
-                break
-            out.append(current)
-        out.extend(self._tables[self._more_name].groups[index].get(key, ()))
-        return tuple(sorted(out))
+        if self._native is not None:
+            if _is_int64(key):
+                return tuple(self._native.timestamps_of(key, index))
+            self._to_python()  # as in delete
+        return tuple(sorted(t for k, t in self._table.pairs[index] if k == key))  # type: ignore[index]
 
-    # -- the index ---------------------------------------------------------------------------
+    # -- the order ---------------------------------------------------------------------------
 
     def next_time(self) -> Optional[int]:
-        """The earliest timestamp in the index (possibly a deleted timer's), or None."""
+        """The earliest timestamp in the order (possibly a deleted timer's), or None."""
         if self._native is not None:
             return self._native.peek()  # type: ignore[no-any-return]
         return self._heap[0] if self._heap else None
 
     def due(self, upto: int) -> Iterator[Tuple[Any, int]]:
-        """Timers at or before ``upto``, in timestamp order, each removed from the state
-        just before it is yielded with the backend's current key set to its key. Timers
-        registered meanwhile at or before ``upto`` are yielded too (as Flink fires them)."""
+        """Timers at or before ``upto``, in timestamp order, each removed just before it
+        is yielded with the backend's current key set to its key. Timers registered
+        meanwhile at or before ``upto`` are yielded too (as Flink fires them)."""
         b = self._backend
         while True:
             native = self._native
@@ -348,14 +418,7 @@ class TimerQueue:
                 got = native.pop_due(upto)
                 if got is None:
                     return
-                key, ts, code = got
-                if code == 2:
-                    self._refill()
-                elif code == -1 and not self._delete_python(ts):
-                    continue
-                elif code == -3 and not self._check_overflow(ts):
-                    continue
-                yield key, ts
+                yield got
                 continue
             heap = self._heap
             if not heap or heap[0] > upto:
@@ -367,17 +430,19 @@ class TimerQueue:
                 del self._keys[ts]
                 continue
             key, index = bucket.pop()
+            if (key, ts) not in self._table.pairs[index]:  # type: ignore[index]
+                continue  # deleted meanwhile (or a second entry of one registered again)
+            del self._table.writable(index)[(key, ts)]
             b._key, b._key_index = key, index
-            if self._delete_python(ts):  # else deleted meanwhile (or a second entry of one re-registered)
-                yield key, ts
+            yield key, ts
 
     def fire(self, upto: int, ctx: Any, on_timer: Callable[[int, Any], Any], out: List[Any]) -> None:
         """Fires the timers at or before ``upto`` in order: for each, the backend's
         current key and ``ctx.current_key`` / ``ctx._timer_ts`` set, ``on_timer(ts,
-        ctx)``, its results into ``out``. The native heap does the loop itself (one C
-        iteration and the call per timer); the Python index, if any, follows."""
+        ctx)``, its results into ``out``. The native sets do the loop themselves (one C
+        iteration and the call per timer); Python's order, if any, follows."""
         if self._native is not None:
-            self._native.fire_due(upto, ctx, on_timer, out, self._delete_python, self._refill, self._check_overflow)
+            self._native.fire_due(upto, ctx, on_timer, out)
         for key, ts in self.due(upto):
             ctx.current_key = key
             ctx._timer_ts = ts
@@ -392,91 +457,74 @@ class TimerQueue:
                     raise
 
     def __len__(self) -> int:
-        """Timers in the index, stale ones included (an upper bound of the live ones)."""
-        native = len(self._native) if self._native is not None else 0
-        return native + sum(len(k) for k in self._keys.values())
+        """Pending timers."""
+        self._flush()
+        return len(self._table)
 
     def last_time(self) -> Optional[int]:
         """The latest pending timer's timestamp (this subtask's key groups), or None: a
-        pass over the timer states, for the rare caller that needs it (the end of input)."""
-        self._flush()
+        pass over the timers, for the rare caller that needs it (the end of input)."""
         latest: Optional[int] = None
-        for name in self._slots:
-            table = self._tables[name]
-            for group in table.groups:
-                if type(table) is ColumnarValueTable:
-                    times = group.arrays()[1]
-                    top = int(times.max()) if len(times) else None
-                else:
-                    top = max(group.values(), default=None)
-                if top is not None and (latest is None or top > latest):
-                    latest = top
-        more = self._tables.get(self._more_name)
-        for group in more.groups if more is not None else []:
-            for times in group.values():
-                top = max(times, default=None)
-                if top is not None and (latest is None or top > latest):
-                    latest = top
+        for i in range(self._table.groups_count):
+            if self._native is not None:
+                self._native.flush()
+                ts = self._native.freeze(i).arrays()[1]
+                top = int(ts.max()) if len(ts) else None
+            else:
+                top = max((t for _, t in self._table.pairs[i]), default=None)  # type: ignore[index]
+            if top is not None and (latest is None or top > latest):
+                latest = top
         return latest
 
-    def _rebuild(self) -> None:
-        """The index from the states (after a restore: this subtask's key groups)."""
-        b = self._backend
-        if any(type(self._tables[name]) is not ColumnarValueTable for name in self._slots):
-            self._to_dicts()
-        for name in self._slots:
-            table = self._tables[name]
-            for index, group in enumerate(table.groups):
-                if type(table) is ColumnarValueTable:
-                    keys, times = group.arrays()
-                    if len(keys):
-                        self._native.push_many(times, keys, np.full(len(keys), index))
-                else:
-                    for key, ts in list(group.items()):
-                        self._index(ts, key, index)
-        more = self._tables.get(self._more_name)
-        for index, group in enumerate(more.groups if more is not None else []):
-            for key, times in list(group.items()):
-                if self._native is not None and not (type(key) is int and _INT64_MIN <= key <= _INT64_MAX):
-                    b._key, b._key_index = key, index
-                    self._to_dicts()
-                for ts in times:
-                    self._index(ts, key, index)
+
+def _take_restored(backend: Any, domain: str) -> Optional[RestoredTimers]:
+    """The domain's restored timers, taken out of the backend's tables: as the restore
+    read them, or moved out of the slot states of checkpoints written before the sets
+    (which go; the incremental backend's next checkpoint is then a full one)."""
+    tables = backend._tables
+    name = timers_table_name(domain)
+    table = tables.get(name)
+    if isinstance(table, RestoredTimers):
+        del tables[name]
+        return table
+    if isinstance(table, TimerTable):
+        raise RuntimeError(f"the {domain} timers of this backend have a TimerQueue already")
+    old = [n for n in tables if n == name or n.startswith(name + "@") or n == name + "_more"]
+    if not old:
+        return None
+    restored = RestoredTimers(name, len(backend.key_group_range))
+    for n in old:
+        for i, group in enumerate(_groups_as_dicts(tables[n])):
+            keys, ts = [], []
+            for key, value in group.items():
+                for t in value if n.endswith("_more") else (value,):
+                    keys.append(key)
+                    ts.append(int(t))
+            if keys:
+                restored.add(i, keys, ts)
+        del tables[n]
+        backend._states.pop(n, None)
+    # A delta must not build on files that hold the slot states: their entries would
+    # come back at the next restore beside the sets' rows.
+    start_new_chain = getattr(backend, "start_new_chain", None)
+    if start_new_chain is not None:
+        start_new_chain()
+    # int keys back to arrays, so a restore of many timers does not go through Python
+    for i in range(len(restored.pieces)):
+        pairs = list(restored.pairs(i))
+        restored.reset(i)
+        if pairs and all(_is_int64(k) for k, _ in pairs):
+            restored.add(i, pa.array([k for k, _ in pairs], pa.int64()), pa.array([t for _, t in pairs], pa.int64()))
+        elif pairs:
+            restored.add(i, [k for k, _ in pairs], [t for _, t in pairs])
+    return restored
 
 
-@stored_as_list
-class TimerSet:
-    """A key's timers past its slot states: a set of timestamps in a dict (insertion
-    ordered, O(1) to add, find and remove), checkpointed as the list of them, as the
-    tuple it replaces was (so a checkpoint's overflow reads as ``list<int64>``, either
-    version). Changed in place only while no unfinished snapshot holds it."""
-
-    __slots__ = ("times",)
-
-    def __init__(self, times: Iterable[int] = ()) -> None:
-        self.times: Dict[int, None] = dict.fromkeys(times)
-
-    def __contains__(self, ts: object) -> bool:
-        return ts in self.times
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.times)
-
-    def __len__(self) -> int:
-        return len(self.times)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, TimerSet):
-            return self.times.keys() == other.times.keys()
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]  # changed in place
-
-    def __reduce__(self) -> Tuple[Any, ...]:
-        return (TimerSet, (list(self.times),))
-
-    def __repr__(self) -> str:
-        return f"TimerSet({list(self.times)!r})"
+def _groups_as_dicts(table: Any) -> Iterable[Dict[Any, Any]]:
+    to_dicts = getattr(table, "to_dicts", None)
+    if to_dicts is not None:  # columnar
+        return to_dicts()  # type: ignore[no-any-return]
+    return table.groups  # type: ignore[no-any-return]
 
 
 class InvalidTimerError(NonRetryableError, ValueError):
