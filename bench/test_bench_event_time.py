@@ -205,7 +205,7 @@ def test_a_timer_per_record_against_the_same_function_without(
         f"records / {KEYS:,} keys, p=2: {with_timers / 1e6:.2f} M records/s, without timers "
         f"{without / 1e6:.2f} M/s -> {ratio:.0%} (target >= 70%: {met})"
     )
-    # The target is 70%: 72% here since the timers are a (key, timestamp) set per key
+    # The target is 70%: 72-76% here since the timers are a (key, timestamp) set per key
     # group (50-59% in CI runs before, 38-47% before registrations were batched). The
     # function without timers costs ~0.9-1.0 us a record. A timer added ~0.77 us when a
     # key's timers were up to eight "slot" value states plus an overflow: a registration
@@ -216,7 +216,7 @@ def test_a_timer_per_record_against_the_same_function_without(
     # firing asks for the next timers' probes and on_timer's state lookups ahead). Of
     # what a timer costs now, ~0.23 us is Python no timer service can remove: the call
     # site, and on_timer's call from C with its clear(). The guard catches a regression.
-    assert ratio >= 0.55, f"timers at {ratio:.0%} of the function without them"
+    assert ratio >= 0.6, f"timers at {ratio:.0%} of the function without them"
 
 
 # The same function over 1,000 keys: each key has tens of pending timers when they fire
