@@ -850,3 +850,32 @@ def test_a_key_equal_to_an_int_key_finds_its_timers(other: Any) -> None:
     assert service.event.timestamps() == (100, 200)
     assert service.event.delete(100)
     assert list(service.advance_watermark(10**6)) == [(1, 200)]
+
+
+def test_restored_timers_not_yet_taken_are_written_back_whatever_their_keys(tmp_path: Any) -> None:
+    """An operator that makes no timers, restored from two subtasks' files (one with
+    int keys only, one with str keys: the key groups come back as arrays and as pairs),
+    writes them back unchanged at its snapshot (the writer takes neighbouring key groups
+    in one batch: all arrays or all pairs; a mix failed, found by a review)."""
+    from pyengine.state import assign_to_key_group
+
+    storage = checkpoint_storage(str(tmp_path / "ckpt"), "job")
+    handles: List[Any] = []
+    expected: List[Tuple[Any, int]] = []
+    for sub, make in ((0, lambda i: i), (1, lambda i: f"s{i}")):
+        kg_range = key_group_range_for_subtask(128, 2, sub)
+        backend = create_keyed_backend("heap", key_group_range=kg_range)
+        service = InternalTimerService(backend, MIN_WATERMARK)
+        for i in range(400):
+            key = make(i)
+            if assign_to_key_group(key, 128) in kg_range:
+                _register(service, backend, key, 100 + i)
+                expected.append((key, 100 + i))
+        handles += backend.snapshot(1, storage.location(1)).run().handles
+    untouched = create_keyed_backend("heap")
+    untouched.restore(handles)  # no TimerQueue takes them
+    handles = untouched.snapshot(2, storage.location(2)).run().handles
+    again = create_keyed_backend("heap")
+    again.restore(handles)
+    restored = InternalTimerService(again, MIN_WATERMARK)
+    assert sorted(restored.advance_watermark(10**6), key=str) == sorted(expected, key=str)

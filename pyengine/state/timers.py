@@ -170,12 +170,13 @@ class RestoredTimers:
         )
 
     def freeze(self) -> List[Any]:
+        """All arrays, or all pairs if any key group has a key that is no int64 (the
+        writer takes a batch of neighbouring key groups the same way)."""
         self.active_snapshots += 1
-        out: List[Any] = []
-        for i in range(len(self.pieces)):
-            got = self.arrays(i)
-            out.append(ColumnarSlice(*got) if got is not None else _PairGroup(list(self.pairs(i))))
-        return out
+        arrays = [self.arrays(i) for i in range(len(self.pieces))]
+        if all(a is not None for a in arrays):
+            return [ColumnarSlice(*a) for a in arrays]  # type: ignore[misc]
+        return [_PairGroup(list(self.pairs(i))) for i in range(len(self.pieces))]
 
     def release(self) -> None:
         self.active_snapshots -= 1
@@ -257,8 +258,9 @@ class TimerTable:
     def to_python(self) -> List[Tuple[int, Any, int]]:
         """Moves the timers to Python storage (a key that is no int64); returns them as
         (timestamp, key, key group index) for the Python order."""
-        native, self.native = self.native, None
-        native.flush()
+        native = self.native
+        native.flush()  # first: if it fails, the timers stay native and whole
+        self.native = None
         native.disabled = True  # TimerService's bound register goes to the fallback from now on
         self.pairs = []
         out: List[Tuple[int, Any, int]] = []
