@@ -355,7 +355,9 @@ def test_a_checkpoint_with_a_million_pending_timers(benchmark: Any, pending_time
     offset per row), and its time grows with the bytes (the write is I/O-bound
     here: about a tenth of it is CPU). The timers cost no more than the same timestamps
     as a value state (the asserted ratio). Against the counts alone (target 1.5x,
-    reported): 1.29-1.34x here, 1.34-1.71x in CI runs, though the bytes are 2.3x. They
+    reported): 1.29-1.34x here, 1.34-1.71x in CI runs, though the bytes are 2.3x (with
+    the timers as sets per key group, read out of the sets on the writer's threads:
+    1.35-1.48x here, 1.40x and 1.70x in two CI runs; 1.03-1.19x the same bytes). They
     cannot be much fewer with a byte-level codec: the pairs hold ~3.5 bytes of entropy
     each (a key among a group's ~8k of a million, ~1 byte; a timestamp, ~2.5 bytes)
     against the counts' 7.3 bytes a key, and LZ4 over byte-aligned columns (sorted per
