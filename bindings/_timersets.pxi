@@ -288,9 +288,15 @@ cdef class TimerSets(TimerOrder):
         self._flush()
         if not self._current(&k, &i):
             return False
-        if not pe_tset_contains(&self.sets[i], k, ts):
+        return self._remove(k, ts, i)
+
+    cdef inline bint _remove(self, int64_t k, int64_t t, Py_ssize_t i) except -1:
+        """Removes (k, t) from key group ``i``'s set: False if it was not there. One
+        probe, but where a frozen set shares the slots: a probe first, so an absent
+        timer does not copy them."""
+        if self.refs[i] != NULL and not pe_tset_contains(&self.sets[i], k, t):
             return False
-        return pe_tset_remove(self._writable(i), k, ts) == 1
+        return pe_tset_remove(self._writable(i), k, t) == 1
 
     def contains_current(self, int64_t ts):
         cdef int64_t k
@@ -331,10 +337,7 @@ cdef class TimerSets(TimerOrder):
 
     cdef bint _take(self, TimerEntry* e) except -1:
         """Removes the entry's timer from its set: False if it was deleted."""
-        cdef pe_tset* s = &self.sets[e.index]
-        if not pe_tset_contains(s, e.key, e.ts):
-            return False
-        return pe_tset_remove(self._writable(e.index), e.key, e.ts) == 1
+        return self._remove(e.key, e.ts, e.index)
 
     def pop_due(self, int64_t upto):
         """The next timer at or before ``upto``, removed, with the backend's current key

@@ -147,10 +147,14 @@ class RestoredTimers:
         self.pieces[index] = []
 
     def add(self, index: int, keys: Any, timestamps: Any) -> None:
-        """Keys and timestamps of key group ``index``: Arrow int64 arrays, or lists."""
+        """Keys and timestamps of key group ``index``: Arrow int64 arrays, or lists
+        (kept as lists only if a key is no int64; else arrays, for the native sets)."""
         if isinstance(keys, pa.Array):
             keys = keys.to_numpy(zero_copy_only=False)
             timestamps = timestamps.to_numpy(zero_copy_only=False)
+        elif all(_is_int64(k) for k in keys):
+            keys = np.array(keys, np.int64)
+            timestamps = np.array(timestamps, np.int64)
         self.pieces[index].append((keys, timestamps))
 
     def pairs(self, index: int) -> Iterator[Tuple[Any, Any]]:
@@ -307,15 +311,11 @@ class TimerQueue:
         """The timers of a restore into the sets (or Python's storage) and the order."""
         for i in range(len(restored.pieces)):
             got = restored.arrays(i)
-            if got is None and self._native is not None:  # lists (a batch of mixed keys, dict storage)
-                pairs = list(restored.pairs(i))
-                if all(_is_int64(k) for k, _ in pairs):
-                    got = (np.array([k for k, _ in pairs], np.int64), np.array([t for _, t in pairs], np.int64))
-                else:
-                    self._to_python()
-            if got is not None and self._native is not None:
-                self._native.load(i, *got)
-                continue
+            if self._native is not None:
+                if got is not None:
+                    self._native.load(i, *got)
+                    continue
+                self._to_python()  # a key that is no int64
             for key, ts in restored.pairs(i):
                 self._add(int(ts), key, i)
 
@@ -466,17 +466,12 @@ class TimerQueue:
     def last_time(self) -> Optional[int]:
         """The latest pending timer's timestamp (this subtask's key groups), or None: a
         pass over the timers, for the rare caller that needs it (the end of input)."""
-        latest: Optional[int] = None
-        for i in range(self._table.groups_count):
-            if self._native is not None:
-                self._native.flush()
-                ts = self._native.freeze(i).arrays()[1]
-                top = int(ts.max()) if len(ts) else None
-            else:
-                top = max((t for _, t in self._table.pairs[i]), default=None)  # type: ignore[index]
-            if top is not None and (latest is None or top > latest):
-                latest = top
-        return latest
+        native = self._native
+        if native is not None:
+            tops = [int(f.arrays()[1].max()) for f in native.freeze_all() if f is not None]
+        else:
+            tops = [max(t for _, t in group) for group in self._table.pairs or () if group]
+        return max(tops, default=None)
 
 
 def _take_restored(backend: Any, domain: str) -> Optional[RestoredTimers]:
@@ -511,14 +506,6 @@ def _take_restored(backend: Any, domain: str) -> Optional[RestoredTimers]:
     start_new_chain = getattr(backend, "start_new_chain", None)
     if start_new_chain is not None:
         start_new_chain()
-    # int keys back to arrays, so a restore of many timers does not go through Python
-    for i in range(len(restored.pieces)):
-        pairs = list(restored.pairs(i))
-        restored.reset(i)
-        if pairs and all(_is_int64(k) for k, _ in pairs):
-            restored.add(i, pa.array([k for k, _ in pairs], pa.int64()), pa.array([t for _, t in pairs], pa.int64()))
-        elif pairs:
-            restored.add(i, [k for k, _ in pairs], [t for _, t in pairs])
     return restored
 
 
