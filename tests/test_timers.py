@@ -704,6 +704,8 @@ def test_timer_state_is_readable_from_a_checkpoint(tmp_path: Any) -> None:
     assert sorted(zip(table.column("key").to_pylist(), table.column("value").to_pylist(), strict=True)) == [
         (k, k + 10**9) for k in range(20)
     ]
+    with pytest.raises(KeyError, match=r"keyed state '_timer_state/event_timer'; its keyed states: .*event_timers"):
+        read_keyed_state(savepoint, "later", "_timer_state/event_timer")  # a name misspelt
     assert os.path.isdir(savepoint)
 
 

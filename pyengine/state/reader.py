@@ -7,7 +7,7 @@ checkpoint, name an operator (by uid) and a state, get a ``pyarrow.Table``.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Set, Tuple
 
 import pyarrow as pa
 
@@ -75,6 +75,7 @@ def read_keyed_state(checkpoint_path: str, operator: str, state_name: str, *, al
     values: List[Any] = []
     key_groups: List[int] = []
     spec = None
+    declared: Set[str] = set()  # every keyed state the files name, for the error below
     for handle in handles:
         info, entries = _read_file(
             handle,
@@ -83,6 +84,7 @@ def read_keyed_state(checkpoint_path: str, operator: str, state_name: str, *, al
             states=[state_name],
             what=f"checkpoint {metadata.checkpoint_id}, operator {operator!r}",
         )
+        declared.update(c.name for c in info.columns)
         whole = any(c.name == state_name and c.kind == TIMERS_KIND for c in info.columns)
         if whole:
             for key_group in range(handle.key_group_start, handle.key_group_end + 1):
@@ -117,6 +119,7 @@ def read_keyed_state(checkpoint_path: str, operator: str, state_name: str, *, al
     if spec is None:
         raise KeyError(
             f"operator {operator!r} in checkpoint {checkpoint_path} has no entries of keyed state {state_name!r}"
+            + ("" if state_name in declared else f"; its keyed states: {', '.join(sorted(declared)) or 'none'}")
         )
     value_type = spec.storage_type if spec.typed else None
     if spec.typed and spec.kind == "map":
