@@ -104,6 +104,33 @@ cdef inline TimerContextFields timer_context_fields(object ctx) except *:
     return f
 
 
+cdef type _service_cls = None  # the last context type timer_service() found _service in
+cdef Py_ssize_t _service_at = -1
+
+
+cdef class KeyedContextCalls:
+    """``runtime.operators.KeyedContext``'s ``timer_service()``, as a method of a C
+    type: a job that sets a timer per record calls it per record. Python 3.11
+    specialises a call of a method its type has (a direct C call); an instance
+    attribute that shadows one, or a Python method, costs a generic lookup or a frame.
+    The service is read from the context's ``_service`` slot; until there is one, the
+    operator makes it (``ctx._op.timer_service()``)."""
+
+    def timer_service(self):
+        """Register and delete the current key's timers; read the clocks."""
+        global _service_cls, _service_at
+        cdef object service
+        cdef Py_ssize_t at
+        if type(self) is not _service_cls:
+            at = slot_offset(self, "_service")  # may run Python code: both globals set after it
+            _service_at = at
+            _service_cls = type(self)
+        service = _slot(self, _service_at) if _service_at >= 0 else getattr(self, "_service", None)
+        if service is not None:
+            return service
+        return self._op.timer_service()
+
+
 cdef inline int set_timer_context(object ctx, TimerContextFields* f, object key, object ts) except -1:
     """``ctx.current_key = key; ctx._timer_ts = ts``, in place where they are slots."""
     if f.key_at >= 0:

@@ -218,3 +218,26 @@ class TimerSets(TimerOrder):
     def fire_due(self, upto: int, ctx: Any, on_timer: Callable[[int, Any], Any], out: List[Any]) -> int:
         """Fires every timer at or before ``upto`` in order, calling ``on_timer(ts, ctx)`` with the
         backend's current key and ``ctx`` set, its results into ``out``; returns how many fired."""
+
+class TimerServiceCalls:
+    """``pyengine.time.TimerService``'s four timer calls as C methods (a call per
+    record specialised by the interpreter); registrations of a ``TimerSets`` go to
+    its sets directly."""
+
+    def __init__(
+        self,
+        register_event: Callable[[int], Any],
+        register_processing: Callable[[int], Any],
+        delete_event: Callable[[int], Any],
+        delete_processing: Callable[[int], Any],
+    ) -> None: ...
+    def register_event_time_timer(self, ts: int) -> None: ...
+    def register_processing_time_timer(self, ts: int) -> None: ...
+    def delete_event_time_timer(self, ts: int) -> Any: ...
+    def delete_processing_time_timer(self, ts: int) -> Any: ...
+
+class KeyedContextCalls:
+    """``KeyedContext.timer_service()`` as a C method: the ``_service`` slot, else the
+    operator's ``timer_service()`` (which makes it)."""
+
+    def timer_service(self) -> Any: ...

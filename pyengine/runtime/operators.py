@@ -7,13 +7,13 @@ of a task call each other through plain lists: no queue, no copy."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import operator
-from typing import Any, Callable, FrozenSet, Iterable, List, Optional, Set, Tuple, TypeAlias, overload
+from typing import TYPE_CHECKING, Any, Callable, FrozenSet, Iterable, List, Optional, Set, Tuple, TypeAlias, overload
 
 import pyarrow as pa
 
+from .. import _native
 from ..errors import ColumnNotFoundError, NonRetryableError, OutputTypeError, not_records, refuse_non_records
 from ..io.events import MAX_WATERMARK, MIN_WATERMARK, WATERMARK_ACTIVE, WATERMARK_IDLE, Watermark
 from ..state import ListStateDescriptor, OperatorStateBackend, create_keyed_backend, key_group_range_for_subtask
@@ -431,17 +431,18 @@ def batch_of(records: Any) -> pa.RecordBatch:
         return pa.RecordBatch.from_pylist(plain)
 
 
-class _KeyedContextFields:
-    """``KeyedContext``'s fields that firing timers set, once per timer: slots, which
-    the native timer heap writes at their place in the object (see
-    ``bindings/_keycore.pxi``). A subclass that makes either a property gets it set
-    as an attribute instead."""
+class _KeyedContextFields(_native.KeyedContextCalls):
+    """``KeyedContext``'s fields that firing timers set, once per timer, and the timer
+    service that ``timer_service()`` returns: slots, which the native timer sets write
+    and read at their place in the object (see ``bindings/_keycore.pxi``). A subclass
+    that makes one a property gets it set or read as an attribute instead."""
 
-    __slots__ = ("_timer_ts", "current_key")
+    __slots__ = ("_service", "_timer_ts", "current_key")
 
     def __init__(self) -> None:
         self.current_key: Any = None  # the record's key (or the firing timer's)
         self._timer_ts: Optional[int] = None
+        self._service: Optional[TimerService] = None  # the operator's TimerService, once made
 
 
 class KeyedContext(_KeyedContextFields):
@@ -460,7 +461,6 @@ class KeyedContext(_KeyedContextFields):
         self._backend: Any = None  # the operator's keyed backend, once state is asked for
         self._record: Any = None
         self._time_domain: Any = None
-        self._service: Any = None  # the operator's TimerService, once made
 
     @property
     def _domain(self) -> Any:
@@ -518,10 +518,11 @@ class KeyedContext(_KeyedContextFields):
     def get_current_key(self) -> Any:
         return self.current_key
 
-    def timer_service(self) -> TimerService:
-        """Register and delete the current key's timers; read the clocks."""
-        service = self._service
-        return service if service is not None else self._op.timer_service()
+    if TYPE_CHECKING:  # the method is KeyedContextCalls' (C): a timer per record calls it per record
+
+        def timer_service(self) -> TimerService:
+            """Register and delete the current key's timers; read the clocks."""
+            ...
 
     def timestamp(self) -> Optional[int]:
         """The event time of the record being processed (None when the stream has
@@ -655,10 +656,6 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
         key = self.backend.current_key
         self._timers = InternalTimerService(self.backend, self.current_watermark)
         self._timer_service = self._kctx._service = TimerService(self._timers)
-        # ctx.timer_service() from now on a C call that returns the service, not a Python
-        # frame: a job that sets a timer per record makes the call per record (~40 ns of
-        # the ~0.4 us a timer costs it). The instance attribute shadows the method.
-        self._kctx.timer_service = itertools.repeat(self._timer_service).__next__  # type: ignore[method-assign]
         if key is not None:
             self.backend.set_current_key(key)
         return self._timer_service

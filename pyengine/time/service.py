@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
+from .. import _native
 from .domain import now_ms
 
 __all__ = ["TimerService"]
 
 
-class TimerService:
+class TimerService(_native.TimerServiceCalls):
     """Timers of the current key (PyFlink's ``TimerService``): register or delete one
     at a timestamp in event time or processing time, and read both clocks.
 
@@ -19,32 +20,35 @@ class TimerService:
     the wall clock does, from the task's mailbox, between buffers. Timers are keyed
     state: checkpointed, restored and rescaled with it.
 
-    The four timer methods are the timer queues' own, bound when the service is made:
-    a job that sets a timer per record pays no call through this class."""
+    The four timer methods are C methods (``_native.TimerServiceCalls``) that go
+    straight to the timer queues: a job that sets a timer per record pays one
+    specialised C call for it, no Python frame."""
 
-    __slots__ = (
-        "_service",
-        "delete_event_time_timer",
-        "delete_processing_time_timer",
-        "register_event_time_timer",
-        "register_processing_time_timer",
-    )
-
-    register_event_time_timer: Callable[[int], None]
-    """Calls ``on_timer(timestamp, ctx)`` for the current key when the watermark
-    reaches ``timestamp`` (at the next watermark if it already has)."""
-    register_processing_time_timer: Callable[[int], None]
-    """Calls ``on_timer`` for the current key once the wall clock (ms since the epoch,
-    ``current_processing_time()``) reaches ``timestamp``."""
-    delete_event_time_timer: Callable[[int], Any]
-    delete_processing_time_timer: Callable[[int], Any]
+    __slots__ = ("_service",)
 
     def __init__(self, service: Any) -> None:
+        super().__init__(
+            service.event.register, service.processing.register, service.event.delete, service.processing.delete
+        )
         self._service = service
-        self.register_event_time_timer = service.event.register
-        self.register_processing_time_timer = service.processing.register
-        self.delete_event_time_timer = service.event.delete
-        self.delete_processing_time_timer = service.processing.delete
+
+    if TYPE_CHECKING:  # the methods are TimerServiceCalls' (C); their types and docs, for IDEs
+
+        def register_event_time_timer(self, ts: int) -> None:
+            """Calls ``on_timer(timestamp, ctx)`` for the current key when the watermark
+            reaches ``ts`` (at the next watermark if it already has)."""
+
+        def register_processing_time_timer(self, ts: int) -> None:
+            """Calls ``on_timer`` for the current key once the wall clock (ms since the
+            epoch, ``current_processing_time()``) reaches ``ts``."""
+
+        def delete_event_time_timer(self, ts: int) -> Any:
+            """The current key's event-time timer at ``ts`` does not fire (nothing when
+            there is none)."""
+
+        def delete_processing_time_timer(self, ts: int) -> Any:
+            """The current key's processing-time timer at ``ts`` does not fire (nothing
+            when there is none)."""
 
     def current_watermark(self) -> int:
         """The operator's event time: ``-2**63`` before the first watermark."""
