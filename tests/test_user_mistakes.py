@@ -444,6 +444,37 @@ def test_a_fractional_float_timestamp_is_refused_and_a_whole_one_read(arrow: boo
         assert "whole milliseconds, got the float 1700000000.5" in str(cause) and "* 1000" in str(cause)
 
 
+class FloatTimer(pe.KeyedProcessFunction):
+    """Sets a timer at seconds as a float: in process_element, or only in on_timer."""
+
+    def __init__(self, in_on_timer: bool) -> None:
+        self.in_on_timer = in_on_timer
+
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        due = value["ts"] + 5
+        ctx.timer_service().register_event_time_timer(due if self.in_on_timer else due / 1000)
+        return ()
+
+    def on_timer(self, timestamp: int, ctx: Any) -> Any:
+        ctx.timer_service().register_event_time_timer(timestamp / 1000)
+        return ()
+
+
+@pytest.mark.parametrize("in_on_timer", [False, True])
+def test_a_timer_at_a_float_names_the_operator(in_on_timer: bool) -> None:
+    """The refusal said what was wrong but not where: a job with several functions
+    left the user to guess which one (a new-user trial). It names the operator."""
+    from pyengine.state.timers import InvalidTimerTypeError
+
+    env = pe.StreamEnvironment(parallelism=1, restart_attempts=3)
+    stream = env.from_collection(RECORDS, watermark_strategy=STRATEGY).key_by("user")
+    stream.process(FloatTimer(in_on_timer)).name("expiry").sink_to(pe.sinks.DiscardSink())
+    cause = _failed(env)
+    assert isinstance(cause, InvalidTimerTypeError)
+    assert "operator 'expiry'" in str(cause) and "int milliseconds, got float" in str(cause)
+    assert ("on_timer" in str(cause)) == in_on_timer
+
+
 def test_a_pyflink_reduce_function_object_is_taken_as_its_reduce() -> None:
     """PyFlink's ReducingStateDescriptor takes a ReduceFunction object; here it was
     refused with "reduce_function must be callable" (a new-user trial)."""

@@ -31,6 +31,7 @@ from ..state.descriptors import (
 )
 from ..state.heap import AggregatingState, ListState, MapState, ReducingState, ValueState
 from ..state.serializers import unviewed
+from ..state.timers import InvalidTimerError
 from ..storage.filesystem import CheckpointStorageLocation
 from ..storage.metadata import OperatorState, SubtaskState
 from ..time.domain import TimeDomain
@@ -711,6 +712,8 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
                         except TypeError:
                             refuse_non_records(produced, self.where(), getattr(element, "__name__", "process_element"))
                             raise
+        except InvalidTimerError as exc:  # a timer call of the function's: which operator's
+            raise type(exc)(f"{self.where()}: {exc}") from None
         except NonRetryableError:
             raise
         except Exception as exc:
@@ -730,6 +733,8 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
             queue.fire(upto, kctx, self.fn.on_timer, out)
         except OutputTypeError as exc:
             raise OutputTypeError(f"{self.where()}: {exc}") from None
+        except InvalidTimerError as exc:  # on_timer set a timer at no int64
+            raise type(exc)(f"{self.where()}: on_timer: {exc}") from None
         except NonRetryableError:
             raise
         except Exception as exc:
