@@ -363,6 +363,8 @@ cdef class TimerSets(TimerOrder):
         cdef Py_ssize_t fired = 0, next_at
         cdef TimerContextFields fields = timer_context_fields(ctx)
         cdef list ahead = None
+        cdef int64_t last_ts = INT64_MIN  # never a timer's timestamp
+        ts = None
         self._flush()
         while self._due(upto):
             # The next keys to fire are known: their timers' probes and their columnar
@@ -380,7 +382,9 @@ cdef class TimerSets(TimerOrder):
             if not self._take(&e):
                 continue
             key = e.key
-            ts = e.ts
+            if e.ts != last_ts:  # timers in a row often share a timestamp: one int object for them
+                ts = e.ts
+                last_ts = e.ts
             self.current.set(key, e.index)
             set_timer_context(ctx, &fields, key, ts)
             result = on_timer(ts, ctx)
