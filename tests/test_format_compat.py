@@ -1,8 +1,10 @@
-"""Keyed-state files written before unions became sparse (format version 3) still
-restore: ``tests/data/savepoint-dense-unions`` is a savepoint that pyengine wrote
-with dense unions (version 1: string keys and four states, so both the key and
-the value column are unions). It was made by ``tests/data/make_dense_savepoint.py``
-at commit 5eb38d5, the last one to write dense unions."""
+"""Keyed-state files of older formats still restore. ``tests/data/savepoint-dense-unions``
+is a savepoint that pyengine wrote with dense unions (version 1: string keys and four
+states, so both the key and the value column are unions), at commit 5eb38d5, the last
+one to write dense unions. ``tests/data/savepoint-int64-timers`` holds the same job's
+timers as a ``timers`` state with int64 timestamps (version 3), written at fb255f5,
+the last commit before they were split (version 4). Both were made by
+``tests/data/make_dense_savepoint.py``."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import pyengine as pe
 from pyengine.state import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor, read_keyed_state
 
 FIXTURE = Path(__file__).parent / "data" / "savepoint-dense-unions"
+TIMERS_FIXTURE = Path(__file__).parent / "data" / "savepoint-int64-timers"
 RECORDS = [{"user": f"u{i % 7}", "page": f"p{i % 3}", "i": i} for i in range(400)]
 HALF = 100  # records per split (of 2) before the savepoint
 
@@ -84,9 +87,43 @@ def test_the_fixture_is_a_dense_union_file() -> None:
         assert schema.field("key").type.mode == "dense" and schema.field("value").type.mode == "dense"
 
 
+def _inline_schemas(root: Path) -> List[pa.Schema]:
+    """The schemas of the keyed state files a savepoint keeps inside its _metadata."""
+    with open(root / "_metadata", "rb") as f:
+        operators = json.loads(f.read())["metadata"]["operators"]
+    streams = [h["stream"] for op in operators.values() for s in op["subtasks"].values() for h in s["keyed"]]
+    return [ipc.open_file(pa.py_buffer(bytes.fromhex(s["data"]))).schema for s in streams if s["kind"] == "inline"]
+
+
+def test_the_timers_fixture_holds_int64_timestamps_in_version_3() -> None:
+    schemas = _inline_schemas(TIMERS_FIXTURE)
+    assert schemas, f"no inline keyed state in {TIMERS_FIXTURE}"
+    for schema in schemas:
+        meta = json.loads(schema.metadata[b"pyengine"])
+        assert meta["version"] == 3 and "timers_encoding" not in meta
+        names = [s["name"] for s in meta["states"]]
+        timers = names.index("_timer_state/event_timers")
+        assert meta["states"][timers]["kind"] == "timers"
+        assert schema.field("value").type.field(meta["value_children"][timers]).type == pa.int64()
+
+
+def test_a_savepoint_with_int64_timer_timestamps_is_read_and_restored(tmp_path: Path) -> None:
+    first = RECORDS[0::2][:HALF] + RECORDS[1::2][:HALF]
+    timers = read_keyed_state(str(TIMERS_FIXTURE), "tally", "_timer_state/event_timers")
+    pending = zip(timers.column("key").to_pylist(), timers.column("value").to_pylist(), strict=True)
+    assert sorted(pending) == sorted((r["user"], 10**9 + r["i"]) for r in first)
+    _restores(tmp_path, TIMERS_FIXTURE)
+
+
 def test_a_savepoint_with_dense_unions_is_read_and_restored(tmp_path: Path) -> None:
+    _restores(tmp_path, FIXTURE)
+
+
+def _restores(tmp_path: Path, fixture: Path) -> None:
+    """The fixture's state reads as the job's first HALF records a split left it, and
+    the job resumed from it goes on from there."""
     savepoint = tmp_path / "savepoint"
-    shutil.copytree(FIXTURE, savepoint)
+    shutil.copytree(fixture, savepoint)
     first = RECORDS[0::2][:HALF] + RECORDS[1::2][:HALF]
     before = Counter(r["user"] for r in first)
 

@@ -1686,7 +1686,7 @@ class HeapKeyedStateBackend(_CurrentKey):
         from ..snapshot.strategies import column_of
 
         descriptors = [t.descriptor for t in self._tables.values()] + [descriptor]
-        check_state_count(count, [column_of(d).storage_type for d in descriptors], where=f"state {descriptor.name!r}")
+        check_state_count(count, [column_of(d).file_type for d in descriptors], where=f"state {descriptor.name!r}")
 
     def add_pending_writes(self, flush: Callable[[], None]) -> None:
         """``flush()`` applies writes that a state's owner holds back to batch them

@@ -1,7 +1,15 @@
-"""Writes tests/data/savepoint-dense-unions: run from the repository's root, at a
-commit whose keyed-state files use dense unions (5eb38d5 or before), as
-``python tests/data/make_dense_savepoint.py``. The job is test_format_compat's,
-stopped with a savepoint once each of its two splits has read HALF records."""
+"""Writes a savepoint fixture of test_format_compat: run from the repository's root,
+with the pyengine of the commit whose format it keeps first on ``PYTHONPATH`` (a
+worktree of that commit, built):
+
+- ``tests/data/savepoint-dense-unions``, dense unions (5eb38d5 or before):
+  ``python tests/data/make_dense_savepoint.py``;
+- ``tests/data/savepoint-int64-timers``, timers as a ``timers`` state with int64
+  timestamps, format version 3 (fb255f5): ``python tests/data/make_dense_savepoint.py
+  savepoint-int64-timers``.
+
+The job is test_format_compat's, stopped with a savepoint once each of its two
+splits has read HALF records."""
 
 import shutil
 import sys
@@ -25,7 +33,8 @@ if __name__ == "__main__":
     time.sleep(3)  # a few hundred records: read and processed long before this
     savepoint = client.stop_with_savepoint(str(scratch / "savepoint"))
     client.wait(30)
-    if FIXTURE.exists():
-        shutil.rmtree(FIXTURE)
-    shutil.copytree(savepoint, FIXTURE)
-    print("written", FIXTURE)
+    target = FIXTURE.parent / sys.argv[1] if len(sys.argv) > 1 else FIXTURE
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(savepoint, target)
+    print("written", target, "by", pe.__file__)
