@@ -355,16 +355,17 @@ def test_a_checkpoint_with_a_million_pending_timers(benchmark: Any, pending_time
 
     The due times are per-record timeouts, not window ends: a million distinct
     timestamps spread over a second of event time, about 20 random bits each, so they
-    do not compress away. Measured: the checkpoint writes ~2.3x the bytes of the
-    counts alone (7.3 MB -> 16.5 MB: a key and a timestamp per timer; 24 MB before
+    do not compress away. Measured: the checkpoint writes ~2.2x the bytes of the
+    counts alone (7.3 MB -> 16.1 MB: a key and a timestamp per timer; 24 MB before
     the state file's value union became sparse, format version 3, which dropped an
-    offset per row), and its time grows with the bytes (the write is I/O-bound
-    here: about a tenth of it is CPU). The timers cost no more than the same timestamps
-    as a value state (the asserted ratio). Against the counts alone (target 1.5x,
-    reported): 1.29-1.34x here, 1.34-1.71x in CI runs, though the bytes are 2.3x (with
-    the timers as sets per key group, read out of the sets on the writer's threads:
-    1.35-1.48x here, 1.40x and 1.70x in two CI runs; 1.03-1.19x the same bytes). They
-    cannot be much fewer with a byte-level codec: the pairs hold ~3.5 bytes of entropy
+    offset per row). Most of its time is LZ4 over int64 columns (~1.6 ns a byte on
+    nearby values): since format version 4 writes the timestamps as their high and
+    low 32 bits, which LZ4 stores almost for free and at once, 1.32-1.36x the counts
+    alone here where int64 timestamps took 1.36-1.64x in the same runs, and
+    0.94-0.99x the same timestamps as a value state (the asserted ratio; 1.04-1.08x
+    before). Earlier: 1.34-1.71x in CI runs with slot states; with the timers as sets
+    per key group, 1.33-1.70x in four CI runs. The bytes cannot be much fewer with a
+    byte-level codec: the pairs hold ~3.5 bytes of entropy
     each (a key among a group's ~8k of a million, ~1 byte; a timestamp, ~2.5 bytes)
     against the counts' 7.3 bytes a key, and LZ4 over byte-aligned columns (sorted per
     key group, keys or timestamps delta-encoded) measured 6 MB for them, 1.8x.
