@@ -108,6 +108,7 @@ cdef type _service_cls = None  # the last context type timer_service() found _se
 cdef Py_ssize_t _service_at = -1
 
 
+@cython.auto_pickle(False)  # no C fields: copy and pickle take the subclass's slots as for any object
 cdef class KeyedContextCalls:
     """``runtime.operators.KeyedContext``'s ``timer_service()``, as a method of a C
     type: a job that sets a timer per record calls it per record. Python 3.11
@@ -125,7 +126,9 @@ cdef class KeyedContextCalls:
             at = slot_offset(self, "_service")  # may run Python code: both globals set after it
             _service_at = at
             _service_cls = type(self)
-        service = _slot(self, _service_at) if _service_at >= 0 else getattr(self, "_service", None)
+        else:
+            at = _service_at
+        service = _slot(self, at) if at >= 0 else getattr(self, "_service", None)
         if service is not None:
             return service
         return self._op.timer_service()

@@ -406,6 +406,7 @@ cdef class TimerSets(TimerOrder):
         return fired
 
 
+@cython.auto_pickle(False)  # a copy would lose the subclass's slots: refused, as for the queues it calls
 cdef class TimerServiceCalls:
     """``pyengine.time.TimerService``'s four timer calls, as methods of its C type.
 

@@ -4,6 +4,7 @@ that says what to write instead; none is silently wrong."""
 
 from __future__ import annotations
 
+import traceback
 from typing import Any, List
 
 import pyarrow as pa
@@ -473,6 +474,9 @@ def test_a_timer_at_a_float_names_the_operator(in_on_timer: bool) -> None:
     assert isinstance(cause, InvalidTimerTypeError)
     assert "operator 'expiry'" in str(cause) and "int milliseconds, got float" in str(cause)
     assert ("on_timer" in str(cause)) == in_on_timer
+    # the traceback still reaches the function's own line
+    frames = [frame.name for frame in traceback.extract_tb(cause.__traceback__)]
+    assert ("on_timer" if in_on_timer else "process_element") in frames, frames
 
 
 def test_a_pyflink_reduce_function_object_is_taken_as_its_reduce() -> None:

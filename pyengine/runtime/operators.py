@@ -713,7 +713,8 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
                             refuse_non_records(produced, self.where(), getattr(element, "__name__", "process_element"))
                             raise
         except InvalidTimerError as exc:  # a timer call of the function's: which operator's
-            raise type(exc)(f"{self.where()}: {exc}") from None
+            exc.args = (f"{self.where()}: {exc}",)  # the same error, its traceback to the user's line kept
+            raise
         except NonRetryableError:
             raise
         except Exception as exc:
@@ -734,7 +735,8 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
         except OutputTypeError as exc:
             raise OutputTypeError(f"{self.where()}: {exc}") from None
         except InvalidTimerError as exc:  # on_timer set a timer at no int64
-            raise type(exc)(f"{self.where()}: on_timer: {exc}") from None
+            exc.args = (f"{self.where()}: on_timer: {exc}",)
+            raise
         except NonRetryableError:
             raise
         except Exception as exc:

@@ -607,9 +607,11 @@ def value_layout(columns: Sequence[StateColumn]) -> Tuple[List[pa.DataType], Opt
     whether the union is sparse.
 
     Several states of at most ``SPARSE_MAX_CHILDREN`` distinct storage types (the
-    common case: a few declared types and binary for untyped states; a job with
-    timers adds int64 ones): a sparse union with one child per distinct type, in
-    order of first use, and the state -> child map (version 3). Otherwise up to
+    common case: a few declared types and binary for untyped states), not counting
+    the timers' split timestamps (they were int64, which the states often share; a
+    fifth child of null rows costs two zeroed buffers, a dense union 4 bytes a row):
+    a sparse union with one child per distinct type, in order of first use, and the
+    state -> child map (version 3, or 4 with timers). Otherwise up to
     ``MAX_UNION_CHILDREN`` states: a dense union with one child per state (version
     1, None). More: a dense union with one child per distinct type and the map
     (version 2) — an operator's states are mostly a handful of types, so a union of
@@ -619,7 +621,8 @@ def value_layout(columns: Sequence[StateColumn]) -> Tuple[List[pa.DataType], Opt
     types = [c.file_type for c in columns]
     check_state_count(len(columns), types)
     children, child_of = _by_type(types)
-    if 1 < len(columns) and len(children) <= SPARSE_MAX_CHILDREN:
+    timers = any(t.equals(SPLIT_TIMESTAMPS) for t in children)
+    if 1 < len(columns) and len(children) - timers <= SPARSE_MAX_CHILDREN:
         return children, child_of, True
     if len(columns) <= MAX_UNION_CHILDREN:
         return types, None, False
