@@ -128,7 +128,7 @@ def test_read_keyed_state_returns_a_typed_table(storage) -> None:
     assert rows == {k: 5 * k for k in range(1000)}
     with pytest.raises(KeyError, match="no operator 'nope'; its operators: counter"):
         read_keyed_state(storage.uri_of(storage.checkpoint_dir(5)), "nope", "count")
-    with pytest.raises(KeyError, match="no entries of keyed state 'missing'"):
+    with pytest.raises(KeyError, match="no keyed state 'missing'; its keyed states: count"):
         read_keyed_state(storage.uri_of(storage.checkpoint_dir(5)), "counter", "missing")
 
 

@@ -469,10 +469,11 @@ def test_a_timer_at_a_float_names_the_operator(in_on_timer: bool) -> None:
 
     env = pe.StreamEnvironment(parallelism=1, restart_attempts=3)
     stream = env.from_collection(RECORDS, watermark_strategy=STRATEGY).key_by("user")
-    stream.process(FloatTimer(in_on_timer)).name("expiry").sink_to(pe.sinks.DiscardSink())
+    stream.process(FloatTimer(in_on_timer)).name("expiry").uid("expiry-state").sink_to(pe.sinks.DiscardSink())
     cause = _failed(env)
     assert isinstance(cause, InvalidTimerTypeError)
-    assert "operator 'expiry'" in str(cause) and "int milliseconds, got float" in str(cause)
+    assert "operator 'expiry' (uid 'expiry-state', subtask 0)" in str(cause)
+    assert "int milliseconds, got float" in str(cause)
     assert ("on_timer" in str(cause)) == in_on_timer
     # the traceback still reaches the function's own line
     frames = [frame.name for frame in traceback.extract_tb(cause.__traceback__)]

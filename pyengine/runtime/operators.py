@@ -153,8 +153,12 @@ class Operator:
         self.late_records_dropped = 0
 
     def where(self) -> str:
-        sub = f" (subtask {self.ctx.subtask})" if self.ctx is not None else ""
-        return f"operator {self.name!r}{sub}"
+        """How errors name this operator: its name, the uid a user gave it when that is
+        another (a name left to pyengine, such as '2-process', says little), the subtask."""
+        about = [f"uid {self.uid!r}"] if self.uid != self.name else []
+        if self.ctx is not None:
+            about.append(f"subtask {self.ctx.subtask}")
+        return f"operator {self.name!r}" + (f" ({', '.join(about)})" if about else "")
 
     def emit_side(self, tag: OutputTag, value: Any) -> None:
         """One record to the side output ``tag`` (``ctx.output``). A tag no stream reads

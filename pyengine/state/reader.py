@@ -76,6 +76,8 @@ def read_keyed_state(checkpoint_path: str, operator: str, state_name: str, *, al
     key_groups: List[int] = []
     spec = None
     declared: Set[str] = set()  # every keyed state the files name, for the error below
+    declared_spec = None  # the state as a file declares it: an empty table when no file has entries
+    int_keys = True  # every file's keys are int64: so is an empty table's key column
     for handle in handles:
         info, entries = _read_file(
             handle,
@@ -85,6 +87,8 @@ def read_keyed_state(checkpoint_path: str, operator: str, state_name: str, *, al
             what=f"checkpoint {metadata.checkpoint_id}, operator {operator!r}",
         )
         declared.update(c.name for c in info.columns)
+        declared_spec = next((c for c in info.columns if c.name == state_name), declared_spec)
+        int_keys = int_keys and info.plain_keys
         whole = any(c.name == state_name and c.kind == TIMERS_KIND for c in info.columns)
         if whole:
             for key_group in range(handle.key_group_start, handle.key_group_end + 1):
@@ -117,16 +121,18 @@ def read_keyed_state(checkpoint_path: str, operator: str, state_name: str, *, al
     if spec is not None and spec.ttl:
         values = [_unwrap_ttl(spec.kind, v) for v in values]
     if spec is None:
+        spec = declared_spec  # declared, no entries (no pending timers, say): an empty table
+    if spec is None:
         raise KeyError(
-            f"operator {operator!r} in checkpoint {checkpoint_path} has no entries of keyed state {state_name!r}"
-            + ("" if state_name in declared else f"; its keyed states: {', '.join(sorted(declared)) or 'none'}")
+            f"operator {operator!r} in checkpoint {checkpoint_path} has no keyed state {state_name!r}; "
+            f"its keyed states: {', '.join(sorted(declared)) or 'none'}"
         )
     value_type = spec.storage_type if spec.typed else None
     if spec.typed and spec.kind == "map":
         values = [list(v.items()) for v in values]
     return pa.table(
         {
-            "key": _column(keys),
+            "key": _column(keys) if keys or not int_keys else pa.array([], pa.int64()),
             "value": _column(values, value_type, pickled=spec.serializer == "pickle"),
             "key_group": pa.array(key_groups, pa.int32()),
         }
