@@ -79,6 +79,21 @@ def test_events_round_trip_through_their_metadata_encoding() -> None:
         encode_event("data")
 
 
+def test_servers_alive_together_never_share_a_port() -> None:
+    """gRPC binds port 0 with SO_REUSEPORT, and Linux may give it a port another such
+    socket of the process holds: two servers on one port, connections to the new one
+    refused once the old one closes (a channel's first call, in loaded full runs).
+    Servers are given a port no socket holds; each answers at its own."""
+    servers = [serve(CheckpointedInputGate(1, RecordingListener()), TOKEN)[0] for _ in range(16)]
+    try:
+        assert len({s.port for s in servers}) == len(servers)
+        for server in servers[::5]:
+            RemoteChannel(server.location, 0, TOKEN).close()  # its hello answered
+    finally:
+        for server in servers:
+            server.shutdown()
+
+
 def test_a_channel_delivers_rows_batches_and_events_in_order(endpoint) -> None:
     gate, server, listener = endpoint
     out = RemoteChannel(server.location, 0, TOKEN)

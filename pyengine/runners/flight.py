@@ -360,6 +360,23 @@ def _bind_address(host: str) -> str:
     return host if is_loopback(host) else "0.0.0.0"
 
 
+def _free_port(address: str) -> int:
+    """A port no socket holds now, for a server asked for port 0.
+
+    gRPC binds with SO_REUSEPORT, and given port 0 Linux may hand it a port that
+    another SO_REUSEPORT socket of the process already holds (grpc issue 10755): a
+    new server then shares a port with an old one, passes ``listening`` on the old
+    one's accept, and is refused once that one closes (full test runs on a loaded
+    machine saw it: a channel's first call refused for seconds, a whole job's control
+    server refused). A plain socket's port 0 is one no socket holds; the server binds
+    it by number. Another process taking it in between is what ``listening_server``
+    catches."""
+    family, kind, proto, _, where = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.bind(where)
+        return int(probe.getsockname()[1])
+
+
 def server_tls(host: str, tls: Optional[JobTls], plaintext: bool, *, make: bool, what: str) -> Optional[JobTls]:
     """The TLS a server advertising ``host`` uses: ``tls`` if given (on loopback too);
     none on loopback, where nothing crosses a network; off loopback, none only if
@@ -392,8 +409,9 @@ class GuardedServer(flight.FlightServerBase):
         self.auth = TokenCheck(token, what)
         self.what = what
         scheme = "grpc+tls" if self.tls is not None else "grpc"
+        address = _bind_address(host)
         super().__init__(
-            f"{scheme}://{_bind_address(host)}:{port}",
+            f"{scheme}://{address}:{port or _free_port(address)}",
             middleware={TokenCheck.KEY: self.auth},
             **(self.tls.server_options() if self.tls is not None else {}),
         )
