@@ -112,8 +112,9 @@ cdef Py_ssize_t _service_at = -1
 cdef class KeyedContextCalls:
     """``runtime.operators.KeyedContext``'s ``timer_service()``, as a method of a C
     type: a job that sets a timer per record calls it per record. Python 3.11
-    specialises a call of a method its type has (a direct C call); an instance
-    attribute that shadows one, or a Python method, costs a generic lookup or a frame.
+    specialises the lookup of a method its type has (``LOAD_METHOD_WITH_DICT``) and
+    the call runs no Python frame; an instance attribute that shadows a method (as
+    before) is looked up generically, a Python method costs a frame.
     The service is read from the context's ``_service`` slot; until there is one, the
     operator makes it (``ctx._op.timer_service()``)."""
 

@@ -21,8 +21,8 @@ class TimerService(_native.TimerServiceCalls):
     state: checkpointed, restored and rescaled with it.
 
     The four timer methods are C methods (``_native.TimerServiceCalls``) that go
-    straight to the timer queues: a job that sets a timer per record pays one
-    specialised C call for it, no Python frame."""
+    straight to the timer queues: a job that sets a timer per record pays a C call
+    whose lookup the interpreter specialises, and no Python frame."""
 
     __slots__ = ("_service",)
 
