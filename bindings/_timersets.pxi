@@ -136,6 +136,8 @@ cdef class TimerSets(TimerOrder):
         self._check(i)
         self._flush()
         cdef FrozenTimerSet frozen = FrozenTimerSet.__new__(FrozenTimerSet)
+        if self.sets[i].slots == NULL:  # no timer ever: nothing to share (the frozen set is empty)
+            return frozen
         if self.refs[i] == NULL:
             self.refs[i] = <int*>malloc(sizeof(int))
             if self.refs[i] == NULL:

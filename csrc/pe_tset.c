@@ -24,6 +24,13 @@ static int pe_tset_alloc(pe_tset *s, uint32_t cap, const pe_allocator *alloc)
 
 int pe_tset_init(pe_tset *s, uint32_t min_cap, const pe_allocator *alloc)
 {
+    if (min_cap == 0) { /* no slots until the first add: most key groups of a job may have no timers */
+        s->slots = NULL;
+        s->cap = 0;
+        s->bits = 0;
+        s->size = 0;
+        return PE_OK;
+    }
     return pe_tset_alloc(s, pe_next_pow2(min_cap < 8 ? 16 : 2 * min_cap), alloc);
 }
 
@@ -70,6 +77,9 @@ int pe_tset_add(pe_tset *s, int64_t key, int64_t ts, const pe_allocator *alloc)
     if (ts == PE_TSET_EMPTY) {
         return PE_ERR_ARG;
     }
+    if (s->slots == NULL && pe_tset_alloc(s, 16, alloc) != PE_OK) {
+        return PE_ERR_NOMEM;
+    }
     mask = s->cap - 1u;
     for (i = pe_tset_slot(s, key, ts); s->slots[i].ts != PE_TSET_EMPTY; i = (i + 1u) & mask) {
         if (s->slots[i].ts == ts && s->slots[i].key == key) {
@@ -95,7 +105,7 @@ int pe_tset_add(pe_tset *s, int64_t key, int64_t ts, const pe_allocator *alloc)
 int pe_tset_contains(const pe_tset *s, int64_t key, int64_t ts)
 {
     uint32_t mask = s->cap - 1u, i;
-    if (ts == PE_TSET_EMPTY) {
+    if (ts == PE_TSET_EMPTY || s->slots == NULL) {
         return 0;
     }
     for (i = pe_tset_slot(s, key, ts); s->slots[i].ts != PE_TSET_EMPTY; i = (i + 1u) & mask) {
@@ -109,7 +119,7 @@ int pe_tset_contains(const pe_tset *s, int64_t key, int64_t ts)
 int pe_tset_remove(pe_tset *s, int64_t key, int64_t ts)
 {
     uint32_t mask = s->cap - 1u, i, j;
-    if (ts == PE_TSET_EMPTY) {
+    if (ts == PE_TSET_EMPTY || s->slots == NULL) {
         return 0;
     }
     for (i = pe_tset_slot(s, key, ts);; i = (i + 1u) & mask) {
@@ -141,6 +151,10 @@ int pe_tset_remove(pe_tset *s, int64_t key, int64_t ts)
 
 int pe_tset_copy(pe_tset *dst, const pe_tset *src, const pe_allocator *alloc)
 {
+    if (src->slots == NULL) {
+        *dst = *src; /* nothing allocated yet: nothing to copy */
+        return PE_OK;
+    }
     dst->slots = (pe_timer *)alloc->calloc(src->cap, sizeof(pe_timer));
     if (!dst->slots) {
         return PE_ERR_NOMEM;

@@ -29,6 +29,9 @@ typedef struct pe_tset {
     uint32_t size;
 } pe_tset;
 
+/* min_cap 0: no slots (slots NULL) until the first add, which makes 16; every call
+   takes a set in that state. A job's operator has a set per key group and domain,
+   most of them often empty (16 MB of empty slots at 32768 key groups otherwise). */
 int pe_tset_init(pe_tset *s, uint32_t min_cap, const pe_allocator *alloc);
 void pe_tset_destroy(pe_tset *s, const pe_allocator *alloc);
 

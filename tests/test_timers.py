@@ -283,6 +283,25 @@ def test_timer_timestamps_are_written_split_and_come_back_whole(tmp_path: Any, k
     assert split and not any(split) and not timers
 
 
+def test_key_groups_without_timers_hold_no_slots() -> None:
+    """A key group's set gets its slots at its first timer: each started with 16 (256
+    bytes) per domain, 16 MB for an operator at 32768 key groups before any timer."""
+    import tracemalloc
+
+    backend = create_keyed_backend("heap", max_parallelism=32768)
+    tracemalloc.start()
+    try:
+        service = InternalTimerService(backend, MIN_WATERMARK)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held < 4 * 2**20, f"{held:,} bytes for no timer"
+    _register(service, backend, 7, 70)
+    _register(service, backend, 8, 80)
+    assert list(service.advance_watermark(75)) == [(7, 70)]
+    assert list(service.advance_watermark(100)) == [(8, 80)]
+
+
 def test_a_copied_context_keeps_its_fields_and_a_copied_service_is_refused() -> None:
     """KeyedContext's and TimerService's bases are C types; Cython's generated pickling
     copied their C fields and ``__dict__`` but not the subclasses' slots, so a copy

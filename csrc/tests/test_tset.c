@@ -75,9 +75,34 @@ static void test_random_operations_match_a_model(void)
     pe_tset_destroy(&s, pe_default_allocator());
 }
 
+/* A set made with min_cap 0 has no slots until its first add; every call takes it. */
+static void test_a_set_without_slots_yet(void)
+{
+    pe_tset s, copy;
+    int64_t k, t;
+    CHECK_EQ(pe_tset_init(&s, 0, pe_default_allocator()), PE_OK);
+    CHECK(s.slots == NULL && s.size == 0);
+    pe_tset_prefetch(&s, 1, 2);
+    CHECK_EQ(pe_tset_contains(&s, 1, 2), 0);
+    CHECK_EQ(pe_tset_remove(&s, 1, 2), 0);
+    CHECK_EQ(pe_tset_collect(&s, &k, &t), 0u);
+    CHECK_EQ(pe_tset_copy(&copy, &s, pe_default_allocator()), PE_OK);
+    CHECK(copy.slots == NULL && copy.size == 0);
+    pe_tset_destroy(&copy, pe_default_allocator());
+    CHECK_EQ(pe_tset_add(&s, 1, PE_TSET_EMPTY, pe_default_allocator()), PE_ERR_ARG);
+    CHECK(s.slots == NULL);
+    CHECK_EQ(pe_tset_add(&s, 1, 2, pe_default_allocator()), 1);
+    CHECK(s.slots != NULL && s.cap == 16 && s.size == 1);
+    CHECK_EQ(pe_tset_contains(&s, 1, 2), 1);
+    CHECK_EQ(pe_tset_remove(&s, 1, 2), 1);
+    pe_tset_destroy(&s, pe_default_allocator());
+    pe_tset_destroy(&s, pe_default_allocator()); /* twice: NULL again, nothing to free */
+}
+
 int main(void)
 {
     RUN(test_add_remove_contains);
+    RUN(test_a_set_without_slots_yet);
     RUN(test_random_operations_match_a_model);
     FINISH();
 }
