@@ -373,7 +373,7 @@ def _python_values(array: pa.Array, arrow_type: Optional[pa.DataType]) -> List[A
     return array.to_pylist()  # type: ignore[no-any-return]
 
 
-def split_timestamps(timestamps: np.ndarray) -> pa.Array:
+def to_split_timestamps(timestamps: np.ndarray) -> pa.Array:
     """int64 timestamps as a SPLIT_TIMESTAMPS array."""
     ts = np.asarray(timestamps, np.int64)
     hi = pa.array((ts >> 32).astype(np.int32))
@@ -381,7 +381,7 @@ def split_timestamps(timestamps: np.ndarray) -> pa.Array:
     return pa.StructArray.from_arrays([hi, lo], fields=list(SPLIT_TIMESTAMPS))
 
 
-def joined_timestamps(column: pa.Array) -> pa.Array:
+def from_split_timestamps(column: pa.Array) -> pa.Array:
     """A SPLIT_TIMESTAMPS array's timestamps as int64 (a null where the struct is null)."""
     # A row of another state (a union's other child) is null: its halves are filled with
     # 0 to stay integers, and the mask makes the row null again.
@@ -394,7 +394,7 @@ def joined_timestamps(column: pa.Array) -> pa.Array:
 def _value_child(column: StateColumn, values: List[Any]) -> pa.Array:
     try:
         if column.split_timestamps:
-            return split_timestamps(np.array(values, np.int64))
+            return to_split_timestamps(np.array(values, np.int64))
         if not column.typed:
             dumps = serializer_for("pickle" if column.serializer == "pickle" else "safe").dumps
             if column.kind == "list":  # a typed list's arrays, restored but not declared again: as lists
@@ -743,7 +743,9 @@ def write_keyed_state(
             key_array = pa.array(all_keys, pa.int64()) if plain_keys else _int_key_union(all_keys)
             all_values = _joined(value_pieces)
             value_child = (
-                split_timestamps(all_values) if column.split_timestamps else pa.array(all_values, column.storage_type)
+                to_split_timestamps(all_values)
+                if column.split_timestamps
+                else pa.array(all_values, column.storage_type)
             )
         else:
             # Keys and values apart, from the dicts' views: no (key, value) tuple per
@@ -1034,7 +1036,7 @@ def read_keyed_state(
                 batch.column(3) if info.plain_values else _union_child(batch.column(3), info.value_child(state_index))
             )
             if info.split_timers and spec.kind == "timers":  # int64 again, for every reader below
-                value_column = joined_timestamps(value_column)
+                value_column = from_split_timestamps(value_column)
             int_keys: Optional[pa.Array] = None
             if info.plain_keys:
                 int_keys = key_column

@@ -87,9 +87,10 @@ def read_keyed_state(checkpoint_path: str, operator: str, state_name: str, *, al
             what=f"checkpoint {metadata.checkpoint_id}, operator {operator!r}",
         )
         declared.update(c.name for c in info.columns)
-        declared_spec = next((c for c in info.columns if c.name == state_name), declared_spec)
+        column = next((c for c in info.columns if c.name == state_name), None)
+        declared_spec = column or declared_spec
         int_keys = int_keys and info.plain_keys
-        whole = any(c.name == state_name and c.kind == TIMERS_KIND for c in info.columns)
+        whole = column is not None and column.kind == TIMERS_KIND
         if whole:
             for key_group in range(handle.key_group_start, handle.key_group_end + 1):
                 timers.pop(key_group, None)
