@@ -44,6 +44,7 @@ from .errors import NonRetryableError, OutputInUseError
 from .state.serializers import STORED_AS_LISTS
 from .state.serializers import unviewed as _unviewed
 from .storage.filesystem import guarded, resolve
+from .storage.jobs import pid_alive
 
 __all__ = [
     "CollectSink",
@@ -281,18 +282,6 @@ def _utc(ms: Any) -> str:
     if not isinstance(ms, (int, float)) or not ms:
         return "-"
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ms / 1000))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, someone else's
-        return True
-    except OSError:
-        return True
-    return True
 
 
 def _visible(name: str) -> bool:
@@ -900,7 +889,7 @@ def _lock_stale(held: Dict[str, Any]) -> bool:
         return False
     pid = held.get("pid")
     if held.get("host") == socket.gethostname() and isinstance(pid, int) and pid > 0:
-        if pid == os.getpid() or not _pid_alive(pid):
+        if pid == os.getpid() or not pid_alive(pid):
             return True
     beat = held.get("heartbeat_ms")
     return not isinstance(beat, (int, float)) or now - beat > STALE_S * 1000

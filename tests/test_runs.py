@@ -335,6 +335,51 @@ def test_a_dead_run_whose_pid_is_reused_is_not_alive() -> None:
     assert fresh.alive()
 
 
+def test_a_killed_run_not_yet_reaped_is_not_alive(tmp_path) -> None:
+    """kill -9 leaves a zombie until the parent reaps it (a container without an init
+    may never): it answered signal 0, so its run's lock held and its job could not be
+    resumed until the heartbeat went stale, a minute on (a new-user trial). A zombie
+    holds nothing: the job's lease and the FileSink's lock are both taken over."""
+    import socket
+    import subprocess
+
+    from pyengine.sinks import FileSink, RunInfo
+    from pyengine.storage.jobs import RunRecord, pid_alive
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        now = int(time.time() * 1000)
+        assert pid_alive(child.pid)
+        child.kill()
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child never became a zombie"
+            time.sleep(0.01)
+        assert not pid_alive(child.pid)  # killed, not reaped: the pid is still taken
+        killed = RunRecord("r1", now, host=socket.gethostname(), pid=child.pid, heartbeat_ms=now)
+        assert not killed.alive()
+        out = tmp_path / "out"
+        (out / "_pyengine").mkdir(parents=True)
+        lock = {
+            "run_id": "f" * 32,
+            "job_name": "killed",
+            "lineage_id": "f" * 32,
+            "host": socket.gethostname(),
+            "pid": child.pid,
+            "started_ms": now,
+            "heartbeat_ms": now,
+            "token": "t",
+        }
+        (out / "_pyengine" / "lock.json").write_text(json.dumps(lock))
+        sink = FileSink(str(out), mode="append")
+        sink.begin_run(RunInfo("etl", "e" * 32, "e" * 32, ()))  # taken over, not refused
+        sink.end_run("FINISHED")
+    finally:
+        child.kill()
+        child.wait()
+    assert not pid_alive(child.pid)
+
+
 def test_a_refused_lease_leaves_the_live_runs_record(tmp_path) -> None:
     from pyengine.storage.jobs import JobLease, read_job
 

@@ -58,14 +58,25 @@ def _utc(ms: Optional[int]) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ms / 1000))
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs (a run's lock holds while it
+    does). A zombie does not: a process killed with ``kill -9`` whose parent has not
+    reaped it (a container without an init, a parent killed with it) still answers
+    signal 0, and its lock held until its heartbeat went stale, a minute on (a
+    new-user trial's killed job could not be resumed meanwhile)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # alive, someone else's
+    except OSError:  # PermissionError: alive, someone else's
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:  # no /proc (not Linux), or it ended just now: signal 0 answered
+        return True
+    state_at = stat.rfind(b")") + 2  # "pid (comm) S ...": comm may hold ")"
+    return stat[state_at : state_at + 1] != b"Z"
 
 
 @dataclass
@@ -89,7 +100,7 @@ class RunRecord:
         if self.host == socket.gethostname() and self.pid:
             if self.pid == os.getpid():
                 return self.run_id in _LEASED
-            return fresh and _pid_alive(self.pid)
+            return fresh and pid_alive(self.pid)
         return fresh
 
 
