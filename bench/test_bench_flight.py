@@ -50,7 +50,9 @@ class _Bare:
 
     def setup(self) -> Any:
         self.server = _Sink("grpc://127.0.0.1:0")
-        threading.Thread(target=self.server.serve, daemon=True).start()
+        # serve() on its own thread, joined after shutdown (see GuardedServer.shutdown)
+        self.serving = threading.Thread(target=self.server.serve, daemon=True)
+        self.serving.start()
         self.client = flight.FlightClient(f"grpc://127.0.0.1:{self.server.port}")
         return (), {}
 
@@ -63,6 +65,7 @@ class _Bare:
     def teardown(self) -> None:
         self.client.close()
         self.server.shutdown()
+        self.serving.join(10)
 
 
 class _Channel:

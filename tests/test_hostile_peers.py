@@ -104,7 +104,7 @@ class Channel:
         self.server = listening_server(
             lambda: ChannelServer(self.gate, TOKEN, tls=tls, max_batch_bytes=CHANNEL_MAX_BATCH)
         )
-        threading.Thread(target=self.server.serve, daemon=True).start()
+        self.server.serve_in_background("test-hostile-peers")
         self.tls = tls
 
     def untouched(self) -> bool:

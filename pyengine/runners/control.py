@@ -115,8 +115,7 @@ class ControlServer(GuardedServer):
         self._on_failed = on_failed
         self._commands: Dict[ExecutionAttempt, Deque[Dict[str, Any]]] = defaultdict(deque)
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self.serve, name="pyengine-control", daemon=True)
-        self._thread.start()
+        self.serve_in_background("pyengine-control")
 
     def send(self, attempt: ExecutionAttempt, command: Dict[str, Any]) -> None:
         """Queues ``command`` for ``attempt``'s next poll (never blocks)."""

@@ -194,6 +194,7 @@ def decode_event(raw: bytes) -> Any:
 
 
 CONNECT_TIMEOUT_S = 10.0  # how long a new channel waits for its server to accept
+SERVE_JOIN_S = 10.0  # how long a server's shutdown waits for its serve() to return
 
 
 # -- who may call: the token, checked before a handler runs ---------------------------------
@@ -364,13 +365,12 @@ def _free_port(address: str) -> int:
     """A port no socket holds now, for a server asked for port 0.
 
     gRPC binds with SO_REUSEPORT, and given port 0 Linux may hand it a port that
-    another SO_REUSEPORT socket of the process already holds (grpc issue 10755): a
-    new server then shares a port with an old one, passes ``listening`` on the old
-    one's accept, and is refused once that one closes (full test runs on a loaded
-    machine saw it: a channel's first call refused for seconds, a whole job's control
-    server refused). A plain socket's port 0 is one no socket holds; the server binds
-    it by number. Another process taking it in between is what ``listening_server``
-    catches."""
+    another SO_REUSEPORT socket of the same user already holds (grpc issue 10755): a
+    new server would then share a port with an old one and take some of its
+    connections. A plain socket's port 0 is one no socket holds; the server binds it
+    by number. Another process taking it in between is what ``listening_server``
+    catches. (The refused connections CI runs saw had another cause: see
+    ``GuardedServer.shutdown``.)"""
     family, kind, proto, _, where = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)[0]
     with socket.socket(family, kind, proto) as probe:
         probe.bind(where)
@@ -416,6 +416,41 @@ class GuardedServer(flight.FlightServerBase):
             **(self.tls.server_options() if self.tls is not None else {}),
         )
         self.host = host
+        self._serving: Optional[threading.Thread] = None
+
+    def serve_in_background(self, name: str) -> threading.Thread:
+        """Runs ``serve()`` on a daemon thread named ``name``, which ``shutdown()`` joins."""
+        thread = threading.Thread(target=self.serve, name=name, daemon=True)
+        self._serving = thread  # before it runs: a shutdown that comes first still joins it
+        thread.start()
+        return thread
+
+    def serve(self) -> None:
+        """pyarrow's ``serve()`` (it blocks until ``shutdown()``; the server answers calls
+        from its construction on), remembering the thread, which ``shutdown()`` joins."""
+        if self._serving is None:
+            self._serving = threading.current_thread()
+        super().serve()
+
+    def shutdown(self) -> None:
+        """Stops the server, then waits for the thread in ``serve()`` to return.
+
+        That wait keeps the process's next server alive. Until ``serve()`` returns, the
+        old server's teardown is not over (pyarrow 26's gRPC), and a server made meanwhile
+        could lose its listener to it: a gRPC worker thread shut down and closed the new
+        listening socket within a millisecond of its ``listen``, so its port refused every
+        connection from then on (seen with ``shutdown(2)`` and ``close(2)`` interposed).
+        Servers made one after another on loopback: about 1 in 3,000 never answered; none
+        of 24,000 once each serving thread was joined, none of 18,000 with no serving
+        thread. This is the refused channel and control calls CI runs reported."""
+        super().shutdown()
+        serving = self._serving
+        if serving is not None and serving is not threading.current_thread():
+            serving.join(SERVE_JOIN_S)
+            if serving.is_alive():
+                log.warning(
+                    "%s on port %d: its serving thread did not return within %.0f s", self.what, self.port, SERVE_JOIN_S
+                )
 
     @property
     def location(self) -> str:
@@ -472,12 +507,11 @@ S = TypeVar("S", bound=GuardedServer)
 
 def listening_server(make: Callable[[], S], attempts: int = 3) -> S:
     """A server from ``make()`` that accepts connections at its port, made again (on a
-    new port) when one does not. CI runs twice saw a just-started loopback gRPC server
-    refuse connections at the port it reported: once for a moment (a channel's first
-    call, retried), once for a whole job (its control server: three restarts, all
-    refused). The cause was not found (gRPC picks port 0 with SO_REUSEPORT, which grpc
-    issue 10755 blames for cross-talk between servers started together); a server that
-    does not answer its own port is replaced before anyone is told of it."""
+    new port) when one does not: a server that does not answer its own port is replaced
+    before anyone is told of it. CI runs saw just-started loopback servers refuse every
+    connection; the cause found since, a server made while another's teardown was
+    still running, is prevented in ``GuardedServer.shutdown``, and this check stays for
+    what it cannot see (a listener lost after this check passed is not caught here)."""
     for attempt in range(1, attempts + 1):
         server = make()
         if server.listening():
@@ -690,9 +724,9 @@ class RemoteChannel:
         self._options = call_options(token)
         self._client = connect(location, tls)
         # Refused here, before any data moves, if the token is wrong. "Unavailable" is
-        # tried CONNECT_ATTEMPTS times, 0.2 s apart: a CI run once saw a just-started
-        # loopback server refuse the first connection (its cause not found); a server
-        # that is not there, or refuses our certificate, is still reported, that much later.
+        # tried CONNECT_ATTEMPTS times, 0.2 s apart, each with first_call's retries: a
+        # server may be a moment from listening; a server that is not there, or refuses
+        # our certificate, is still reported, that much later.
         for attempt in range(CONNECT_ATTEMPTS):
             try:
                 self._hello()
@@ -891,6 +925,4 @@ def serve(
     """Starts a ``ChannelServer`` for ``gate`` on a free port, serving on its own thread
     (see ``ChannelServer`` for ``tls`` and ``plaintext``)."""
     server = listening_server(lambda: ChannelServer(gate, token, host, tls=tls, plaintext=plaintext))
-    thread = threading.Thread(target=server.serve, name=f"flight-{server.port}", daemon=True)
-    thread.start()
-    return server, thread
+    return server, server.serve_in_background(f"flight-{server.port}")
