@@ -116,14 +116,19 @@ def test_shutdown_returns_once_the_serving_thread_has() -> None:
     other = _SlowToReturn(CheckpointedInputGate(1, RecordingListener()), TOKEN)
     own = threading.Thread(target=other.serve, daemon=True)
     own.start()
-    time.sleep(0.1)  # serve() has begun
+    deadline = time.monotonic() + 5
+    while other._serving is not own:  # serve() has begun (a shutdown before it could not know the thread)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     other.shutdown()
     assert not own.is_alive() and other.returned
 
 
 def test_servers_made_one_after_another_each_answer() -> None:
-    """Each server of a run made right after the last one's shutdown answers its port
-    (the case above, end to end: without the join about 1 in 3,000 did not)."""
+    """A smoke test of the case above, end to end: each of 300 servers made right after
+    the last one's shutdown answers its port. (Without the join about 1 server in 3,000
+    did not, so this alone would catch a regression only sometimes: the test above is
+    the one that always does.)"""
     for _ in range(300):
         server, _thread = serve(CheckpointedInputGate(1, RecordingListener()), TOKEN)
         try:
@@ -383,7 +388,7 @@ def test_a_channel_waits_for_a_server_that_is_about_to_listen(monkeypatch) -> No
     def start_late() -> None:
         time.sleep(0.3)
         late.append(channels.ChannelServer(gate, TOKEN, port=port))
-        late[0].serve()
+        late[0].serve_in_background("test-late")
 
     threading.Thread(target=start_late, daemon=True).start()
     out = RemoteChannel(f"grpc://127.0.0.1:{port}", 0, TOKEN)  # refused for 0.3 s, then connects

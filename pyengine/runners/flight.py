@@ -369,7 +369,7 @@ def _free_port(address: str) -> int:
     new server would then share a port with an old one and take some of its
     connections. A plain socket's port 0 is one no socket holds; the server binds it
     by number. Another process taking it in between is what ``listening_server``
-    catches. (The refused connections CI runs saw had another cause: see
+    catches. (The refusals traced since had another cause: see
     ``GuardedServer.shutdown``.)"""
     family, kind, proto, _, where = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)[0]
     with socket.socket(family, kind, proto) as probe:
@@ -436,13 +436,15 @@ class GuardedServer(flight.FlightServerBase):
         """Stops the server, then waits for the thread in ``serve()`` to return.
 
         That wait keeps the process's next server alive. Until ``serve()`` returns, the
-        old server's teardown is not over (pyarrow 26's gRPC), and a server made meanwhile
-        could lose its listener to it: a gRPC worker thread shut down and closed the new
-        listening socket within a millisecond of its ``listen``, so its port refused every
-        connection from then on (seen with ``shutdown(2)`` and ``close(2)`` interposed).
-        Servers made one after another on loopback: about 1 in 3,000 never answered; none
-        of 24,000 once each serving thread was joined, none of 18,000 with no serving
-        thread. This is the refused channel and control calls CI runs reported."""
+        old server's teardown may not be over (pyarrow 26's gRPC), and a server made
+        meanwhile could lose its listener to it: a gRPC worker thread shut down and closed
+        the new listening socket right after its ``listen`` (the same fd, ~0.2 ms later,
+        seen with ``shutdown(2)`` and ``close(2)`` interposed), so its port refused every
+        connection from then on. Servers made one after another on loopback: about 1 in
+        3,000 never answered; none of 24,000 once each serving thread was joined, none of
+        18,000 with no serving thread. It is the likely cause of the refused channel and
+        control calls CI runs reported (the last one's, a channel refused for 30 s, fits
+        it: the bench made each server right after the last one's shutdown)."""
         super().shutdown()
         serving = self._serving
         if serving is not None and serving is not threading.current_thread():
@@ -509,9 +511,10 @@ def listening_server(make: Callable[[], S], attempts: int = 3) -> S:
     """A server from ``make()`` that accepts connections at its port, made again (on a
     new port) when one does not: a server that does not answer its own port is replaced
     before anyone is told of it. CI runs saw just-started loopback servers refuse every
-    connection; the cause found since, a server made while another's teardown was
-    still running, is prevented in ``GuardedServer.shutdown``, and this check stays for
-    what it cannot see (a listener lost after this check passed is not caught here)."""
+    connection; the cause traced since, a server made while another's teardown was still
+    running, has not been seen once ``GuardedServer.shutdown`` joined the serving thread
+    (none of 24,000). This check stays for what that does not cover; a listener lost after
+    this check passed is not caught here."""
     for attempt in range(1, attempts + 1):
         server = make()
         if server.listening():

@@ -173,8 +173,16 @@ def _run_subtask(spec: _TaskSpec, index: int) -> Iterator[str]:
     server = None
     if task.gate is not None:
         server, _ = serve(task.gate, spec.token, _executor_host(spec), tls=spec.tls)
-    with proxy._lock:
-        client.register(server.location if server is not None else "")
+    try:
+        with proxy._lock:
+            client.register(server.location if server is not None else "")
+    except BaseException:  # the cleanup below is not reached: a reused worker must not keep these
+        if server is not None:
+            server.shutdown()
+        executor.shutdown(wait=False)
+        client.close()
+        poll_client.close()
+        raise
     channels: List[Any] = []
     stop = threading.Event()
 
