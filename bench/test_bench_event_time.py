@@ -212,7 +212,7 @@ def test_a_timer_per_record_against_the_same_function_without(
         f"{without / 1e6:.2f} M/s -> {ratio:.0%} (target >= 70%: {met})"
     )
     # The target is 70%: 66-80% here since the timers are a (key, timestamp) set per key
-    # group, 63-83% in eleven CI runs (50-59% before, 38-47% before registrations were batched). The
+    # group, 63-83% in twelve CI runs (50-59% before, 38-47% before registrations were batched). The
     # function without timers costs ~0.9-1.0 us a record. A timer added ~0.77 us when a
     # key's timers were up to eight "slot" value states plus an overflow: a registration
     # probed 1.67 maps on average, a firing 2.67 and moved entries to keep the slots
