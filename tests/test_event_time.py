@@ -101,12 +101,17 @@ def test_timestamps_of_records_and_what_is_refused() -> None:
     assert TimestampAssigner(fn=lambda r: r[1]).of_record(("x", 42)) == 42
     with pytest.raises(TimestampError, match="no timestamp field"):
         a.of_record({"other": 1})
-    with pytest.raises(TimestampError, match="None"):
+    # a bad value names the record, where its time came from and the way out
+    with pytest.raises(TimestampError, match=r"record \{'when': None\}, timestamp from column 'when': .*None.*filter"):
         a.of_record({"when": None})
     with pytest.raises(TimestampError, match="null"):
         a.of_buffer(pa.record_batch({"when": pa.array([1, None], pa.int64())}))
-    with pytest.raises(TimestampError, match="int milliseconds or a datetime"):
+    with pytest.raises(TimestampError, match=r"int milliseconds or a datetime, got str 'yesterday': convert it"):
         a.of_record({"when": "yesterday"})
+    with pytest.raises(TimestampError, match=r"record \('x', None\), timestamp from <lambda>"):
+        TimestampAssigner(fn=lambda r: r[1]).of_record(("x", None))
+    with pytest.raises(TimestampError, match=r"\.\.\."):  # a long record is cut short in the message
+        a.of_record({"when": None, "payload": "x" * 10_000})
 
 
 def test_time_events_travel_as_json_and_are_final() -> None:

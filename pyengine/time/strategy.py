@@ -23,6 +23,7 @@ downstream the others stop waiting for it."""
 from __future__ import annotations
 
 import datetime as _dt
+import reprlib
 from dataclasses import dataclass, replace
 from typing import Any, Callable, List, Optional, Union
 
@@ -59,8 +60,27 @@ def _ms(value: Any) -> int:
     if isinstance(value, np.integer):
         return int(value)
     if value is None:
-        raise TimestampError("the record's timestamp is None")
-    raise TimestampError(f"a timestamp must be int milliseconds or a datetime, got {t.__name__} {value!r}")
+        raise TimestampError(
+            "the timestamp is None: every record needs an event time; drop those without one before this step, "
+            "e.g. .filter(lambda r: r['ts'] is not None), or compute one with a function assigner"
+        )
+    hint = ""
+    if isinstance(value, (str, bytes)):
+        hint = (
+            ": convert it in the assigner, e.g. with_timestamp_assigner(lambda r: int(r['ts'])) for milliseconds "
+            "as text, or a datetime.fromisoformat(...) for an ISO time"
+        )
+    raise TimestampError(f"a timestamp must be int milliseconds or a datetime, got {t.__name__} {value!r}{hint}")
+
+
+_SHORT = reprlib.Repr()  # Python 3.11's Repr takes no arguments: its limits are attributes
+_SHORT.maxstring = _SHORT.maxother = 60
+_SHORT.maxdict = _SHORT.maxlist = _SHORT.maxtuple = 8
+
+
+def _short(record: Any) -> str:
+    """A record as an error shows it: its repr, cut short (a record can be a large row)."""
+    return _SHORT.repr(record)
 
 
 def _fractional(value: Any) -> str:
@@ -138,8 +158,11 @@ class TimestampAssigner:
             try:
                 value = record[self.column]
             except (KeyError, IndexError, TypeError):
-                raise TimestampError(f"record {record!r} has no timestamp field {self.column!r}") from None
-        ms = _ms(value)
+                raise TimestampError(f"record {_short(record)} has no timestamp field {self.column!r}") from None
+        try:
+            ms = _ms(value)
+        except TimestampError as exc:  # which record, and which field or function gave the value
+            raise TimestampError(f"record {_short(record)}, timestamp from {self.describe()}: {exc}") from None
         return ms + self.offset if self.offset else ms
 
     def of_buffer(self, records: Any, where: Optional[str] = None) -> np.ndarray:
