@@ -763,6 +763,11 @@ class JobClient:
         return str(self._runner.trigger_savepoint(directory, timeout_s))
 
     def stop_with_savepoint(self, directory: str, timeout_s: float = 600) -> str:
+        """Takes a savepoint in ``directory`` and stops the job (status FINISHED); returns
+        the savepoint's path, for ``execute(name, resume=path)``. As Flink's synchronous
+        savepoint, nothing is output past it: the sources emit nothing after its barrier.
+        If it fails, this raises and the job goes on. If ``timeout_s`` passes first, this
+        raises TimeoutError and the savepoint goes on: the job stops once it completes."""
         self._wait_running(timeout_s)
         return str(self._runner.stop_with_savepoint(directory, timeout_s))
 

@@ -450,17 +450,24 @@ class CheckpointCoordinator:
         with self._lock:
             return self._request(CheckpointType.CHECKPOINT, periodic=periodic, target=None, aligned=aligned)
 
-    def trigger_savepoint(self, target_dir: str) -> concurrent.futures.Future[CheckpointMetadata]:
+    def trigger_savepoint(
+        self, target_dir: str, *, stop: bool = False
+    ) -> concurrent.futures.Future[CheckpointMetadata]:
         """A savepoint into ``target_dir``: never subsumed, never held back by
         ``min_pause``, and in an aligned job never counted against ``max_concurrent``.
         In an unaligned job it waits until no checkpoint is running and holds new ones
         back while it runs, as in Flink: a savepoint is aligned, and an unaligned
         barrier overtaking its barrier would cancel it at the gate. Its state is copied
-        into ``target_dir``, so it lives on whatever happens to the job's directory."""
+        into ``target_dir``, so it lives on whatever happens to the job's directory.
+
+        ``stop``: the savepoint of a stop (Flink's synchronous savepoint): the sources
+        emit nothing after its barrier and the tasks fire no processing-time timer
+        after their snapshot, so nothing is output past it; if it fails, they go on."""
         if not isinstance(target_dir, str) or not target_dir:
             raise ValueError(f"a savepoint needs a target directory, got {target_dir!r}")
+        kind = CheckpointType.SYNC_SAVEPOINT if stop else CheckpointType.SAVEPOINT
         with self._lock:
-            return self._request(CheckpointType.SAVEPOINT, periodic=False, target=target_dir)
+            return self._request(kind, periodic=False, target=target_dir)
 
     def _request(
         self, checkpoint_type: CheckpointType, *, periodic: bool, target: Optional[str], aligned: bool = False

@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..coordinator import (
@@ -793,11 +793,16 @@ class LocalRunner:
     def trigger_savepoint(self, directory: str, timeout_s: float = 600) -> str:
         return self._savepoint(directory, timeout_s)[0]
 
-    def _savepoint(self, directory: str, timeout_s: float) -> Tuple[str, CheckpointMetadata]:
+    def _savepoint(self, directory: str, timeout_s: float, stop: bool = False) -> Tuple[str, CheckpointMetadata]:
         coordinator = self.coordinator
         if coordinator is None:
             raise RuntimeError("the job is not running")
-        metadata = coordinator.trigger_savepoint(directory).result(timeout=timeout_s)
+        future = coordinator.trigger_savepoint(directory, stop=stop)
+        if stop:
+            # The job stops when the savepoint completes, even after this call timed out:
+            # its sources emit nothing past it any more (and go on if it fails instead).
+            future.add_done_callback(self._stop_at)
+        metadata = future.result(timeout=timeout_s)
         stats = coordinator.stats.latest_savepoint
         if stats is not None and stats.id == metadata.checkpoint_id and stats.external_path:
             return stats.external_path, metadata
@@ -811,10 +816,17 @@ class LocalRunner:
         self._wake.set()
 
     def stop_with_savepoint(self, directory: str, timeout_s: float = 600) -> str:
-        path, self._stop_savepoint = self._savepoint(directory, timeout_s)
+        """A savepoint after which nothing is output (its sources emit nothing past its
+        barrier, as Flink's synchronous savepoint), then the job ends FINISHED, its
+        sinks having committed exactly what the savepoint covers."""
+        return self._savepoint(directory, timeout_s, stop=True)[0]
+
+    def _stop_at(self, future: Future[CheckpointMetadata]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return  # the savepoint failed: the tasks were told, and the job goes on
+        self._stop_savepoint = future.result()
         self._stop_with_savepoint.set()
         self._wake.set()
-        return path
 
 
 def refuse_graph(graph: Any, runner: str) -> None:

@@ -25,7 +25,7 @@ from .._native import int_key_group, route_int_keys
 from ..coordinator import ExecutionAttempt, SubtaskMetrics, TaskStateSnapshot
 from ..errors import ColumnNotFoundError, KeySelectorError, NonRetryableError, UnhashableKeyError
 from ..io import CheckpointBarrier, CheckpointedInputGate, CheckpointOptions, EndOfPartition
-from ..io.events import MAX_WATERMARK, MIN_WATERMARK, Watermark, WatermarkStatus
+from ..io.events import MAX_WATERMARK, MIN_WATERMARK, CheckpointType, Watermark, WatermarkStatus
 from ..sinks import FINAL, Sink
 from ..state import ListStateDescriptor, subtask_for_key_group
 from ..state.keygroups import assign_to_key_group, key_groups_of_int64
@@ -678,6 +678,11 @@ class StreamTask:
             chain[-1].side_tags = frozenset(output.sides)
         self._channel_states: Dict[int, _ChannelState] = {}
         self._held: Optional[List[Tuple[int, Any]]] = None  # the rest of a batch, during a priority check
+        # The id of a stop's savepoint (SYNC_SAVEPOINT) this task took: from then on a source
+        # reads nothing and no task fires a processing-time timer or polls a watermark
+        # generator, so no output goes past the savepoint (Flink's synchronous savepoint)
+        # while the job is being stopped. Back to None if that savepoint is aborted.
+        self._stopping: Optional[int] = None
         self._channel_state_uid = channel_state_uid
         self._restored = restored
         self._replay: List[Tuple[int, List[Any]]] = []  # (input, records) of an unaligned restore
@@ -765,6 +770,8 @@ class StreamTask:
             else:
                 self.output.broadcast_event(barrier)
         writers = [(op.uid, op.snapshot(checkpoint_id, location)) for op in self.chain]
+        if options.checkpoint_type is CheckpointType.SYNC_SAVEPOINT:
+            self._stopping = checkpoint_id
         channel_state: Optional[_ChannelState] = None
         if options.unaligned and self.gate is not None:
             channel_state = self._channel_states.setdefault(checkpoint_id, _ChannelState())
@@ -876,6 +883,8 @@ class StreamTask:
         self._drop_channel_state(checkpoint_id)  # now: the async part may be waiting for it
 
         def aborted() -> None:
+            if self._stopping == checkpoint_id:  # the stop failed: the job goes on
+                self._stopping = None
             for op in self.chain:
                 op.notify_checkpoint_aborted(checkpoint_id)
 
@@ -1030,6 +1039,8 @@ class StreamTask:
     def _time_tick(self) -> None:
         """From the loop, between buffers: the generators' periodic watermarks and the
         processing-time timers that are due (the mailbox's timers, as in Flink)."""
+        if self._stopping is not None:
+            return
         if self._generators:
             now = time.monotonic()
             if now >= self._next_watermark_poll:
@@ -1180,7 +1191,11 @@ class StreamTask:
         while True:
             self._check_cancelled()
             self._drain_mailbox()
-            if self._backpressured():
+            if self._backpressured():  # also what moves the stop's barrier on when the output is full
+                continue
+            if self._stopping is not None:  # past a stop's savepoint: wait to be cancelled (or resumed)
+                self._maybe_flush()
+                self._wait_mailbox(0.02)
                 continue
             if not source.exhausted:
                 n = self.buffer_size
