@@ -187,7 +187,7 @@ def test_stop_with_savepoint_outputs_nothing_past_the_savepoint(tmp_path: Any, p
     before = _printed(first)
     second = io.StringIO()
     client = _stoppable(tmp_path, parallelism, second).execute_async("stop", resume=savepoint)
-    _until(lambda: len(_printed(second)) >= 200)
+    _until(lambda: {i % parallelism for i in _printed(second)} == set(range(parallelism)))
     client.cancel()
     client.wait(60)
     after = _printed(second)
@@ -201,8 +201,8 @@ def test_stop_with_savepoint_outputs_nothing_past_the_savepoint(tmp_path: Any, p
 
 
 def test_a_stop_whose_savepoint_fails_lets_the_job_go_on(tmp_path: Any, monkeypatch: Any) -> None:
-    """The sources pause at a stop's barrier; when its savepoint fails they go on, and
-    a later stop is again exact."""
+    """When a stop's savepoint fails, the paused sources go on, and a later stop is
+    again exact: the run resumed from it prints nothing the first run printed."""
     from pyengine.coordinator.coordinator import CheckpointCoordinator, CheckpointException
 
     real = CheckpointCoordinator._self_contained
@@ -223,7 +223,64 @@ def test_a_stop_whose_savepoint_fails_lets_the_job_go_on(tmp_path: Any, monkeypa
     seen = len(_printed(out))
     _until(lambda: len(_printed(out)) >= seen + 100)  # not paused: the job goes on
     assert not client.done()
-    client.stop_with_savepoint(str(tmp_path / "sp"))
+    savepoint = client.stop_with_savepoint(str(tmp_path / "sp"))
     assert client.wait(60).status == "FINISHED"
     printed = _printed(out)
     assert printed == list(range(len(printed)))
+    again = io.StringIO()
+    client = _stoppable(tmp_path, 1, again).execute_async("stop", resume=savepoint)
+    _until(lambda: len(_printed(again)) >= 10)
+    client.cancel()
+    client.wait(60)
+    assert _printed(again)[0] == len(printed), "the resumed run repeated or skipped records"
+
+
+class _Blockable(pe.KeyedProcessFunction):
+    """Passes records on and sets a processing-time timer for each (on_timer emits
+    "timer"); blocks in process_element while ``hold`` is set."""
+
+    hold = threading.Event()
+    release = threading.Event()
+
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        if self.hold.is_set():
+            self.release.wait(30)
+        ctx.timer_service().register_processing_time_timer(ctx.timer_service().current_processing_time() + 1)
+        return ()
+
+    def on_timer(self, timestamp: int, ctx: Any) -> Any:
+        return ["timer"]
+
+
+def test_a_stop_aborted_before_its_barrier_reached_a_task_does_not_stop_that_task(tmp_path: Any) -> None:
+    """A task hears of an abort from the coordinator at once but takes the barrier from
+    its input later: the stop's savepoint expires while a task downstream is busy, its
+    barrier reaches that task after the abort, and the task must not stop for it (its
+    processing-time timers go on firing; they stopped for good before)."""
+    _Blockable.hold.clear()
+    _Blockable.release.clear()
+    out = io.StringIO()
+    env = pe.StreamEnvironment(
+        parallelism=1,
+        checkpointing=pe.CheckpointConfig(interval_ms=3_600_000, timeout_ms=300),
+        checkpoint_storage=str(tmp_path / "ckpt"),
+        buffer_timeout_ms=1,
+    )
+    env.from_generator(lambda i: i, rate_per_s=2000).key_by(lambda i: i % 4).process(_Blockable()).sink_to(
+        pe.sinks.PrintSink(out)
+    )
+    client = env.execute_async("aborted-stop")
+    _until(lambda: out.getvalue().count("timer") >= 10)
+    _Blockable.hold.set()  # the keyed task blocks at its next record, before the stop's barrier
+    time.sleep(0.1)
+    from pyengine.coordinator.coordinator import CheckpointException
+
+    with pytest.raises(CheckpointException, match=r"(?i)expired"):
+        client.stop_with_savepoint(str(tmp_path / "sp"), timeout_s=30)
+    _Blockable.hold.clear()
+    _Blockable.release.set()  # now the barrier of the aborted stop reaches the keyed task
+    time.sleep(0.5)
+    fired = out.getvalue().count("timer")
+    _until(lambda: out.getvalue().count("timer") >= fired + 20, timeout_s=20)
+    client.cancel()
+    client.wait(60, raise_failure=False)

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
@@ -678,11 +678,17 @@ class StreamTask:
             chain[-1].side_tags = frozenset(output.sides)
         self._channel_states: Dict[int, _ChannelState] = {}
         self._held: Optional[List[Tuple[int, Any]]] = None  # the rest of a batch, during a priority check
-        # The id of a stop's savepoint (SYNC_SAVEPOINT) this task took: from then on a source
-        # reads nothing and no task fires a processing-time timer or polls a watermark
-        # generator, so no output goes past the savepoint (Flink's synchronous savepoint)
-        # while the job is being stopped. Back to None if that savepoint is aborted.
-        self._stopping: Optional[int] = None
+        # The ids of the stops' savepoints (SYNC_SAVEPOINT) this task took and that were not
+        # aborted: while there is one, a source reads nothing and no task fires a
+        # processing-time timer or polls a watermark generator, so no output goes past the
+        # savepoint (Flink's synchronous savepoint) while the job is being stopped. A set:
+        # a stop retried after a timeout may be pending beside the first one.
+        self._stopping: Set[int] = set()
+        # Checkpoint ids aborted here, recorded when the notification comes (not when the
+        # mailbox runs it): a task whose barrier comes through its gate may hear of the
+        # abort before the barrier reaches it, and must not stop for it then (Flink's
+        # abortedCheckpointIds). Pruned as later barriers are taken.
+        self._aborted: Set[int] = set()
         self._channel_state_uid = channel_state_uid
         self._restored = restored
         self._replay: List[Tuple[int, List[Any]]] = []  # (input, records) of an unaligned restore
@@ -770,8 +776,11 @@ class StreamTask:
             else:
                 self.output.broadcast_event(barrier)
         writers = [(op.uid, op.snapshot(checkpoint_id, location)) for op in self.chain]
-        if options.checkpoint_type is CheckpointType.SYNC_SAVEPOINT:
-            self._stopping = checkpoint_id
+        if options.checkpoint_type is CheckpointType.SYNC_SAVEPOINT and checkpoint_id not in self._aborted:
+            self._stopping.add(checkpoint_id)
+        if self._aborted:  # list(): the coordinator's thread may add to it meanwhile
+            for old in [c for c in list(self._aborted) if c <= checkpoint_id]:
+                self._aborted.discard(old)
         channel_state: Optional[_ChannelState] = None
         if options.unaligned and self.gate is not None:
             channel_state = self._channel_states.setdefault(checkpoint_id, _ChannelState())
@@ -881,10 +890,10 @@ class StreamTask:
 
     def notify_checkpoint_aborted(self, checkpoint_id: int) -> None:
         self._drop_channel_state(checkpoint_id)  # now: the async part may be waiting for it
+        self._aborted.add(checkpoint_id)  # now: its barrier may still be on its way (see __init__)
 
         def aborted() -> None:
-            if self._stopping == checkpoint_id:  # the stop failed: the job goes on
-                self._stopping = None
+            self._stopping.discard(checkpoint_id)  # a stop that failed: the job goes on
             for op in self.chain:
                 op.notify_checkpoint_aborted(checkpoint_id)
 
@@ -1039,7 +1048,7 @@ class StreamTask:
     def _time_tick(self) -> None:
         """From the loop, between buffers: the generators' periodic watermarks and the
         processing-time timers that are due (the mailbox's timers, as in Flink)."""
-        if self._stopping is not None:
+        if self._stopping:
             return
         if self._generators:
             now = time.monotonic()
@@ -1193,7 +1202,7 @@ class StreamTask:
             self._drain_mailbox()
             if self._backpressured():  # also what moves the stop's barrier on when the output is full
                 continue
-            if self._stopping is not None:  # past a stop's savepoint: wait to be cancelled (or resumed)
+            if self._stopping:  # past a stop's savepoint: wait to be cancelled (or resumed)
                 self._maybe_flush()
                 self._wait_mailbox(0.02)
                 continue

@@ -96,7 +96,10 @@ def _array_ms(array: Any, where: str) -> np.ndarray:
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks()
     if array.null_count:
-        raise TimestampError(f"{where}: the timestamp column has {array.null_count} null value(s)")
+        raise TimestampError(
+            f"{where}: the timestamp column has {array.null_count} null value(s); every record needs an event "
+            "time: fill or drop them in the data, or read the time with a function assigner that gives one"
+        )
     t = array.type
     if pa.types.is_timestamp(t):
         if t.unit != "ms":
@@ -153,12 +156,17 @@ class TimestampAssigner:
             try:
                 value = self.fn(record)
             except Exception as exc:
-                raise TimestampError(f"the timestamp assigner raised {type(exc).__name__}: {exc}") from exc
+                raise TimestampError(
+                    f"the timestamp assigner raised {type(exc).__name__}: {exc}, on record {_short(record)}"
+                ) from exc
         else:
             try:
                 value = record[self.column]
             except (KeyError, IndexError, TypeError):
-                raise TimestampError(f"record {_short(record)} has no timestamp field {self.column!r}") from None
+                raise TimestampError(
+                    f"record {_short(record)} has no timestamp field {self.column!r}: name the record's time "
+                    "field in with_timestamp_assigner(...), or give a function that reads it"
+                ) from None
         try:
             ms = _ms(value)
         except TimestampError as exc:  # which record, and which field or function gave the value
