@@ -771,30 +771,135 @@ def test_the_server_is_read_only_bounded_and_rebinding_proof(scenario: Any) -> N
     assert status == 404 and body == {"errors": ["Not found: /nothing/here"]}
 
 
-def test_connections_beyond_the_bound_are_closed_at_once(scenario: Any) -> None:
-    from pyengine.monitoring.server import MAX_CONNECTIONS
+def test_a_connection_beyond_the_bound_pushes_out_the_oldest_one_still_sending_its_request(scenario: Any) -> None:
+    """Issue 37: idle connections filling the bound used to turn every new request away.
+    Now a new connection takes the place of the oldest one that has not sent its request,
+    and is answered; the one pushed out is closed."""
+    from pyengine.monitoring.server import MAX_CONNECTIONS_PER_CLIENT
 
     parsed = urllib.parse.urlsplit(scenario.monitor.url)
-    idle = [socket.create_connection((parsed.hostname, parsed.port), timeout=10) for _ in range(MAX_CONNECTIONS)]
+    server = scenario.monitor._server
+    idle = [
+        socket.create_connection((parsed.hostname, parsed.port), timeout=10) for _ in range(MAX_CONNECTIONS_PER_CLIENT)
+    ]
     try:
-        time.sleep(0.3)  # every idle one holds a handler, waiting for its request line
-        extra = socket.create_connection((parsed.hostname, parsed.port), timeout=10)
-        extra.sendall(b"GET /jobs HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-        assert extra.recv(100) == b""  # closed without an answer, and without a thread
-        extra.close()
+        time.sleep(0.3)  # every idle one is open at the server, waiting for its request line
+        for _ in range(3):
+            status, _, _ = get(scenario.monitor.url, "jobs")
+            assert status == 200
+        assert server.evicted == 1  # the first took the oldest idle one's place; the others found room
+        idle[0].settimeout(5)
+        try:
+            assert idle[0].recv(100) == b""  # the oldest: closed, without an answer
+        except ConnectionResetError:
+            pass
     finally:
         for sock in idle:
             sock.close()
-    deadline = time.monotonic() + 10
-    status = 0
-    while True:  # the idle ones' handlers see their end and free their places
-        try:
-            status, _, _ = get(scenario.monitor.url, "jobs")
-        except OSError:  # still full: closed at once
-            status = 0
-        if status == 200 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+
+
+def _slow_clients(address: Tuple[str, int], count: int, every_s: float, stop: threading.Event) -> List[float]:
+    """``count`` connections, each sending one byte of a request every ``every_s``
+    (opened again when closed), until ``stop``; returns how long each connection lived."""
+    lived: List[float] = []
+    open_: Dict[socket.socket, List[Any]] = {}  # socket -> [opened at, next byte at, bytes sent]
+    request = b"GET /jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Padding: " + b"a" * 10_000 + b"\r\n\r\n"
+    while not stop.is_set():
+        while len(open_) < count:
+            sock = socket.create_connection(address, timeout=5)
+            sock.setblocking(False)
+            now = time.monotonic()
+            open_[sock] = [now, now, 0]
+        now = time.monotonic()
+        for sock, state in list(open_.items()):
+            closed = False
+            try:
+                if sock.recv(4096) == b"":
+                    closed = True
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed = True
+            if not closed and now >= state[1]:
+                try:
+                    sock.send(request[state[2] : state[2] + 1])
+                    state[1], state[2] = now + every_s, state[2] + 1
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    closed = True
+            if closed:
+                lived.append(now - state[0])
+                sock.close()
+                del open_[sock]
+        time.sleep(0.01)
+    for sock in open_:
+        sock.close()
+    return lived
+
+
+@pytest.mark.parametrize("token", [None, TOKEN])
+def test_slow_clients_cannot_lock_out_the_monitoring_server(scenario: Any, token: Optional[str]) -> None:
+    """Issue 37: 16 to 24 connections each sending a byte every 4 s left normal requests
+    unanswered (0 of 36 over 40 s), with a token or without: a per-read timeout never
+    fired, and they held every slot. Here 24 such clients (a byte every 0.2 s, kept at 24
+    as they are closed), against a 1 s deadline per request: every normal request is
+    answered at once, and no slow connection lives much past the deadline."""
+    deadline_s = 1.0
+    config = Monitoring(token=token, sample_interval_s=60, progress=False, request_timeout_s=deadline_s)
+    monitor = start_monitor(scenario.job, config, out=io.StringIO())
+    assert monitor is not None and monitor.url is not None
+    parsed = urllib.parse.urlsplit(monitor.url)
+    stop = threading.Event()
+    lived: List[float] = []
+    slow = threading.Thread(
+        target=lambda: lived.extend(_slow_clients((parsed.hostname, parsed.port), 24, 0.2, stop)), daemon=True
+    )
+    slow.start()
+    headers = {"Authorization": "Bearer " + token} if token else {}
+    try:
+        time.sleep(0.5)  # the slow clients are in
+        answered = []
+        for _ in range(12):
+            started = time.monotonic()
+            status, body, _ = get(monitor.url, "jobs", headers)
+            answered.append((status, time.monotonic() - started))
+            assert status == 200, body
+            time.sleep(0.2)
+        if token:  # and one without the token: refused as quickly
+            status, _, _ = get(monitor.url, "jobs")
+            assert status == 401
+        assert max(t for _, t in answered) < deadline_s, answered  # none waited for a slow one's deadline
+    finally:
+        stop.set()
+        slow.join(10)
+        monitor.stop("FINISHED")
+    assert len(lived) >= 24, lived  # every slow connection was closed at least once
+    assert max(lived) < deadline_s + 1.0, max(lived)  # ... by its deadline, not by a per-read timeout
+
+
+def test_a_query_with_too_many_parameters_is_a_bad_request_without_a_traceback(scenario: Any, capfd: Any) -> None:
+    """Issue 37: 9 query parameters or more made the handler crash (no answer, a
+    ``ValueError`` traceback on the job's stderr). Now: 400, said plainly."""
+    url = scenario.monitor.url
+    status, body, _ = get(url, "jobs?" + "&".join(f"p{i}=1" for i in range(9)))
+    assert status == 400 and body == {"errors": ["a query of more than 8 parameters"]}
+    status, _, _ = get(url, "jobs?" + "&".join(f"p{i}=1" for i in range(8)))
+    assert status == 200
+    captured = capfd.readouterr()
+    assert "Traceback" not in captured.err and "ValueError" not in captured.err
+
+
+def test_a_request_head_over_the_bounds_is_refused(scenario: Any) -> None:
+    url = scenario.monitor.url
+    answer = _raw(url, b"GET /jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n")
+    assert b" 431 " in answer.split(b"\r\n")[0]
+    many = b"".join(b"X-%d: 1\r\n" % i for i in range(101))
+    answer = _raw(url, b"GET /jobs HTTP/1.1\r\nHost: 127.0.0.1\r\n" + many + b"\r\n")
+    assert b" 431 " in answer.split(b"\r\n")[0]
+    answer = _raw(url, b"NONSENSE\r\n\r\n")
+    assert b" 400 " in answer.split(b"\r\n")[0]
+    status, _, _ = get(url, "jobs")
     assert status == 200
 
 

@@ -38,7 +38,10 @@ class Monitoring:
     ``history``: how many samples of throughput and watermark the dashboard and
     ``/jobs/:id/recent-progress`` keep (one per ``sample_interval_s``).
     ``progress``: a live progress line while ``execute`` runs, on a terminal only.
-    ``announce``: print the server's address when the job starts."""
+    ``announce``: print the server's address when the job starts.
+    ``request_timeout_s``: the deadline of one request, from its connection to the
+    last byte of its answer (a slow client is closed at it, so it holds a connection
+    for this long at most, however it trickles its bytes)."""
 
     host: str = "127.0.0.1"
     port: int = 0
@@ -47,6 +50,7 @@ class Monitoring:
     sample_interval_s: float = 1.0
     progress: bool = True
     announce: bool = True
+    request_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -64,3 +68,9 @@ class Monitoring:
             raise ValueError(f"Monitoring.history must be an int >= 1, got {self.history!r}")
         if not isinstance(self.sample_interval_s, (int, float)) or not 0.05 <= self.sample_interval_s <= 60:
             raise ValueError(f"Monitoring.sample_interval_s must be in 0.05..60 s, got {self.sample_interval_s!r}")
+        if (
+            not isinstance(self.request_timeout_s, (int, float))
+            or isinstance(self.request_timeout_s, bool)
+            or not 0.05 <= self.request_timeout_s <= 600
+        ):
+            raise ValueError(f"Monitoring.request_timeout_s must be in 0.05..600 s, got {self.request_timeout_s!r}")

@@ -119,7 +119,13 @@ class JobMonitor:
         from .server import MonitoringServer
 
         try:
-            self._server = MonitoringServer(self, self.config.host, self.config.port, self.config.token)
+            self._server = MonitoringServer(
+                self,
+                self.config.host,
+                self.config.port,
+                self.config.token,
+                request_timeout_s=self.config.request_timeout_s,
+            )
         except OSError as exc:
             hint = "; Monitoring(port=0) picks a free port" if self.config.port != 0 else ""
             self.error = (

@@ -22,17 +22,33 @@ What guards it: it listens on loopback unless told otherwise, and then only with
 a token, compared in constant time (``hmac.compare_digest``); on loopback without
 a token it answers only requests whose ``Host`` is a loopback name, so a web page
 cannot reach it through DNS rebinding. It reads no request body (a request with
-one is refused before it is read), bounds the request line and the number of
-connections it serves at once, times out slow clients, sends JSON and static
-files only, and never unpickles anything.
+one is refused before it is read), bounds the request line, the request's head and
+the query, sends JSON and static files only, and never unpickles anything.
+
+What a slow or greedy client can do to it (issue 37): nothing beyond its own
+requests. Connections are served on one event loop (asyncio), so a connection that
+trickles its request costs a socket, not a thread or a slot others wait for. Each
+request has a deadline for the whole exchange (``request_timeout_s``, reading the
+request and sending the answer; a per-read timeout let a byte every few seconds
+hold a connection for ever). Connections are bounded per client address
+(``MAX_CONNECTIONS_PER_CLIENT``) and in total (``MAX_CONNECTIONS``); at a bound, the
+oldest connection still sending its request is closed to make room (the one
+furthest from its deadline's end is the likeliest to be a slow client), so a
+request that arrives whole is answered even while slow clients fill the bounds.
+The token (and the ``Host``) is checked as soon as the request's head is in,
+before any route runs.
 
 What it costs: answers come from ``JobMonitor.body``, built once per version of
-what they show, and the static files are read once; the CPU time of every
-request's thread and of the accept loop is charged to ``JobMonitor.cpu_seconds``."""
+what they show, and the static files are read once; the CPU time of the server's
+event loop thread (accepting, reading, building and sending answers) is charged to
+``JobMonitor.cpu_seconds``."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import http.client
+import io
 import logging
 import mimetypes
 import re
@@ -40,24 +56,29 @@ import socket
 import threading
 import time
 import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from email.utils import formatdate
 from importlib import resources
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from .config import is_loopback
 
 if TYPE_CHECKING:
     from .monitor import JobMonitor
 
-__all__ = ["MAX_CONNECTIONS", "MAX_PATH", "MonitoringServer"]
+__all__ = ["MAX_CONNECTIONS", "MAX_CONNECTIONS_PER_CLIENT", "MAX_PATH", "MonitoringServer"]
 
 log = logging.getLogger(__name__)
 
 MAX_PATH = 2048  # bytes of the request target
-MAX_CONNECTIONS = 16  # served at once; more are closed at once
-REQUEST_TIMEOUT_S = 10
-WRITE_BUFFER = 256 * 1024  # bytes of an answer sent in one piece (a big job's /metrics is ~100 KiB)
+MAX_CONNECTIONS = 64  # open at once, in total
+MAX_CONNECTIONS_PER_CLIENT = 16  # open at once from one client address
+MAX_QUERY_FIELDS = 8  # parameters in a query string (the API takes one: ``token``)
+MAX_HEAD = 64 * 1024  # bytes of a request line or header line, as http.server
+MAX_HEADERS = 100  # header lines of a request, as http.server
+REQUEST_TIMEOUT_S = 10.0  # the default deadline of a whole request (see ``Monitoring``)
+LISTEN_BACKLOG = 32
 TOKEN_COOKIE = "pyengine_token"
+SERVER_NAME = "pyengine-monitoring"
 
 _STATIC = {
     "/": "index.html",
@@ -72,6 +93,7 @@ _SECURITY_HEADERS = {
     "Cache-Control": "no-store",
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; frame-ancestors 'none'",
 }
+_READ_ONLY = frozenset({"POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 
 Route = Callable[..., Tuple[int, Any]]
 
@@ -88,82 +110,303 @@ def _static(name: str) -> bytes:
     return data
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = False  # a second job must not share a port it cannot own
-    request_queue_size = 32
+class _Refusal(Exception):
+    """A request answered with an error and the connection closed."""
 
-    def __init__(self, address: Tuple[str, int], handler: Any, family: int, charge: Callable[[int], None]) -> None:
-        self.address_family = family
-        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self.closing = False
-        self.charge = charge
-        self._loop_cpu_ns = 0
-        super().__init__(address, handler)
+    def __init__(self, status: int, message: str, extra: Optional[Dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.extra = extra or {}
 
-    def service_actions(self) -> None:
-        """Once per turn of ``serve_forever``'s loop (on its thread): charges the CPU
-        time the loop spent since its last turn (polling, accepting, starting threads)."""
-        now = time.thread_time_ns()
-        if self._loop_cpu_ns:
-            self.charge(now - self._loop_cpu_ns)
-        self._loop_cpu_ns = now
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if self.closing or not self.slots.acquire(blocking=False):  # closing, or too many at once
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self.slots.release()
-            raise
+class _Connection:
+    """One open connection: who, since when, and whether it is still sending its request."""
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        started = time.thread_time_ns()
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
-            self.charge(time.thread_time_ns() - started)
+    __slots__ = ("client", "opened", "reading", "transport")
+
+    def __init__(self, client: str, transport: asyncio.WriteTransport) -> None:
+        self.client = client
+        self.opened = time.monotonic()
+        self.reading = True  # sending its request: the kind a new connection may push out
+        self.transport = transport
 
 
 class MonitoringServer:
     """Serves one job's monitor on ``host:port`` (0: a free port) until ``close()``;
-    ``url`` is where. Raises ``OSError`` when it cannot listen."""
+    ``url`` is where. Raises ``OSError`` when it cannot listen.
 
-    def __init__(self, monitor: JobMonitor, host: str = "127.0.0.1", port: int = 0, token: Optional[str] = None):
+    ``request_timeout_s``: the deadline of one request, from its connection's accept
+    to the last byte of its answer; a connection past it is closed (with a 408 when
+    it had not sent its request yet). ``max_connections`` and ``max_per_client``: the
+    bounds on open connections, in total and per client address."""
+
+    def __init__(
+        self,
+        monitor: JobMonitor,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: Optional[str] = None,
+        *,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
+        max_per_client: int = MAX_CONNECTIONS_PER_CLIENT,
+    ) -> None:
+        if not request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s!r}")
+        if not 1 <= max_per_client <= max_connections:
+            raise ValueError(
+                f"the connection bounds must satisfy 1 <= max_per_client ({max_per_client}) "
+                f"<= max_connections ({max_connections})"
+            )
         self.monitor = monitor
         self.host = host
+        self.request_timeout_s = float(request_timeout_s)
+        self.max_connections = int(max_connections)
+        self.max_per_client = int(max_per_client)
         self._token = token.encode() if token is not None else None
         self._loopback_only = token is None and is_loopback(host)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         bind = "127.0.0.1" if host == "localhost" else host
-        self._httpd = _Server((bind, port), _handler(self), family, monitor.charge)
-        self.port = int(self._httpd.server_address[1])
+        # Bound here, on the caller's thread, so a port in use raises OSError from the
+        # constructor. No SO_REUSEADDR: a second job must not share a port it cannot own.
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._socket.bind((bind, port))
+            self._socket.listen(LISTEN_BACKLOG)
+            self._socket.setblocking(False)
+        except BaseException:
+            self._socket.close()
+            raise
+        self.port = int(self._socket.getsockname()[1])
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self.port}/"
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="pyengine-monitor", daemon=True
-        )
+        self._open: List[_Connection] = []  # in the order they were accepted (only the loop's thread)
+        self._closing = False
+        self.evicted = 0  # connections closed to make room for a new one (for the log, and tests)
+        self.expired = 0  # connections closed at their deadline
+        self._cpu_mark = 0
+        self._loop = asyncio.new_event_loop()
+        self._stopped: Optional[asyncio.Future[None]] = None
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(started,), name="pyengine-monitor", daemon=True)
         self._thread.start()
+        started.wait(5)
 
     def close(self) -> None:
-        """Stops serving at once: the job's end must not wait for the server's poll
-        interval, so a connection of its own wakes the loop to see the request."""
-        httpd = self._httpd
-        httpd.closing = True
-        stopper = threading.Thread(target=httpd.shutdown, daemon=True)
-        stopper.start()
-        try:
-            host = "127.0.0.1" if self.host in ("localhost", "0.0.0.0") else "::1" if self.host == "::" else self.host
-            with socket.create_connection((host, self.port), timeout=1):
+        """Stops serving at once: no new connection is taken, open ones are closed,
+        and the loop's thread is joined."""
+        self._closing = True
+        loop = self._loop
+        if not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._stop)
+            except RuntimeError:  # the loop already ended
                 pass
-        except OSError:
-            pass  # the loop still sees the request within its poll interval
-        stopper.join(5)
-        httpd.server_close()
         self._thread.join(5)
+        if self._thread.is_alive():
+            log.warning("the monitoring server on port %d did not stop within 5 s", self.port)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _run(self, started: threading.Event) -> None:
+        loop = self._loop
+        asyncio.set_event_loop(loop)
+        self._cpu_mark = time.thread_time_ns()
+        try:
+            loop.run_until_complete(self._serve(started))
+        except Exception:  # never expected: said, and the job runs on without its server
+            log.exception("the monitoring server on port %d stopped", self.port)
+        finally:
+            started.set()
+            try:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            finally:
+                loop.close()
+                self._socket.close()
+                self._charge()
+
+    async def _serve(self, started: threading.Event) -> None:
+        self._stopped = asyncio.get_running_loop().create_future()
+        server = await asyncio.start_server(self._client, sock=self._socket, limit=MAX_HEAD)
+        started.set()
+        try:
+            if not self._closing:
+                await self._stopped
+        finally:
+            server.close()
+            for conn in list(self._open):
+                conn.transport.abort()
+            await server.wait_closed()
+
+    def _stop(self) -> None:
+        if self._stopped is not None and not self._stopped.done():
+            self._stopped.set_result(None)
+
+    def _charge(self) -> None:
+        """Charges the loop thread's CPU time since the last charge (on the loop's thread)."""
+        now = time.thread_time_ns()
+        self.monitor.charge(now - self._cpu_mark)
+        self._cpu_mark = now
+
+    def _admit(self, transport: asyncio.WriteTransport) -> Optional[_Connection]:
+        """A new connection's place, made at a bound by closing the oldest connection still
+        sending its request (of this client at its own bound; of the client with the most
+        connections at the total bound); None when there is no such connection to close."""
+        peer = transport.get_extra_info("peername")
+        client = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        mine = [c for c in self._open if c.client == client]
+        if len(mine) >= self.max_per_client:
+            if not self._evict(mine):
+                return None
+        if len(self._open) >= self.max_connections:
+            counts: Dict[str, int] = {}
+            for c in self._open:
+                counts[c.client] = counts.get(c.client, 0) + 1
+            greediest = max(counts, key=lambda k: counts[k])
+            if not self._evict([c for c in self._open if c.client == greediest]) and not self._evict(self._open):
+                return None
+        conn = _Connection(client, transport)
+        self._open.append(conn)
+        return conn
+
+    def _evict(self, candidates: List[_Connection]) -> bool:
+        for conn in candidates:  # oldest first
+            if conn.reading:
+                self._open.remove(conn)
+                conn.transport.abort()
+                self.evicted += 1
+                n = self.evicted
+                if n & (n - 1) == 0:  # the 1st, 2nd, 4th, ...: seen, without flooding the log
+                    log.warning(
+                        "the monitoring server closed %d connection(s) that had not sent their request "
+                        "to make room for new ones (slow or idle clients; bounds: %d per client, %d in all)",
+                        n,
+                        self.max_per_client,
+                        self.max_connections,
+                    )
+                return True
+        return False
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        transport = writer.transport
+        conn = None if self._closing else self._admit(transport)
+        if conn is None:
+            transport.abort()
+            return
+        # Written straight to the socket, and drained to empty: closing then waits for nothing.
+        transport.set_write_buffer_limits(high=0)
+        try:
+            await asyncio.wait_for(self._exchange(conn, reader, writer), self.request_timeout_s)
+        except asyncio.TimeoutError:
+            self.expired += 1
+            if conn.reading and not transport.is_closing():  # a slow client: said, never waited for
+                transport.write(self._answer(408, {"errors": ["the request took too long to arrive"]}, {}))
+        except (ConnectionError, OSError, asyncio.IncompleteReadError):
+            pass  # the client went away (or was pushed out): nothing to answer
+        except Exception:  # a bug of the server's own: logged, the client gets no traceback
+            log.exception("the monitoring server failed on a request")
+        finally:
+            if conn in self._open:
+                self._open.remove(conn)
+            transport.abort()
+            self._charge()
+
+    async def _exchange(self, conn: _Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            method, target, headers = await self._read_head(reader)
+            conn.reading = False
+            status, body, extra, head = self._handle(method, target, headers)
+        except _Refusal as refused:
+            conn.reading = False
+            status, body, extra, head = refused.status, {"errors": [refused.message]}, refused.extra, False
+        writer.write(self._answer(status, body, extra, head=head))
+        await writer.drain()
+        log.debug("monitoring %s: %d", conn.client, status)
+
+    async def _read_head(self, reader: asyncio.StreamReader) -> Tuple[str, str, http.client.HTTPMessage]:
+        """The request line and headers, each line bounded (``MAX_HEAD``), at most
+        ``MAX_HEADERS`` of them; the target's length is checked as soon as it is read."""
+        line = await self._line(reader)
+        while line in (b"\r\n", b"\n"):  # blank lines before a request are allowed (RFC 9112)
+            line = await self._line(reader)
+        words = line.decode("iso-8859-1").rstrip("\r\n").split()
+        if len(words) != 3 or not words[2].startswith("HTTP/"):
+            raise _Refusal(400, "a request line is METHOD TARGET HTTP/1.x")
+        method, target, _ = words
+        if len(target) > MAX_PATH:
+            raise _Refusal(414, f"request target longer than {MAX_PATH} bytes")
+        lines = []
+        while True:
+            line = await self._line(reader)
+            if line in (b"\r\n", b"\n"):
+                break
+            lines.append(line)
+            if len(lines) > MAX_HEADERS:
+                raise _Refusal(431, f"more than {MAX_HEADERS} header lines")
+        try:
+            headers = http.client.parse_headers(io.BytesIO(b"".join(lines) + b"\r\n"))
+        except http.client.HTTPException:
+            raise _Refusal(400, "malformed headers") from None
+        return method, target, headers
+
+    @staticmethod
+    async def _line(reader: asyncio.StreamReader) -> bytes:
+        try:
+            line = await reader.readuntil(b"\n")
+        except asyncio.LimitOverrunError:
+            raise _Refusal(431, f"a request line or header longer than {MAX_HEAD} bytes") from None
+        return line
+
+    def _handle(self, method: str, target: str, headers: Any) -> Tuple[int, Any, Dict[str, str], bool]:
+        """(status, body, extra headers, HEAD) for a request whose head is in: the checks
+        that need no route first (method, body, ``Host``, query, token), then the route."""
+        if method in _READ_ONLY:
+            raise _Refusal(405, "the monitoring API is read-only (GET)", {"Allow": "GET, HEAD"})
+        if method not in ("GET", "HEAD"):
+            raise _Refusal(501, f"unsupported method {method[:20]!r}", {"Allow": "GET, HEAD"})
+        length = headers.get("Content-Length")
+        if (length not in (None, "0")) or headers.get("Transfer-Encoding"):
+            raise _Refusal(413, "the monitoring API takes no request body")
+        if not self.host_allowed(headers.get("Host")):
+            raise _Refusal(421, "this server answers only to a loopback Host")
+        parts = urllib.parse.urlsplit(target)
+        try:
+            query = dict(urllib.parse.parse_qsl(parts.query, max_num_fields=MAX_QUERY_FIELDS))
+        except ValueError:  # more fields than that: a bad request, not the server's failure
+            raise _Refusal(400, f"a query of more than {MAX_QUERY_FIELDS} parameters") from None
+        allowed, from_query = self.authorized(headers, query)
+        if not allowed:
+            raise _Refusal(401, "a token is needed", {"WWW-Authenticate": 'Bearer realm="pyengine"'})
+        path = urllib.parse.unquote(parts.path)
+        if len(path) > 1 and path.endswith("/"):
+            path = path[:-1]
+        try:
+            status, payload, kind = self.respond(path)
+            body: Any = (payload, kind)
+        except Exception as exc:  # the job's own trouble: said plainly, never a traceback
+            log.exception("monitoring request %s failed", path)
+            status, body = 500, {"errors": [f"{type(exc).__name__}: {str(exc)[:200]}"]}
+        extra = {}
+        if from_query and self._token is not None:  # the dashboard's first visit: keep the token
+            extra["Set-Cookie"] = f"{TOKEN_COOKIE}={query['token']}; HttpOnly; SameSite=Strict; Path=/"
+        return status, body, extra, method == "HEAD"
+
+    def _answer(self, status: int, body: Any, extra: Dict[str, str], head: bool = False) -> bytes:
+        """The whole answer, status line to body, as one piece (one send)."""
+        _, payload, kind = self.monitor.encode(status, body)
+        reason = http.client.responses.get(status, "")
+        lines = [
+            f"HTTP/1.0 {status} {reason}",
+            f"Server: {SERVER_NAME}",
+            f"Date: {formatdate(usegmt=True)}",
+            f"Content-Type: {kind}",
+            f"Content-Length: {len(payload)}",
+            "Connection: close",
+            *(f"{name}: {value}" for name, value in {**_SECURITY_HEADERS, **extra}.items()),
+        ]
+        head_bytes = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace")
+        return head_bytes if head else head_bytes + payload
 
     # -- checks --------------------------------------------------------------------------
 
@@ -266,73 +509,3 @@ class MonitoringServer:
                 return 404, {"errors": [f"Vertex {found.group(1)[:64]} not found"]}
             return 200, body
         return 404, {"errors": ["Not found: " + path[:200]]}
-
-
-def _handler(server: MonitoringServer) -> Any:
-    class Handler(BaseHTTPRequestHandler):
-        timeout = REQUEST_TIMEOUT_S
-        # Headers and body leave in one send when they fit (flushed as the request
-        # ends): each socket call lets go of the GIL and takes it back from the job's
-        # threads, so one send is one hand-over instead of two.
-        wbufsize = WRITE_BUFFER
-        server_version = "pyengine-monitoring"
-        sys_version = ""
-
-        def log_message(self, format: str, *args: Any) -> None:
-            log.debug("monitoring %s: " + format, self.client_address[0], *args)
-
-        def _send(self, status: int, body: Any, extra: Optional[Dict[str, str]] = None, head: bool = False) -> None:
-            _, payload, kind = server.monitor.encode(status, body)
-            self.send_response(status)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(payload)))
-            for name, value in {**_SECURITY_HEADERS, **(extra or {})}.items():
-                self.send_header(name, value)
-            self.end_headers()
-            if not head:
-                self.wfile.write(payload)
-
-        def _refuse(self, status: int, message: str, extra: Optional[Dict[str, str]] = None) -> None:
-            self.close_connection = True
-            self._send(status, {"errors": [message]}, extra)
-
-        def _serve(self, head: bool) -> None:
-            if len(self.path) > MAX_PATH:
-                return self._refuse(414, f"request target longer than {MAX_PATH} bytes")
-            length = self.headers.get("Content-Length")
-            if (length not in (None, "0")) or self.headers.get("Transfer-Encoding"):
-                return self._refuse(413, "the monitoring API takes no request body")
-            if not server.host_allowed(self.headers.get("Host")):
-                return self._refuse(421, "this server answers only to a loopback Host")
-            target = urllib.parse.urlsplit(self.path)
-            query = dict(urllib.parse.parse_qsl(target.query, max_num_fields=8))
-            allowed, from_query = server.authorized(self.headers, query)
-            if not allowed:
-                return self._refuse(401, "a token is needed", {"WWW-Authenticate": 'Bearer realm="pyengine"'})
-            path = urllib.parse.unquote(target.path)
-            if len(path) > 1 and path.endswith("/"):
-                path = path[:-1]
-            try:
-                status, payload, kind = server.respond(path)
-                body: Any = (payload, kind)
-            except Exception as exc:  # the job's own trouble: said plainly, never a traceback
-                log.exception("monitoring request %s failed", path)
-                status, body = 500, {"errors": [f"{type(exc).__name__}: {str(exc)[:200]}"]}
-            extra = {}
-            if from_query and server._token is not None:  # the dashboard's first visit: keep the token
-                extra["Set-Cookie"] = f"{TOKEN_COOKIE}={query['token']}; HttpOnly; SameSite=Strict; Path=/"
-            self._send(status, body, extra, head=head)
-            return None
-
-        def do_GET(self) -> None:
-            self._serve(head=False)
-
-        def do_HEAD(self) -> None:
-            self._serve(head=True)
-
-        def _not_allowed(self) -> None:
-            self._refuse(405, "the monitoring API is read-only (GET)", {"Allow": "GET, HEAD"})
-
-        do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
-
-    return Handler
