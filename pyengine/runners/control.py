@@ -37,6 +37,7 @@ from ..storage.handles import handle_from_json
 from ..storage.metadata import SubtaskState
 from .flight import (
     MAX_CONTROL_MESSAGE_BYTES,
+    MEMORY_TRIM,
     GuardedServer,
     JobTls,
     authenticated,
@@ -134,6 +135,7 @@ class ControlServer(GuardedServer):
             raise flight.FlightServerError(f"pyengine: the control server has no call {kind!r}")
         size = action.body.size
         if size > self.max_message_bytes:  # refused before it is copied into Python or parsed
+            MEMORY_TRIM.soon()  # gRPC received it whole: give that memory back once it is freed
             raise flight.FlightServerError(
                 f"pyengine: a {kind!r} call of {size} bytes (the driver takes at most {self.max_message_bytes})"
             )

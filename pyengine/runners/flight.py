@@ -31,11 +31,17 @@ Who may talk to a server, and how much (shared with the control plane,
   in clear, and, since both ends present that certificate (mutual TLS), a peer
   without it is turned away during the handshake, before gRPC reads any message.
 
-One limit Flight sets and pyarrow cannot change: gRPC receives a unary request
-(``DoAction``, ``GetFlightInfo``, ...) whole before any handler or middleware runs,
-and Arrow lifts gRPC's receive limit. So on plain loopback a local process can
-still make a server's gRPC layer hold one large request for the moment it takes to
-refuse it (Python never sees it); over TLS such a peer never gets past the handshake.
+One limit Flight sets and pyarrow cannot change: gRPC receives a message (a unary
+request such as ``DoAction``, or one message of a stream) whole before any handler
+or middleware sees it, and Arrow lifts gRPC's receive limit; pyarrow's
+``FlightServerBase`` takes no gRPC options to set it again (apache/arrow#40257), so
+no bound can be enforced while a message is received. So on plain loopback a local
+process can still make a server's gRPC layer hold one large request (about twice
+its size: gRPC's buffer and its parsed copy) for the moment it takes to refuse it
+(Python never sees it); over TLS such a peer never gets past the handshake. What
+this module does about it: after a refusal (no token, or a message over its bound)
+the memory that request held is given back to the system (``_MemoryTrim``), so a
+refused call leaves the server at its baseline, not hundreds of MB above it.
 
 What must be reachable when the runner leaves one machine: every executor must
 reach the driver's control port, and every executor must reach the channel port
@@ -47,6 +53,7 @@ listen on every interface.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import datetime
 import hmac
@@ -197,6 +204,64 @@ CONNECT_TIMEOUT_S = 10.0  # how long a new channel waits for its server to accep
 SERVE_JOIN_S = 10.0  # how long a server's shutdown waits for its serve() to return
 
 
+# -- memory a refused call held, given back -------------------------------------------------
+
+TRIM_DELAY_S = 0.25  # after a refusal: gRPC frees the call's request once its status is sent
+TRIM_GAP_S = 1.0  # at most one trim a second, however many calls are refused
+
+
+class _MemoryTrim:
+    """Gives the memory a refused call held back to the system, soon after the refusal.
+
+    gRPC receives a unary request (``DoAction``) whole before any middleware or handler
+    runs, and pyarrow 26 offers no way to bound it (``FlightServerBase`` takes no gRPC
+    options; Arrow sets no receive limit): a 512 MiB call without the token grew a
+    server by 1.14 GB. Freed after the refusal, that memory stayed with the process
+    (~300 MB of it): glibc keeps freed heap and raises its mmap threshold after a large
+    free, so what followed landed in the heap and was never returned. ``malloc_trim(0)``
+    returns the free heap (measured: 117 MB left over after a 128 MiB call, 1 MB after a
+    trim). It runs on a thread of its own, a moment after a refusal (the request is
+    freed once the call's status is sent), at most once per ``TRIM_GAP_S``; a no-op
+    where the C library has no ``malloc_trim`` (not glibc)."""
+
+    def __init__(self) -> None:
+        self._wanted = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self.trims = 0  # how many trims ran (for tests)
+        try:
+            self._trim: Optional[Callable[[int], int]] = ctypes.CDLL(None).malloc_trim
+        except (AttributeError, OSError):
+            self._trim = None
+
+    def soon(self) -> None:
+        """Asks for a trim a moment from now (never blocks, never raises)."""
+        if self._trim is None:
+            return
+        self._wanted.set()
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pyengine-memory-trim", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        trim = self._trim
+        assert trim is not None
+        while True:
+            self._wanted.wait()
+            time.sleep(TRIM_DELAY_S)
+            self._wanted.clear()
+            try:
+                trim(0)
+                self.trims += 1
+            except Exception:  # never expected; the server serves on, with what it holds
+                log.debug("malloc_trim failed", exc_info=True)
+            time.sleep(TRIM_GAP_S)
+
+
+MEMORY_TRIM = _MemoryTrim()
+
+
 # -- who may call: the token, checked before a handler runs ---------------------------------
 
 
@@ -237,6 +302,7 @@ class TokenCheck(flight.ServerMiddlewareFactory):
             n = self.refused
         if n & (n - 1) == 0:  # the 1st, 2nd, 4th, ... refusal: seen, but a flood does not flood the log
             log.warning("%s refused %d call(s) without the job's token", self._what, n)
+        MEMORY_TRIM.soon()  # a unary call's body was received whole before this ran: give it back
         raise flight.FlightUnauthenticatedError(REFUSED)
 
 
@@ -661,6 +727,7 @@ class ChannelServer(GuardedServer):
             data, app_metadata = chunk.data, chunk.app_metadata
             if data is not None and data.num_rows:
                 if data.nbytes > self.max_batch_bytes:  # refused before it is decoded or queued
+                    MEMORY_TRIM.soon()  # gRPC received it whole: give that memory back once it is freed
                     raise flight.FlightServerError(
                         f"pyengine: a batch of {data.nbytes} bytes on channel {channel} "
                         f"(this gate takes at most {self.max_batch_bytes})"
