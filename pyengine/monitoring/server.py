@@ -237,6 +237,11 @@ class MonitoringServer:
             server.close()
             for conn in list(self._open):
                 conn.transport.abort()
+            # the connections' own tasks end here, not destroyed pending with the loop
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await server.wait_closed()
 
     def _stop(self) -> None:
@@ -304,6 +309,8 @@ class MonitoringServer:
                 transport.write(self._answer(408, {"errors": ["the request took too long to arrive"]}, {}))
         except (ConnectionError, OSError, asyncio.IncompleteReadError):
             pass  # the client went away (or was pushed out): nothing to answer
+        except asyncio.CancelledError:
+            pass  # the server is closing: the connection goes with it
         except Exception:  # a bug of the server's own: logged, the client gets no traceback
             log.exception("the monitoring server failed on a request")
         finally:
