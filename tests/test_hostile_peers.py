@@ -460,15 +460,16 @@ def test_the_memory_of_a_refused_oversized_call_goes_back_to_the_server_s_baseli
         stdout=subprocess.PIPE,
         text=True,
     )
-    assert server.stdin is not None and server.stdout is not None
+    ask, answers = server.stdin, server.stdout
+    assert ask is not None and answers is not None
 
     def rss() -> int:
-        server.stdin.write("rss\n")
-        server.stdin.flush()
-        return int(json.loads(server.stdout.readline())["rss"])
+        ask.write("rss\n")
+        ask.flush()
+        return int(json.loads(answers.readline())["rss"])
 
     try:
-        location = json.loads(server.stdout.readline())["location"]
+        location = json.loads(answers.readline())["location"]
         # warmed up by one small refused call of the same kind (gRPC's threads and buffers)
         hostile_call(location, call, 1024, token)
         time.sleep(1.5)
@@ -487,7 +488,7 @@ def test_the_memory_of_a_refused_oversized_call_goes_back_to_the_server_s_baseli
             grown = rss() - base
         assert grown <= 24 * MiB, f"{kind}: {grown >> 20} MiB of a {size >> 20} MiB refused call stayed resident"
     finally:
-        server.stdin.close()
+        ask.close()
         server.wait(10)
 
 
@@ -509,3 +510,51 @@ def hostile_call(location: str, call: str, size: int, token: Optional[str]) -> O
     finally:
         client.close()
     return None
+
+
+def test_the_largest_legitimate_batches_pass_at_the_default_bounds_after_a_refusal() -> None:
+    """What a sender legitimately sends: Arrow batches split at ``SPLIT_BATCH_BYTES``
+    (64 MiB; the buffer's records, however many ``buffer_size`` holds), each one Flight
+    message, under the receiver's ``MAX_BATCH_BYTES`` (256 MiB) with a margin of four.
+    Sent right after an oversized batch was refused (so the memory trim ran between
+    them), they arrive whole and in order."""
+    from pyengine.runners.flight import MAX_BATCH_BYTES, MEMORY_TRIM, SPLIT_BATCH_BYTES
+
+    assert MAX_BATCH_BYTES >= 4 * SPLIT_BATCH_BYTES
+    gate = CheckpointedInputGate(1, RecordingListener(), capacity=8)
+    server = listening_server(lambda: ChannelServer(gate, TOKEN, max_batch_bytes=CHANNEL_MAX_BATCH))
+    server.serve_in_background("test-hostile-peers")
+    try:
+        refused = hostile_call(server.location, "put", 2 * CHANNEL_MAX_BATCH, TOKEN)
+        assert isinstance(refused, flight.FlightServerError) and "at most" in str(refused)
+        trims = MEMORY_TRIM.trims
+        deadline = time.monotonic() + 5
+        while MEMORY_TRIM.trims == trims and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert MEMORY_TRIM.trims > trims
+    finally:
+        server.shutdown()
+    # the default bounds, the default split: three 30 MiB records, two messages
+    gate = CheckpointedInputGate(1, RecordingListener(), capacity=8)
+    server = listening_server(lambda: ChannelServer(gate, TOKEN))
+    server.serve_in_background("test-hostile-peers")
+    try:
+        records = [bytes([i]) * (30 * MiB) for i in range(3)]
+        big = pa.record_batch({"b": pa.array(records, pa.binary())})
+        out = RemoteChannel(server.location, 0, TOKEN)
+        assert out.put(0, big, timeout=30) and out.put(0, EndOfPartition(), timeout=30)
+        got: List[bytes] = []
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline, f"{len(got)} records arrived"
+            item = gate.next(timeout=0.5)
+            if item is None:
+                continue
+            if isinstance(item[1], EndOfPartition):
+                break
+            assert item[1].nbytes <= SPLIT_BATCH_BYTES
+            got.extend(item[1].column(0).to_pylist())
+        out.close()
+        assert got == records
+    finally:
+        server.shutdown()

@@ -849,12 +849,10 @@ def test_slow_clients_cannot_lock_out_the_monitoring_server(scenario: Any, token
     config = Monitoring(token=token, sample_interval_s=60, progress=False, request_timeout_s=deadline_s)
     monitor = start_monitor(scenario.job, config, out=io.StringIO())
     assert monitor is not None and monitor.url is not None
-    parsed = urllib.parse.urlsplit(monitor.url)
+    address = ("127.0.0.1", int(urllib.parse.urlsplit(monitor.url).port or 0))
     stop = threading.Event()
     lived: List[float] = []
-    slow = threading.Thread(
-        target=lambda: lived.extend(_slow_clients((parsed.hostname, parsed.port), 24, 0.2, stop)), daemon=True
-    )
+    slow = threading.Thread(target=lambda: lived.extend(_slow_clients(address, 24, 0.2, stop)), daemon=True)
     slow.start()
     headers = {"Authorization": "Bearer " + token} if token else {}
     try:
@@ -957,7 +955,7 @@ def test_a_port_in_use_leaves_the_job_running_and_says_why(scenario: Any, caplog
 def test_monitoring_none_starts_nothing() -> None:
     assert start_monitor(SimpleNamespace(), None) is None
     with pytest.raises(TypeError):
-        start_monitor(SimpleNamespace(), "yes")  # type: ignore[arg-type]
+        start_monitor(SimpleNamespace(), "yes")
 
 
 def test_static_dashboard_is_served_from_the_package(scenario: Any) -> None:
@@ -1281,3 +1279,41 @@ def test_a_running_job_shows_its_late_drops_and_a_watermark_an_idle_split_does_n
         result = client.wait(60)
     assert result.status == "FINISHED" and result.event_time is not None
     assert result.event_time.late_records_dropped == 5
+
+
+def test_at_the_total_bound_the_greediest_client_s_oldest_waiting_connection_makes_room(scenario: Any) -> None:
+    """The bounds' rule, with addresses a test on loopback cannot have: per client first,
+    then in total, the room is made by the client with the most connections, never by one
+    already answered (then the newcomer is turned away)."""
+    from pyengine.monitoring.server import MonitoringServer
+
+    class Transport:  # what the server asks of an asyncio transport
+        def __init__(self, host: str) -> None:
+            self.host, self.aborted = host, False
+
+        def get_extra_info(self, name: str) -> Any:
+            return (self.host, 1234) if name == "peername" else None
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    def fake(host: str) -> Any:
+        return Transport(host)
+
+    server = MonitoringServer(scenario.monitor, max_connections=4, max_per_client=3)
+    try:
+        a = [fake("10.0.0.1") for _ in range(3)]
+        b = fake("10.0.0.2")
+        conns = [server._admit(t) for t in [*a, b]]
+        assert all(c is not None for c in conns)
+        a4 = fake("10.0.0.1")
+        assert server._admit(a4) is not None and a[0].aborted  # a's own bound: a's oldest goes
+        c = fake("10.0.0.3")
+        assert server._admit(c) is not None and a[1].aborted and not b.aborted  # total: a is greediest
+        for conn in server._open:
+            conn.reading = False  # all being answered: none may be pushed out
+        assert server._admit(fake("10.0.0.4")) is None
+        assert server.evicted == 2
+        server._open.clear()
+    finally:
+        server.close()
