@@ -216,6 +216,12 @@ class WindowAssigner:
         """The windows of a record at ``ts`` (Flink's ``assignWindows``). A record
         with a window that starts before -2**63 or ends after 2**63 - 1 is refused
         (``TimestampError``): its bounds are no int64, and Flink's would wrap."""
+        if self.kind == "tumbling":  # the per-record path's usual case, without a further call
+            start = ts - (ts - self.offset) % self.size
+            end = start + self.size
+            if start < MIN_WATERMARK or end > MAX_WATERMARK:
+                raise TimestampError(self.range_error(ts))
+            return [TimeWindow(start, end)]
         windows = self._windows(ts)
         if windows and (windows[-1].start < MIN_WATERMARK or windows[0].end > MAX_WATERMARK):
             raise TimestampError(self.range_error(ts))
@@ -254,27 +260,31 @@ class WindowAssigner:
         it, and every intermediate of ``assign_array``, to be an int64."""
         return self.size + self.slide + self.gap + abs(self.offset)
 
-    def out_of_range(self, ts: np.ndarray) -> Optional[int]:
-        """The first row of ``ts`` that ``assign`` refuses, or None: a min and a max
-        of the array when no timestamp is near either end (every real one)."""
-        if not len(ts):
+    def near_ends(self, ts: np.ndarray) -> bool:
+        """Whether a timestamp of ``ts`` is within ``_margin`` of either end of int64
+        (none of a real stream's is): a min and a max of the array."""
+        m = self._margin()
+        return bool(len(ts)) and (ts.min() < MIN_WATERMARK + m or ts.max() > MAX_WATERMARK - m)
+
+    def out_of_range(self, ts: np.ndarray, near: Optional[bool] = None) -> Optional[int]:
+        """The first row of ``ts`` that ``assign`` refuses, or None; ``near`` is
+        ``near_ends(ts)`` when the caller has it already."""
+        if not (self.near_ends(ts) if near is None else near):
             return None
         m = self._margin()
         low, high = MIN_WATERMARK + m, MAX_WATERMARK - m
-        if ts.min() >= low and ts.max() <= high:
-            return None
         for row in np.nonzero((ts < low) | (ts > high))[0].tolist():
             windows = self._windows(int(ts[row]))
             if windows and (windows[-1].start < MIN_WATERMARK or windows[0].end > MAX_WATERMARK):
                 return int(row)
         return None
 
-    def assign_array(self, ts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    def assign_array(self, ts: np.ndarray, near: Optional[bool] = None) -> Tuple[np.ndarray, np.ndarray]:
         """Vectorised ``assign`` for aligned windows: (row index, window start) pairs.
-        Timestamps near either end of int64 (whose windows ``out_of_range`` found
-        in range) are assigned in Python ints: int64 arithmetic would wrap there."""
-        m = self._margin()
-        if len(ts) and (ts.min() < MIN_WATERMARK + m or ts.max() > MAX_WATERMARK - m):
+        Timestamps near either end of int64 (``near_ends``, or ``near`` when the
+        caller has it; windows that ``out_of_range`` found in range) are assigned in
+        Python ints: int64 arithmetic would wrap there."""
+        if self.near_ends(ts) if near is None else near:
             pairs = [(row, w.start) for row, t in enumerate(ts.tolist()) for w in self.assign(t)]
             return np.array([r for r, _ in pairs], np.int64), np.array([s for _, s in pairs], np.int64)
         rows = np.arange(len(ts), dtype=np.int64)
@@ -910,7 +920,8 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
                 ts = self.timestamps.of_buffer(batch)
             except NonRetryableError as exc:
                 raise type(exc)(f"{self.where()}: {exc}") from None
-            bad = self.assigner.out_of_range(ts)
+            near = self.assigner.near_ends(ts)
+            bad = self.assigner.out_of_range(ts, near) if near else None
             if bad is not None:  # as WindowOperator refuses it: the record, the field, the window
                 raise TimestampError(
                     f"{self.where()}: record {_short(batch.slice(bad, 1).to_pylist()[0])}, timestamp from "
@@ -918,7 +929,8 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
                 )
         else:
             ts = np.full(batch.num_rows, now_ms(), np.int64)
-        rows, starts = self.assigner.assign_array(ts)
+            near = False  # the clock: nowhere near either end
+        rows, starts = self.assigner.assign_array(ts, near)
         if self.assigner.is_event_time:
             # late: the window's cleanup time (end - 1 + allowed lateness) is at or below the watermark
             on_time = starts + (self.assigner.size - 1) > self.current_watermark - self.lateness
