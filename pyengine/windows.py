@@ -42,7 +42,7 @@ import pyarrow as pa
 
 from .agg import Aggregation
 from .errors import NonRetryableError, not_records, refuse_non_records
-from .io.events import MAX_WATERMARK
+from .io.events import MAX_WATERMARK, MIN_WATERMARK
 from .runtime.aggregate import AggregateInputError, check_key_type, needed_accumulators, not_a_table, null_keys
 from .runtime.copies import per_subtask
 from .runtime.operators import (
@@ -57,7 +57,7 @@ from .runtime.operators import (
 from .state import ListStateDescriptor, ValueStateDescriptor
 from .state.keygroups import key_groups_of_int64
 from .time.domain import now_ms
-from .time.strategy import TimestampAssigner
+from .time.strategy import TimestampAssigner, TimestampError, _short
 
 if TYPE_CHECKING:
     from .api import DataStream, KeyedStream
@@ -213,7 +213,22 @@ class WindowAssigner:
         return self.kind in ("tumbling", "sliding")
 
     def assign(self, ts: int) -> List[TimeWindow]:
-        """The windows of a record at ``ts`` (Flink's ``assignWindows``)."""
+        """The windows of a record at ``ts`` (Flink's ``assignWindows``). A record
+        with a window that starts before -2**63 or ends after 2**63 - 1 is refused
+        (``TimestampError``): its bounds are no int64, and Flink's would wrap."""
+        if self.kind == "tumbling":  # the per-record path's usual case, without a further call
+            start = ts - (ts - self.offset) % self.size
+            end = start + self.size
+            if start < MIN_WATERMARK or end > MAX_WATERMARK:
+                raise TimestampError(self.range_error(ts))
+            return [TimeWindow(start, end)]
+        windows = self._windows(ts)
+        if windows and (windows[-1].start < MIN_WATERMARK or windows[0].end > MAX_WATERMARK):
+            raise TimestampError(self.range_error(ts))
+        return windows
+
+    def _windows(self, ts: int) -> List[TimeWindow]:
+        """``assign`` in Python ints, unchecked: the latest window first."""
         if self.kind == "session":
             return [TimeWindow(ts, ts + self.gap)]
         if self.kind == "tumbling":
@@ -226,8 +241,52 @@ class WindowAssigner:
             start -= self.slide
         return out
 
-    def assign_array(self, ts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """Vectorised ``assign`` for aligned windows: (row index, window start) pairs."""
+    def range_error(self, ts: int) -> str:
+        """Why a record at ``ts`` is refused: the window of it outside the int64 range."""
+        windows = self._windows(ts)
+        if windows[0].end > MAX_WATERMARK:
+            w, side = windows[0], f"ends after the largest timestamp {MAX_WATERMARK} (2**63 - 1)"
+        else:
+            w, side = windows[-1], f"starts before the smallest timestamp {MIN_WATERMARK} (-2**63)"
+        return (
+            f"its timestamp {ts} is in the window [{w.start}, {w.end}) of {self.describe()}, which {side}: window "
+            "bounds are int64 milliseconds and are neither wrapped nor clamped, so a record within a window of either "
+            "end has no window; a time this far out is a sentinel or a unit mistake: drop such records before the "
+            "window (.filter(...)), or correct the time in the timestamp assigner"
+        )
+
+    def _margin(self) -> int:
+        """How far from either end of int64 a timestamp must be for every window of
+        it, and every intermediate of ``assign_array``, to be an int64."""
+        return self.size + self.slide + self.gap + abs(self.offset)
+
+    def near_ends(self, ts: np.ndarray) -> bool:
+        """Whether a timestamp of ``ts`` is within ``_margin`` of either end of int64
+        (none of a real stream's is): a min and a max of the array."""
+        m = self._margin()
+        return bool(len(ts)) and (ts.min() < MIN_WATERMARK + m or ts.max() > MAX_WATERMARK - m)
+
+    def out_of_range(self, ts: np.ndarray, near: Optional[bool] = None) -> Optional[int]:
+        """The first row of ``ts`` that ``assign`` refuses, or None; ``near`` is
+        ``near_ends(ts)`` when the caller has it already."""
+        if not (self.near_ends(ts) if near is None else near):
+            return None
+        m = self._margin()
+        low, high = MIN_WATERMARK + m, MAX_WATERMARK - m
+        for row in np.nonzero((ts < low) | (ts > high))[0].tolist():
+            windows = self._windows(int(ts[row]))
+            if windows and (windows[-1].start < MIN_WATERMARK or windows[0].end > MAX_WATERMARK):
+                return int(row)
+        return None
+
+    def assign_array(self, ts: np.ndarray, near: Optional[bool] = None) -> Tuple[np.ndarray, np.ndarray]:
+        """Vectorised ``assign`` for aligned windows: (row index, window start) pairs.
+        Timestamps near either end of int64 (``near_ends``, or ``near`` when the
+        caller has it; windows that ``out_of_range`` found in range) are assigned in
+        Python ints: int64 arithmetic would wrap there."""
+        if self.near_ends(ts) if near is None else near:
+            pairs = [(row, w.start) for row, t in enumerate(ts.tolist()) for w in self.assign(t)]
+            return np.array([r for r, _ in pairs], np.int64), np.array([s for _, s in pairs], np.int64)
         rows = np.arange(len(ts), dtype=np.int64)
         if self.kind == "tumbling":
             return rows, ts - (ts - self.offset) % self.size
@@ -501,6 +560,9 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
                     raise NaNKeyError(f"{self.where()}: the key of record {record!r} is NaN")
                 backend.set_current_key(key)
                 self._add(key, record, ts, out)
+        except TimestampError as exc:  # a window out of range (assign): which record, which field
+            where = self.timestamps.describe() if self.timestamps is not None else "processing time"
+            raise TimestampError(f"{self.where()}: record {_short(record)}, timestamp from {where}: {exc}") from None
         except NonRetryableError:
             raise
         except UserFunctionError:
@@ -858,9 +920,17 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
                 ts = self.timestamps.of_buffer(batch)
             except NonRetryableError as exc:
                 raise type(exc)(f"{self.where()}: {exc}") from None
+            near = self.assigner.near_ends(ts)
+            bad = self.assigner.out_of_range(ts, near) if near else None
+            if bad is not None:  # as WindowOperator refuses it: the record, the field, the window
+                raise TimestampError(
+                    f"{self.where()}: record {_short(batch.slice(bad, 1).to_pylist()[0])}, timestamp from "
+                    f"{self.timestamps.describe()}: {self.assigner.range_error(int(ts[bad]))}"
+                )
         else:
             ts = np.full(batch.num_rows, now_ms(), np.int64)
-        rows, starts = self.assigner.assign_array(ts)
+            near = False  # the clock: nowhere near either end
+        rows, starts = self.assigner.assign_array(ts, near)
         if self.assigner.is_event_time:
             # late: the window's cleanup time (end - 1 + allowed lateness) is at or below the watermark
             on_time = starts + (self.assigner.size - 1) > self.current_watermark - self.lateness

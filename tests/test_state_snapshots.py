@@ -244,7 +244,9 @@ def test_pickle_needs_an_opt_in_to_write_and_to_read(storage) -> None:
     b = create_keyed_backend("heap", max_parallelism=4)
     safe = b.get_state(ValueStateDescriptor("safe"))
     b.set_current_key(1)
-    safe.update(Point(1))  # stored in memory fine; the safe serializer refuses at snapshot
+    with pytest.raises(TypeError, match=r"state 'safe'.*Point.*serializer='pickle'"):
+        safe.update(Point(1))  # refused where it is written (issue #37), not at the next checkpoint
+    safe.update([Point(1)])  # a write does not look into a container: the safe serializer refuses at snapshot
     with pytest.raises(TypeError, match=r"state 'safe'.*serializer='pickle'"):
         b.snapshot(1, storage.location(1)).run()
     b = create_keyed_backend("heap", max_parallelism=4)

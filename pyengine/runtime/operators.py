@@ -716,8 +716,8 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
                         except TypeError:
                             refuse_non_records(produced, self.where(), getattr(element, "__name__", "process_element"))
                             raise
-        except InvalidTimerError as exc:  # a timer call of the function's: which operator's
-            exc.args = (f"{self.where()}: {exc}",)  # the same error, its traceback to the user's line kept
+        except InvalidTimerError as exc:  # a timer call of the function's: which operator's, on which record
+            exc.args = (f"{self.where()}: {self._on_record(r)}: {exc}",)  # the traceback to the user's line kept
             raise
         except NonRetryableError:
             raise
@@ -729,6 +729,19 @@ class KeyedProcessOperator(EventTimeOperatorMixin, KeyedOperator):
             kctx._record = None
             backend.end_ttl_step()
         return out
+
+    def _on_record(self, record: Any) -> str:
+        """A record as a refused timer's message names it: with its event time and the
+        field it came from (a timer is often the record's time plus something)."""
+        from ..time.strategy import _short
+
+        said = f"record {_short(record)}"
+        if self.timestamps is not None:
+            try:
+                said += f", event time {self.timestamps.of_record(record)} from {self.timestamps.describe()}"
+            except NonRetryableError:
+                pass
+        return said
 
     def _fire(self, queue: Any, upto: int, domain: Any) -> List[Any]:
         out: List[Any] = []

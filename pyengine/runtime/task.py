@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from .._native import int_key_group, route_int_keys
 from ..coordinator import ExecutionAttempt, SubtaskMetrics, TaskStateSnapshot
-from ..errors import ColumnNotFoundError, KeySelectorError, NonRetryableError, UnhashableKeyError
+from ..errors import ColumnNotFoundError, KeySelectorError, NonRetryableError, UnhashableKeyError, is_non_retryable
 from ..io import CheckpointBarrier, CheckpointedInputGate, CheckpointOptions, EndOfPartition
 from ..io.events import MAX_WATERMARK, MIN_WATERMARK, CheckpointType, Watermark, WatermarkStatus
 from ..sinks import FINAL, Sink
@@ -845,6 +845,13 @@ class StreamTask:
                     ),
                 )
             except Exception as exc:
+                if is_non_retryable(exc) and not self.cancelled.is_set():
+                    # A value no checkpoint can hold (StateSerializationError): every later
+                    # checkpoint, and every restart's, would decline the same way. The task
+                    # fails first, so the job fails with this cause, not the declined
+                    # checkpoint's (which would count against tolerable failures, then
+                    # restart the job on the same records).
+                    self.on_failure(exc)
                 # what was written before the failure goes with the decline, so the
                 # coordinator deletes it (a delta no checkpoint will ever reference)
                 self.coordinator.receive_decline_message(checkpoint_id, self.attempt, exc, snapshot)

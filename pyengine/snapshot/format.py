@@ -418,7 +418,9 @@ def _value_child(column: StateColumn, values: List[Any]) -> pa.Array:
             values = [None if v is TOMBSTONE else v for v in values]
         return pa.array(values, column.storage_type)
     except (TypeError, ValueError, AttributeError, pickle.PicklingError, pa.ArrowException) as exc:
-        raise StateSerializationError(f"cannot snapshot state {column.name!r}: {exc}") from exc
+        error = StateSerializationError(f"cannot snapshot state {column.name!r}: {exc}")
+        # the serializer's own refusal says nothing more: this one, naming the state, is the cause
+        raise error from (None if isinstance(exc, StateSerializationError) else exc)
 
 
 class ColumnarSlice:

@@ -73,7 +73,7 @@ from .descriptors import (
     ValueStateDescriptor,
 )
 from .keygroups import DEFAULT_MAX_PARALLELISM, KeyGroupRange, assign_to_key_group, check_parallelism
-from .serializers import TYPED_LIST, list_typecode, stored_as_list
+from .serializers import TYPED_LIST, list_typecode, plain_check, stored_as_list
 
 __all__ = [
     "AggregatingState",
@@ -103,6 +103,14 @@ def _a(arrow_type: Any) -> str:
     """``arrow_type`` with its article: "an int64", "a uint8", "a double"."""
     name = str(arrow_type)
     return f"{'an' if name[:1] in 'aeio' else 'a'} {name}"
+
+
+def _plain(descriptor: Any, what: str) -> Optional[Callable[[Any], Any]]:
+    """The write check of a state without a declared type (``serializers.plain_check``),
+    or None when the state opted in to pickle (which takes what it can pickle)."""
+    if getattr(descriptor, "allows_pickle", False):
+        return None
+    return plain_check(what)  # type: ignore[no-any-return]
 
 
 def _validator(arrow_type: Optional[pa.DataType], what: str) -> Optional[Callable[[Any], Any]]:
@@ -480,7 +488,8 @@ class _KeyedState(_StateCalls):
         self._table = table
         self._ttl = ttl
         d = table.descriptor
-        self._check: Optional[Callable[[Any], Any]] = _validator(getattr(d, "type", None), f"{d.kind} state {d.name!r}")
+        what = f"{d.kind} state {d.name!r}"
+        self._check: Optional[Callable[[Any], Any]] = _validator(getattr(d, "type", None), what) or _plain(d, what)
 
     @property
     def name(self) -> str:
@@ -872,7 +881,7 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
         super().__init__(backend, table, ttl)
         d = table.descriptor
         assert isinstance(d, ListStateDescriptor)
-        self._atomic = self._check is not None  # typed elements are immutable (ints, strs...)
+        self._atomic = getattr(d, "type", None) is not None  # typed elements are immutable (ints, strs...)
         self._typecode = list_typecode(d)  # the keys' elements in an array.array (serializers.LIST_TYPECODES)
 
     def get(self) -> ListView[T]:
@@ -998,9 +1007,10 @@ class MapState(_MapCalls, _KeyedState, Generic[K, V]):
         super().__init__(backend, table, ttl)
         d = table.descriptor
         assert isinstance(d, MapStateDescriptor)
-        self._check_key = _validator(d.key_type, f"map state {d.name!r} key")
-        self._check = _validator(d.value_type, f"map state {d.name!r} value")
-        self._atomic = self._check is not None
+        what = f"map state {d.name!r}"
+        self._check_key = _validator(d.key_type, f"{what} key") or _plain(d, f"{what} key")
+        self._check = _validator(d.value_type, f"{what} value") or _plain(d, f"{what} value")
+        self._atomic = getattr(d, "value_type", None) is not None
 
     def _writable(self, index: int, key: Any) -> Dict[Any, Any]:
         """The current key's map, private (copied once per key and snapshot), created if absent."""

@@ -23,7 +23,7 @@ import pyarrow.ipc as ipc
 from ..storage.filesystem import INLINE_THRESHOLD, CheckpointStorageLocation, CorruptStateError, read_bytes
 from ..storage.handles import OperatorStateHandle, StateHandle
 from .descriptors import ListStateDescriptor, MapStateDescriptor, StateDescriptor
-from .serializers import PickleNotAllowedError, serializer_for
+from .serializers import PickleNotAllowedError, StateSerializationError, serializer_for
 
 __all__ = [
     "BroadcastState",
@@ -180,7 +180,11 @@ class OperatorStateBackend:
             assert reg.descriptor is not None
             data = list(reg.data) if reg.mode != "broadcast" else list(reg.data.items())
             serializer = "pickle" if reg.descriptor.allows_pickle else "msgpack"
-            copies.append((name, reg.mode, serializer, [serializer_for(serializer).dumps(v) for v in data]))
+            dumps = serializer_for(serializer).dumps
+            try:
+                copies.append((name, reg.mode, serializer, [dumps(v) for v in data]))
+            except StateSerializationError as exc:  # which state: the message names only the value's type
+                raise StateSerializationError(f"cannot snapshot operator state {name!r}: {exc}") from None
         for name in sorted(self._restored):  # restored but not (yet) registered: carried over unchanged
             mode, raw, serializer = self._restored[name]
             copies.append((name, mode, serializer, list(raw)))

@@ -23,6 +23,8 @@ from typing import Any, Dict, List, Optional, Set
 import msgpack
 import pyarrow as pa
 
+from ..errors import NonRetryableError
+
 __all__ = [
     "SERIALIZERS",
     "PickleNotAllowedError",
@@ -41,8 +43,10 @@ _EXT_DECIMAL = 5  # its str
 _EPOCH = _dt.datetime(1970, 1, 1)
 
 
-class StateSerializationError(TypeError):
-    """A value cannot be stored with the state's serializer."""
+class StateSerializationError(NonRetryableError, TypeError):
+    """A value cannot be stored with the state's serializer. A restart would restore
+    the state without it, replay the same records and store it again: the job fails
+    at once (it restarted ``restart_attempts`` times on the same error before)."""
 
 
 class PickleNotAllowedError(PermissionError):
@@ -161,6 +165,45 @@ def _default(obj: Any) -> Any:
         "pyarrow type, convert "
         "the value, or opt in to pickle for this state with serializer='pickle'"
     )
+
+
+# The exact types the safe serializer encodes at the top of a value (None aside), the
+# most frequent first: C's check of a write (``_native._FastCheck``) compares a
+# value's type with each, so a value of one of them costs a few comparisons and no
+# Python call. A container's contents are not looked at on a write (that would cost
+# its size): a value inside it that the serializer cannot encode fails the next
+# checkpoint, with the same non-retryable error.
+PLAIN_TYPES = (int, str, float, dict, list, tuple, bytes, bool, _dt.datetime, _dt.date, _decimal.Decimal)
+
+
+_PLAIN = frozenset(PLAIN_TYPES)
+
+
+def plain_check(what: str) -> Any:
+    """The per-write check of a state without a declared type that the safe
+    serializer stores (``heap._validator``'s counterpart): a value of another type
+    than ``PLAIN_TYPES`` is encoded once, and refused here, naming the state
+    (``what``) and the type, if the checkpoint would refuse it: a lock or a
+    socket fails at ``update()``, not at the next checkpoint."""
+
+    def check_plain(v: Any) -> Any:
+        if v.__class__ in _PLAIN:  # the Python paths' calls (add_all, put_all): no encoding
+            return v
+        try:
+            _pack(v)
+        except (StateSerializationError, TypeError, ValueError, OverflowError):
+            t = type(v)
+            raise StateSerializationError(
+                f"{what}: a value of type {t.__module__}.{t.__qualname__} cannot be checkpointed: the state has no "
+                "declared type, so its values go through the safe serializer, which takes None, bool, int, float, "
+                "str, bytes, list, tuple, dict, datetime, date and Decimal; store plain data (e.g. the address, not "
+                "the connection: keep a lock or a socket in an attribute of the function, made in open()), convert "
+                "the value (float(x) for a NumPy number), or opt in to pickle for this state with serializer='pickle'"
+            ) from None
+        return v
+
+    check_plain.pyengine_types = PLAIN_TYPES  # type: ignore[attr-defined]
+    return check_plain
 
 
 def _ext_hook(code: int, data: bytes) -> Any:

@@ -360,9 +360,7 @@ class TimerQueue:
         if type(ts) is not int:
             ts = _timestamp(ts)
         if not _INT64_MIN < ts <= _INT64_MAX:
-            raise InvalidTimerError(
-                f"a timer's timestamp must be an int64, above {SEVERAL} and at most {_INT64_MAX}, got {ts}"
-            )
+            raise InvalidTimerError(_outside(ts))
         key, index = self._current()
         if self._native is not None:
             if _is_int64(key):
@@ -523,6 +521,15 @@ class InvalidTimerError(NonRetryableError, ValueError):
 
 class InvalidTimerTypeError(InvalidTimerError, TypeError):
     """A timer's timestamp of another type than int (a float, a string, None)."""
+
+
+def _outside(ts: int) -> str:
+    where = "-2**63 stands for 'before any watermark' here" if ts == SEVERAL else "outside int64"
+    return (
+        f"a timer's timestamp must be an int64 above {SEVERAL} and at most {_INT64_MAX}, got {ts} ({where}): a "
+        "timer at or before the current watermark fires at the next one anyway, so register a time within the "
+        "range (e.g. max(ts, -2**63 + 1), min(ts, 2**63 - 1))"
+    )
 
 
 def _timestamp(ts: Any) -> int:

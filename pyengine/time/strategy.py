@@ -41,7 +41,17 @@ _EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
 
 class TimestampError(NonRetryableError, ValueError):
     """A record whose event time cannot be read (a missing or null field, a value
-    that is not a time). A restart would read the same record: the job fails at once."""
+    that is not a time, a time outside the int64 milliseconds) or has no window it
+    fits in. A restart would read the same record: the job fails at once."""
+
+
+def _outside(value: Any) -> str:
+    return (
+        f"the timestamp {value!r} is outside the int64 milliseconds [{MIN_WATERMARK}, {MAX_WATERMARK}] that event "
+        "time is kept in (about 292 million years either side of 1970): it is not wrapped or clamped silently; "
+        "a time this far out is a sentinel or a unit mistake (nanoseconds?): drop such records before this step, "
+        "or convert the time in the assigner"
+    )
 
 
 def _ms(value: Any) -> int:
@@ -56,9 +66,9 @@ def _ms(value: Any) -> int:
     if isinstance(value, (float, np.floating)) and value == value and abs(value) != float("inf"):
         if value != int(value):
             raise TimestampError(_fractional(value))
-        return int(value)
+        return _in_range(int(value), value)
     if isinstance(value, np.integer):
-        return int(value)
+        return _in_range(int(value), value)
     if value is None:
         raise TimestampError(
             "the timestamp is None: every record needs an event time; drop those without one before this step, "
@@ -71,6 +81,13 @@ def _ms(value: Any) -> int:
             "as text, or a datetime.fromisoformat(...) for an ISO time"
         )
     raise TimestampError(f"a timestamp must be int milliseconds or a datetime, got {t.__name__} {value!r}{hint}")
+
+
+def _in_range(ms: int, value: Any) -> int:
+    """``ms`` if it is an int64 (``value`` is what the record held, for the message)."""
+    if MIN_WATERMARK <= ms <= MAX_WATERMARK:
+        return ms
+    raise TimestampError(_outside(value))
 
 
 _SHORT = reprlib.Repr()  # Python 3.11's Repr takes no arguments: its limits are attributes
@@ -91,8 +108,10 @@ def _fractional(value: Any) -> str:
     )
 
 
-def _array_ms(array: Any, where: str) -> np.ndarray:
-    """An Arrow array of timestamps as int64 milliseconds, vectorised."""
+def _array_ms(array: Any, where: str, record_at: Optional[Callable[[int], Any]] = None) -> np.ndarray:
+    """An Arrow array of timestamps as int64 milliseconds, vectorised. A value that
+    is no int64 of milliseconds (a ``uint64`` above 2**63 - 1, a float beyond
+    ±2**63) is refused, naming ``record_at(row)`` when given, never wrapped."""
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks()
     if array.null_count:
@@ -106,7 +125,10 @@ def _array_ms(array: Any, where: str) -> np.ndarray:
             array = pc.cast(array, pa.timestamp("ms", t.tz), safe=False)
         return array.view(pa.int64()).to_numpy()  # type: ignore[no-any-return]
     if pa.types.is_integer(t):
-        return array.to_numpy().astype(np.int64, copy=False)  # type: ignore[no-any-return]
+        values = array.to_numpy()
+        if t == pa.uint64() and len(values) and values.max() > MAX_WATERMARK:  # would wrap to negative
+            _refuse_row(values, values > MAX_WATERMARK, where, record_at)
+        return values.astype(np.int64, copy=False)  # type: ignore[no-any-return]
     if pa.types.is_floating(t):
         values = array.to_numpy()
         whole = np.floor(values)
@@ -116,10 +138,22 @@ def _array_ms(array: Any, where: str) -> np.ndarray:
             if first != first or abs(first) == float("inf"):
                 raise TimestampError(f"{where}: a timestamp must be whole milliseconds, got {first!r}")
             raise TimestampError(f"{where}: {_fractional(first)}")
+        # 2.0**63 is the first float past int64; -2.0**63 is MIN itself (a cast beyond is undefined)
+        outside = (values >= 2.0**63) | (values < -(2.0**63))
+        if outside.any():
+            _refuse_row(values, outside, where, record_at)
         return values.astype(np.int64)  # type: ignore[no-any-return]
     if pa.types.is_date(t):
         return pc.cast(pc.cast(array, pa.timestamp("ms")), pa.int64()).to_numpy()  # type: ignore[no-any-return]
     raise TimestampError(f"{where}: a timestamp column must be integer milliseconds or an Arrow timestamp, got {t}")
+
+
+def _refuse_row(values: np.ndarray, bad: np.ndarray, where: str, record_at: Optional[Callable[[int], Any]]) -> None:
+    """The error for the first row of ``bad``: its record when known, and its value."""
+    row = int(np.argmax(bad))
+    value = values[row].item()
+    which = f"record {_short(record_at(row))}" if record_at is not None else f"row {row}"
+    raise TimestampError(f"{which}, timestamp from {where}: {_outside(value)}")
 
 
 @dataclass(frozen=True)
@@ -151,7 +185,15 @@ class TimestampAssigner:
         return what if not self.offset else f"{what} {self.offset:+d} ms"
 
     def of_record(self, record: Any) -> int:
-        """The event time of one record."""
+        """The event time of one record (an int64: a time outside is refused)."""
+        ms = self._of_record(record)
+        if MIN_WATERMARK <= ms <= MAX_WATERMARK:
+            return ms
+        raise TimestampError(f"record {_short(record)}, timestamp from {self.describe()}: {_outside(ms)}")
+
+    def _of_record(self, record: Any) -> int:
+        """``of_record`` without the range check of a Python int (a buffer's are
+        checked by the int64 array they go into: no cost per record)."""
         if self.fn is not None:
             try:
                 value = self.fn(record)
@@ -191,11 +233,21 @@ class TimestampAssigner:
                     raise TimestampError(
                         f"the records have no timestamp column {self.column!r} (columns: {records.schema.names})"
                     )
-                ms = _array_ms(records.column(self.column), f"column {self.column!r}")
+                batch = records
+                ms = _array_ms(
+                    records.column(self.column),
+                    f"column {self.column!r}",
+                    lambda row: batch.slice(row, 1).to_pylist()[0],
+                )
                 return ms + self.offset if self.offset else ms
             records = records.to_pylist()
-        of = self.of_record
-        return np.fromiter((of(r) for r in records), np.int64, len(records))
+        of = self._of_record
+        try:
+            return np.fromiter((of(r) for r in records), np.int64, len(records))
+        except OverflowError:  # a Python int outside int64 (2**70): which record
+            for r in records:
+                self.of_record(r)
+            raise
 
 
 class WatermarkGenerator:
