@@ -201,7 +201,17 @@ class FileSource(Source):
     formats, sorted by path; subtask ``i`` of ``p`` reads splits ``i, i+p, ...`` one
     after the other, and its position is the number of rows it has read — so a
     restore seeks to the file and row it had reached. ``schema`` is the dataset's
-    (from file footers or the first file, not a scan).
+    (from file footers or the first file, not a scan). ``filesystem``: a
+    ``pyarrow.fs.FileSystem`` to read ``path`` with (an object store with its own
+    credentials, say); by default it is inferred from ``path``.
+
+    Reading fails rather than ends short: a split ends only when its reader has gone
+    through every split normally, and a parquet row group that gives fewer rows than
+    its footer says is an error. A read error (a damaged page, a file that cannot be
+    opened, an object store's hiccup) fails the task with an error naming the file;
+    the reader it broke is dropped, and every attempt (``restore_split_state``) opens
+    the files again at the checkpointed position, so a restart after a transient
+    error reads on, and an error that persists fails each attempt and then the job.
 
     Ordering: per split. The rows of one split (a row group, a file) reach the next
     operator in file order, and one subtask's splits in path order; splits read by
@@ -211,13 +221,19 @@ class FileSource(Source):
 
     FORMATS = ("parquet", "csv", "json", "feather", "ipc", "arrow")
 
-    def __init__(self, path: Any, format: str = "parquet", columns: Optional[List[str]] = None) -> None:
+    def __init__(
+        self,
+        path: Any,
+        format: str = "parquet",
+        columns: Optional[List[str]] = None,
+        filesystem: Optional[Any] = None,
+    ) -> None:
         import pyarrow.dataset as ds
 
         if format not in self.FORMATS:
             raise ValueError(f"read_files format must be one of {', '.join(self.FORMATS)}, got {format!r}")
         try:
-            dataset = ds.dataset(path, format=format)
+            dataset = ds.dataset(path, format=format, filesystem=filesystem)
         except (FileNotFoundError, OSError, pa.ArrowInvalid) as exc:
             raise ValueError(f"read_files({path!r}): {exc}") from None
         if columns is not None:
@@ -235,6 +251,10 @@ class FileSource(Source):
         self.schema: pa.Schema = schema if columns is None else pa.schema([schema.field(c) for c in columns])
         self.columns = columns
         self._splits = splits
+        # what each split's file says it holds (a parquet row group's footer); None: unknown
+        self._rows: List[Optional[int]] = [
+            sum(rg.num_rows for rg in split.row_groups) if format == "parquet" else None for split in splits
+        ]
         self._readers: Dict[Tuple[int, int], _SplitReader] = {}
         self._lock = threading.Lock()
 
@@ -246,47 +266,143 @@ class FileSource(Source):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
+        if "_rows" not in state:
+            self._rows = [None] * len(self._splits)
         self._lock = threading.Lock()
 
-    def read(self, subtask: int, parallelism: int, position: int, n: int) -> Any:
+    def restore_split_state(self, subtask: int, parallelism: int, state: Any) -> None:
+        """An attempt starts: the split's files are opened again, at the position it
+        restores (a reader kept from the attempt before may have failed midway)."""
         with self._lock:
-            reader = self._readers.get((subtask, parallelism))
+            self._readers.pop((subtask, parallelism), None)
+
+    def read(self, subtask: int, parallelism: int, position: int, n: int) -> Any:
+        split = (subtask, parallelism)
+        with self._lock:
+            reader = self._readers.get(split)
             if reader is None or reader.position != position or reader.batch_size != n:
-                reader = _SplitReader(self._splits[subtask::parallelism], self.schema, self.columns, n, position)
-                self._readers[(subtask, parallelism)] = reader
-        batch = reader.take(n)
-        return batch if batch.num_rows else None  # the reader has no more: the split ended
+                self._readers.pop(split, None)
+                reader = _SplitReader(
+                    self.path,
+                    self._splits[subtask::parallelism],
+                    self._rows[subtask::parallelism],
+                    self.schema,
+                    self.columns,
+                    n,
+                    position,
+                )
+                self._readers[split] = reader
+        try:
+            return reader.take(n)  # None only when every split was read to its end
+        except BaseException:
+            with self._lock:  # a reader that failed is never asked again
+                if self._readers.get(split) is reader:
+                    del self._readers[split]
+            raise
 
 
 class _SplitReader:
-    """Reads a subtask's splits in order, ``n`` rows at a time, from a row position."""
+    """Reads a subtask's splits in order, ``n`` rows at a time, from a row position.
 
-    def __init__(self, splits: List[Any], schema: pa.Schema, columns: Any, n: int, position: int) -> None:
+    It tells the end (``take`` returns None) only after every split's batches have run
+    out normally and each parquet row group gave the rows its footer says; an error
+    while reading names the file and leaves the reader broken (it raises again)."""
+
+    def __init__(
+        self,
+        path: Any,
+        splits: List[Any],
+        rows: List[Optional[int]],
+        schema: pa.Schema,
+        columns: Any,
+        n: int,
+        position: int,
+    ) -> None:
+        self.path = path
         self.batch_size = n
         self.schema = schema
+        self.columns = columns
         self.position = 0
-        self._batches = (
-            b for split in splits for b in split.to_batches(batch_size=n, columns=columns, use_threads=False)
-        )
+        self._splits = splits
+        self._rows = rows
+        self._next = 0  # the next split to open
+        self._current: Optional[int] = None  # the split being read
+        self._batches: Any = None
+        self._read = 0  # rows the current split has given
+        self._broken: Optional[BaseException] = None
         self._pending: List[pa.RecordBatch] = []
         self._pending_rows = 0
-        while self.position < position:  # seek: whole batches skipped, the last one sliced
-            batch = next(self._batches, None)
-            if batch is None:
+        while self._next < len(splits) and rows[self._next] is not None:  # seek: whole row groups by footer
+            known = rows[self._next]
+            assert known is not None
+            if self.position + known > position:
                 break
+            self.position += known
+            self._next += 1
+        while self.position < position:  # then batches skipped, the last one sliced
+            batch = self._batch()
+            if batch is None:
+                raise NonRetryableError(
+                    f"read_files({path!r}): the checkpoint has read {position} rows of this split, but its files "
+                    f"hold {self.position}: they changed since; restore from a checkpoint of these files, or run "
+                    "the job fresh"
+                )
             skip = min(batch.num_rows, position - self.position)
             self.position += skip
             if skip < batch.num_rows:
                 self._pending, self._pending_rows = [batch.slice(skip)], batch.num_rows - skip
 
-    def take(self, n: int) -> pa.RecordBatch:
+    def _where(self) -> str:
+        index = self._current if self._current is not None else self._next
+        if index >= len(self._splits):
+            return f"read_files({self.path!r})"
+        split = self._splits[index]
+        groups = getattr(split, "row_groups", None)
+        group = f" (row group {groups[0].id})" if groups and len(groups) == 1 else ""
+        return f"read_files({self.path!r}): {split.path}{group}, after {self._read} rows of it"
+
+    def _batch(self) -> Optional[pa.RecordBatch]:
+        """The next batch with rows, or None at the end of the last split."""
+        if self._broken is not None:
+            raise RuntimeError(f"{self._where()}: this reader failed before ({self._broken})")
+        try:
+            while True:
+                if self._batches is None:
+                    if self._next >= len(self._splits):
+                        return None
+                    self._current, self._next, self._read = self._next, self._next + 1, 0
+                    split = self._splits[self._current]
+                    self._batches = iter(
+                        split.to_batches(batch_size=self.batch_size, columns=self.columns, use_threads=False)
+                    )
+                batch = next(self._batches, None)
+                if batch is None:  # the split ran out: as many rows as its file says?
+                    assert self._current is not None
+                    known = self._rows[self._current]
+                    if known is not None and self._read != known:
+                        raise OSError(f"the file's footer says {known} rows, the read gave {self._read}")
+                    self._batches = None
+                    continue
+                if batch.num_rows:
+                    self._read += batch.num_rows
+                    return batch
+        except Exception as exc:
+            self._broken = exc
+            message = f"{self._where()}: {exc}"
+            try:
+                error = type(exc)(message)
+            except Exception:
+                error = OSError(message)
+            raise error from exc
+
+    def take(self, n: int) -> Optional[pa.RecordBatch]:
+        """Up to ``n`` rows; None once every split has been read to its end."""
         while self._pending_rows < n:
-            batch = next(self._batches, None)
+            batch = self._batch()
             if batch is None:
                 break
-            if batch.num_rows:
-                self._pending.append(batch)
-                self._pending_rows += batch.num_rows
+            self._pending.append(batch)
+            self._pending_rows += batch.num_rows
         pieces, taken = [], 0
         while self._pending and taken < n:
             head = self._pending[0]
@@ -301,7 +417,7 @@ class _SplitReader:
         self._pending_rows -= taken
         self.position += taken
         if not pieces:
-            return pa.RecordBatch.from_pylist([], self.schema)
+            return None
         return pieces[0] if len(pieces) == 1 else pa.concat_batches(pieces)
 
 
@@ -372,7 +488,14 @@ class MonitoredFileSource(Source):
 
     Ordering: per file, in file order; one split's files in the order it took them."""
 
-    def __init__(self, path: str, format: str, columns: Optional[List[str]], monitor_interval_ms: int) -> None:
+    def __init__(
+        self,
+        path: str,
+        format: str,
+        columns: Optional[List[str]],
+        monitor_interval_ms: int,
+        filesystem: Optional[Any] = None,
+    ) -> None:
         import pyarrow.dataset as ds
         import pyarrow.fs as pafs
 
@@ -381,7 +504,10 @@ class MonitoredFileSource(Source):
         if type(monitor_interval_ms) is not int or monitor_interval_ms < 1:
             raise ValueError(f"read_files monitor_interval_ms must be an int >= 1, got {monitor_interval_ms!r}")
         try:
-            fs, root = pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), path)
+            if filesystem is not None:
+                fs, root = filesystem, path
+            else:
+                fs, root = pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), path)
             info = fs.get_file_info(root)
         except (OSError, pa.ArrowInvalid) as exc:
             raise ValueError(f"read_files({path!r}): {exc}") from None
@@ -391,6 +517,7 @@ class MonitoredFileSource(Source):
         self.format = format
         self.columns = columns
         self.interval_s = monitor_interval_ms / 1000
+        self.filesystem = filesystem
         self._fs, self._root = fs, root.rstrip("/")
         files = self._list()
         self.schema = None  # type: ignore[assignment]
@@ -417,7 +544,10 @@ class MonitoredFileSource(Source):
 
         self.__dict__.update(state)
         self._lock = threading.Lock()
-        self._fs = pafs.FileSystem.from_uri(self.path)[0] if "://" in self.path else pafs.LocalFileSystem()
+        if getattr(self, "filesystem", None) is not None:
+            self._fs = self.filesystem
+        else:
+            self._fs = pafs.FileSystem.from_uri(self.path)[0] if "://" in self.path else pafs.LocalFileSystem()
 
     def _list(self) -> List[str]:
         """Every readable file under the directory, by path relative to it, sorted."""
