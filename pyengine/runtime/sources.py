@@ -426,11 +426,21 @@ class GeneratorSource(Source):
     ``count`` is None; at most ``rate_per_s`` per second over all subtasks when given
     (paced: a split that is ahead has "nothing now"). Deterministic by construction.
 
+    The rate is a ceiling: each split has a token bucket that fills at its share of
+    the rate and holds at most ``BURST_S`` seconds of it, so over any window of ``T``
+    seconds the source gives at most ``rate_per_s * (T + BURST_S)`` records. Time the
+    job spent not reading (backpressure, a stall, a restart) is not made up for later
+    with a burst; the bound of 50 ms is above the source's longest idle back-off
+    (20 ms), so an unhindered source still reaches the rate.
+
     Ordering: parallel, like Flink's ``fromSequence``: subtask ``i`` of ``p`` makes
     the records of sequence numbers ``i, i+p, i+2p, ...``, in increasing order, and
     the subtasks interleave. A key's records keep the sequence order downstream only
     when they all come from one subtask (at parallelism 1, say); otherwise use
     ``from_collection``, which keeps its order per key at any parallelism."""
+
+    BURST_S = 0.05
+    """The most of the rate a split saves up while it is not read (its bucket's size)."""
 
     def __init__(self, fn: Callable[[int], Any], count: Optional[int], rate_per_s: Optional[float] = None) -> None:
         if count is not None and (type(count) is not int or count < 0):
@@ -440,7 +450,8 @@ class GeneratorSource(Source):
         self.fn = fn
         self.count = count
         self.rate_per_s = rate_per_s
-        self._pace: Dict[Tuple[int, int], Tuple[float, int]] = {}  # split -> (start, position then)
+        # split -> (when its bucket was last filled, tokens then, the position it expects next)
+        self._pace: Dict[Tuple[int, int], Tuple[float, float, int]] = {}
 
     def __getstate__(self) -> Dict[str, Any]:  # to Spark executors: pacing starts there
         state = self.__dict__.copy()
@@ -448,15 +459,22 @@ class GeneratorSource(Source):
         return state
 
     def _allowed(self, subtask: int, parallelism: int, position: int, n: int) -> int:
-        """How many records the split may give now: its share of the rate since it
-        started reading in this process (a restore starts the clock again)."""
+        """How many records the split may give now: the whole tokens in its bucket,
+        which fills at ``rate_per_s / parallelism`` a second up to ``BURST_S`` seconds'
+        worth. A split read from another position than the one it gave last (the first
+        read, a restore) starts with one token (a restore starts the clock again)."""
         assert self.rate_per_s is not None
         now = time.monotonic()
-        start = self._pace.get((subtask, parallelism))
-        if start is None or start[1] > position:
-            start = self._pace[(subtask, parallelism)] = (now, position)
-        budget = int((now - start[0]) * self.rate_per_s / parallelism) + 1 - (position - start[1])
-        return max(0, min(n, budget))
+        rate = self.rate_per_s / parallelism
+        size = max(1.0, rate * self.BURST_S)
+        bucket = self._pace.get((subtask, parallelism))
+        if bucket is None or bucket[2] != position:
+            tokens = 1.0
+        else:
+            tokens = min(size, bucket[1] + (now - bucket[0]) * rate)
+        give = max(0, min(n, int(tokens)))
+        self._pace[(subtask, parallelism)] = (now, tokens - give, position + give)
+        return give
 
     def read(self, subtask: int, parallelism: int, position: int, n: int) -> Optional[List[Any]]:
         first = subtask + position * parallelism
