@@ -82,6 +82,16 @@ class FlakyFiles:
         self.marker, self.at = marker, at
         self.armed = False
         self.reads = 0
+        self.lock = threading.Lock()
+
+    def __getstate__(self) -> Any:  # to worker processes: a lock of their own
+        state = self.__dict__.copy()
+        del state["lock"]
+        return state
+
+    def __setstate__(self, state: Any) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.Lock()
 
     def arm(self) -> None:
         self.armed, self.reads = True, 0
@@ -97,7 +107,7 @@ class FlakyFiles:
     def read(self) -> None:
         if not self.armed:
             return
-        with _FLAKY_LOCK:
+        with self.lock:
             self.reads += 1
             if self.reads != self.at:
                 return
@@ -106,9 +116,6 @@ class FlakyFiles:
         except FileExistsError:
             return
         raise OSError(f"injected transient read error at read #{self.at}")
-
-
-_FLAKY_LOCK = threading.Lock()
 
 
 class _FlakyFile:
