@@ -129,3 +129,32 @@ def test_a_checkpoint_past_the_end_of_changed_files_is_refused(tmp_path) -> None
     source = FileSource(root)
     with pytest.raises(NonRetryableError, match="changed since"):
         source.read(0, 1, FILES * ROWS + 1, 100)
+
+
+def test_a_watched_directory_reads_a_file_again_after_a_failed_read(tmp_path) -> None:
+    """``read_files(..., monitor_interval_ms=...)``: a read that raised names the file,
+    and the next read at the same position reads that file again instead of going on
+    with the reader that failed, which would skip the rest of the file."""
+    from pyengine.runtime.sources import MonitoredFileSource
+
+    root = write_files(tmp_path / "in", row_group_size=250)
+    flaky = FlakyFiles(str(tmp_path / "fired"), 2)
+    source = MonitoredFileSource(root, "parquet", None, 1, filesystem=flaky.filesystem())
+    source.restore_split_state(0, 1, None)
+    flaky.arm()
+    position, seen = 0, []
+    with pytest.raises(OSError, match=r"part-0\.parquet.*injected transient read error"):
+        while len(seen) < FILES * ROWS:
+            batch = source.read(0, 1, position, 100)
+            if batch is not None and len(batch):
+                seen.extend(batch.column("v").to_pylist())
+                position += len(batch)
+    assert flaky.fired()
+    for _ in range(1000):
+        batch = source.read(0, 1, position, 100)
+        if batch is not None and len(batch):
+            seen.extend(batch.column("v").to_pylist())
+            position += len(batch)
+        if len(seen) >= FILES * ROWS:
+            break
+    assert seen == list(range(FILES * ROWS))

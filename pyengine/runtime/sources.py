@@ -606,18 +606,23 @@ class MonitoredFileSource(Source):
         if reader is None or reader.position != position:
             reader = _FilesReader(self, list(self._taken.get(split, [])), position)
             self._readers[split] = reader
-        batch = reader.take(n)
-        if batch is not None:
-            return batch
-        now = time.monotonic()
-        if now - self._scanned.get(split, -1e9) < self.interval_s:
-            return []
-        self._scanned[split] = now
-        new = self._discover(subtask, parallelism)
-        if not new:
-            return []
-        reader.files.extend(new)
-        return reader.take(n) or []
+        try:
+            batch = reader.take(n)
+            if batch is not None:
+                return batch
+            now = time.monotonic()
+            if now - self._scanned.get(split, -1e9) < self.interval_s:
+                return []
+            self._scanned[split] = now
+            new = self._discover(subtask, parallelism)
+            if not new:
+                return []
+            reader.files.extend(new)
+            return reader.take(n) or []
+        except BaseException:  # a reader that failed is never asked again (it would skip the file's rest)
+            if self._readers.get(split) is reader:
+                del self._readers[split]
+            raise
 
 
 class _FilesReader:
@@ -652,7 +657,16 @@ class _FilesReader:
 
     def _next_batch(self, n: int) -> Optional[pa.RecordBatch]:
         while True:
-            batch = next(self._batches, None)
+            try:
+                batch = next(self._batches, None)
+            except Exception as exc:  # name the file: which one failed is what a user needs
+                name = self.files[self._next_file - 1]
+                message = f"read_files({self.source.path!r}): {self.source._root}/{name}: {exc}"
+                try:
+                    error = type(exc)(message)
+                except Exception:
+                    error = OSError(message)
+                raise error from exc
             if batch is not None:
                 if batch.num_rows:
                     return batch
