@@ -72,14 +72,17 @@ class ChaosSink(pe.sinks.CollectSink):
 
 class FlakyFiles:
     """A ``pyarrow.fs`` handler over the local disk whose ``at``-th read of a file's
-    bytes fails with an ``OSError``, once across every process of the job and every
+    bytes fails with an ``OSError`` (``what="open"``: its ``at``-th opening of a file
+    fails with a ``PermissionError``), once across every process of the job and every
     attempt (the first to create ``marker`` fails; workers are other processes), then
     reads succeed: an object store's transient read error, in the real read path of
     a file source. Reads count from ``arm()`` on (the driver reads footers first,
     building the source); ``filesystem()`` is what ``read_files`` takes."""
 
-    def __init__(self, marker: str, at: int) -> None:
-        self.marker, self.at = marker, at
+    def __init__(self, marker: str, at: int, what: str = "read") -> None:
+        if what not in ("read", "open"):
+            raise ValueError(f"FlakyFiles fails a 'read' or an 'open', not {what!r}")
+        self.marker, self.at, self.what = marker, at, what
         self.armed = False
         self.reads = 0
         self.lock = threading.Lock()
@@ -104,8 +107,9 @@ class FlakyFiles:
     def fired(self) -> bool:
         return os.path.exists(self.marker)
 
-    def read(self) -> None:
-        if not self.armed:
+    def read(self, what: str = "read") -> None:
+        """Counts a read (or an open) and fails the planned one, once."""
+        if not self.armed or what != self.what:
             return
         with self.lock:
             self.reads += 1
@@ -115,6 +119,8 @@ class FlakyFiles:
             os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return
+        if what == "open":  # a permission fixed before the restart
+            raise PermissionError(f"injected permission error at open #{self.at}")
         raise OSError(f"injected transient read error at read #{self.at}")
 
 
@@ -185,6 +191,7 @@ class _FlakyHandler(pafs.FileSystemHandler):
         return self.local.get_file_info(selector)
 
     def open_input_file(self, path: str) -> Any:
+        self.flaky.read("open")
         return pa.PythonFile(_FlakyFile(self.flaky, path), mode="r")
 
     def open_input_stream(self, path: str) -> Any:

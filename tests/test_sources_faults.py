@@ -103,6 +103,23 @@ def test_a_transient_read_error_is_read_past_after_the_restart(
     assert values(sink) == list(range(FILES * ROWS))
 
 
+@pytest.mark.parametrize(("parallelism", "at"), [(1, 1), (1, 2), (2, 3)])
+def test_a_permission_error_fixed_before_the_restart_loses_no_rows(tmp_path, parallelism: int, at: int) -> None:
+    """The ``at``-th opening of a file is refused once (a permission fixed before the
+    restart; as root a chmod refuses nothing, so the filesystem refuses). Before: at=1,
+    p=1 FINISHED with none of the 3,000 rows."""
+    root = write_files(tmp_path / "in")
+    flaky = FlakyFiles(str(tmp_path / "fired"), at, what="open")
+    e = env(tmp_path, "threads", parallelism)
+    sink = pe.sinks.FileSink(str(tmp_path / "out"))
+    e.read_files(root, filesystem=flaky.filesystem()).sink_to(sink)
+    flaky.arm()
+    result = e.execute(f"refused-{parallelism}-{at}")
+    assert flaky.fired(), "the open was never refused: this run tested nothing"
+    assert result.status == "FINISHED" and result.restarts == 1, result.cause
+    assert values(sink) == list(range(FILES * ROWS))
+
+
 def test_a_read_after_a_failed_one_reopens_the_file_and_never_reads_as_the_end(tmp_path) -> None:
     """``FileSource.read`` after a read that raised (same split, same position) reads
     the rows again; before, the broken reader answered empty, which ended the split."""
