@@ -61,6 +61,8 @@ from .state.keygroups import check_parallelism
 from .time.strategy import TimestampAssigner, WatermarkStrategy
 
 if TYPE_CHECKING:
+    import pyarrow.fs
+
     from .joins import IntervalJoin, JoinedStreams
     from .windows import WindowAssigner, WindowedStream
 
@@ -474,7 +476,7 @@ class StreamEnvironment:
         *,
         watermark_strategy: Optional[WatermarkStrategy] = None,
         monitor_interval_ms: Optional[int] = None,
-        filesystem: Optional[Any] = None,
+        filesystem: Optional[pyarrow.fs.FileSystem] = None,
     ) -> DataStream:
         """Files (a directory, a file, or a list of files) as Arrow batches, through
         ``pyarrow.dataset``; replayable by file and row. A file that fails to read

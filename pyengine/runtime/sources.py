@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
 
@@ -16,6 +16,9 @@ from ..io.events import MIN_WATERMARK, WATERMARK_ACTIVE, WATERMARK_IDLE, Waterma
 from ..state import ListStateDescriptor
 from ..storage.metadata import OperatorState
 from .operators import Operator, OperatorContext, UserFunctionError, _mono_ms
+
+if TYPE_CHECKING:
+    import pyarrow.fs
 
 __all__ = [
     "CollectionSource",
@@ -226,7 +229,7 @@ class FileSource(Source):
         path: Any,
         format: str = "parquet",
         columns: Optional[List[str]] = None,
-        filesystem: Optional[Any] = None,
+        filesystem: Optional[pyarrow.fs.FileSystem] = None,
     ) -> None:
         import pyarrow.dataset as ds
 
@@ -512,7 +515,7 @@ class MonitoredFileSource(Source):
         format: str,
         columns: Optional[List[str]],
         monitor_interval_ms: int,
-        filesystem: Optional[Any] = None,
+        filesystem: Optional[pyarrow.fs.FileSystem] = None,
     ) -> None:
         import pyarrow.dataset as ds
         import pyarrow.fs as pafs
