@@ -61,6 +61,8 @@ from .state.keygroups import check_parallelism
 from .time.strategy import TimestampAssigner, WatermarkStrategy
 
 if TYPE_CHECKING:
+    import pyarrow.fs
+
     from .joins import IntervalJoin, JoinedStreams
     from .windows import WindowAssigner, WindowedStream
 
@@ -474,17 +476,23 @@ class StreamEnvironment:
         *,
         watermark_strategy: Optional[WatermarkStrategy] = None,
         monitor_interval_ms: Optional[int] = None,
+        filesystem: Optional[pyarrow.fs.FileSystem] = None,
     ) -> DataStream:
         """Files (a directory, a file, or a list of files) as Arrow batches, through
-        ``pyarrow.dataset``; replayable by file and row.
+        ``pyarrow.dataset``; replayable by file and row. A file that fails to read
+        fails the task naming it, and a restart reads it again from the checkpoint
+        (``FileSource``): its rows are never skipped.
 
         ``monitor_interval_ms``: keep watching the directory, picking up new files
         every that many ms, without end (``MonitoredFileSource``: the files each split
-        took are checkpointed, so a restore neither skips nor repeats one)."""
+        took are checkpointed, so a restore neither skips nor repeats one).
+        ``filesystem``: a ``pyarrow.fs.FileSystem`` to read ``path`` with, where one
+        inferred from the path will not do (an object store's own credentials or
+        options); it travels to the workers with the job, so it must pickle."""
         if monitor_interval_ms is not None:
-            source: Source = MonitoredFileSource(path, format, columns, monitor_interval_ms)
+            source: Source = MonitoredFileSource(path, format, columns, monitor_interval_ms, filesystem)
         else:
-            source = FileSource(path, format, columns)
+            source = FileSource(path, format, columns, filesystem)
         return self.from_source(source, name, watermark_strategy=watermark_strategy)
 
     def from_dataframe(self, df: Any, name: str = "dataframe", path: Optional[str] = None) -> DataStream:

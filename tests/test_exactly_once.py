@@ -15,8 +15,9 @@ from collections import Counter
 from typing import Any, List, Tuple
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
-from chaos import Chaos
+from chaos import Chaos, FlakyFiles
 
 import pyengine as pe
 import pyengine.snapshot.strategies as strategies_module
@@ -86,7 +87,11 @@ class ChaosSink(pe.sinks.FileSink):
         super().commit(subtask, checkpoint_id)
 
 
-def run(tmp_path, chaos: Chaos, *, backend: str, mode: str, unaligned: bool, tag: str) -> Tuple[Any, List[Any]]:
+def run(
+    tmp_path, chaos: Chaos, *, backend: str, mode: str, unaligned: bool, tag: str, files: Any = None
+) -> Tuple[Any, List[Any]]:
+    """The job over ``RECORDS``: from a collection, or with ``files`` (a ``FlakyFiles``)
+    read from parquet files through its filesystem, whose reads may fail."""
     env = pe.StreamEnvironment(
         parallelism=2,
         checkpointing=pe.CheckpointConfig(interval_ms=5, mode=mode, unaligned=unaligned),
@@ -98,9 +103,13 @@ def run(tmp_path, chaos: Chaos, *, backend: str, mode: str, unaligned: bool, tag
         channel_capacity=4,
     )
     sink = ChaosSink(str(tmp_path / f"out-{tag}"), chaos)
+    if files is not None:
+        source = env.read_files(write_parquet(tmp_path / f"in-{tag}"), filesystem=files.filesystem())
+        files.arm()
+    else:
+        source = env.from_collection(RECORDS)
     (
-        env.from_collection(RECORDS)
-        .map(lambda r: r)
+        source.map(lambda r: r)
         .key_by("user")
         .process(Count(chaos))
         .uid("counter")
@@ -111,6 +120,16 @@ def run(tmp_path, chaos: Chaos, *, backend: str, mode: str, unaligned: bool, tag
     )
     result = env.execute(f"exactly-once-{tag}")
     return result, sink.read_committed()
+
+
+def write_parquet(root: Any) -> str:
+    """``RECORDS`` as 3 parquet files of 4 row groups each: 12 splits, a read or more each."""
+    os.makedirs(root)
+    table = pa.Table.from_pylist(RECORDS)
+    third = N // 3
+    for k in range(3):
+        pq.write_table(table.slice(k * third, third), f"{root}/part-{k}.parquet", row_group_size=third // 4)
+    return str(root)
 
 
 def pairs(records: List[Any]) -> Counter:
@@ -200,6 +219,50 @@ def test_committed_output_equals_the_failure_free_output(tmp_path, monkeypatch, 
 @pytest.mark.parametrize("seed", range(SEEDS, SEEDS + 400))
 def test_committed_output_equals_the_failure_free_output_soak(tmp_path, monkeypatch, expected, seed) -> None:
     test_committed_output_equals_the_failure_free_output(tmp_path, monkeypatch, expected, seed)
+
+
+def _read_error_case(tmp_path, monkeypatch, seed: int) -> None:
+    """A file source whose ``at``-th read fails once (an object store's transient
+    error); odd seeds also fail once at one of the other points. Either backend,
+    aligned or not."""
+    point, backend, unaligned, other = _case(seed)
+    at = random.Random(10_000 + seed).randint(1, READS)
+    chaos = Chaos(point, at=other) if seed % 2 else Chaos([])
+    if seed % 2 and point == "async":
+        backend_class = IncrementalKeyedStateBackend if backend == "incremental" else HeapKeyedStateBackend
+        _snapshot_chaos(monkeypatch, chaos, backend_class)
+    elif seed % 2 and point == "notify":
+        _notify_chaos(monkeypatch, chaos)
+    files = FlakyFiles(str(tmp_path / "read-failed"), at)
+    tag = f"read-{seed}"
+    result, out = run(tmp_path, chaos, backend=backend, mode="exactly_once", unaligned=unaligned, tag=tag, files=files)
+    also = f", then {point} #{other} (fired={chaos.fired})" if seed % 2 else ""
+    where = f"seed {seed}: read #{at} fails{also}, {backend}, unaligned={unaligned}"
+    assert result.status == "FINISHED", f"{where}: {result.cause}"
+    assert files.fired(), f"{where}: the read error was never injected, so this run tested nothing"
+    assert result.restarts >= 1, where
+    assert pairs(out) == expected_pairs(), where
+    check_latest_checkpoint(result, where)
+
+
+READS = 12  # write_parquet's row groups: a job reads at least one chunk of each
+READ_SEEDS = int(os.environ.get("PYENGINE_READ_ERROR_SEEDS", "4"))
+
+
+def expected_pairs() -> Counter:
+    per_user = Counter(r["user"] for r in RECORDS)
+    return Counter({(u, n): 1 for u, c in per_user.items() for n in range(1, c + 1)})
+
+
+@pytest.mark.parametrize("seed", range(READ_SEEDS))
+def test_transient_read_errors_in_a_file_source_stay_exactly_once(tmp_path, monkeypatch, seed) -> None:
+    _read_error_case(tmp_path, monkeypatch, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(READ_SEEDS, READ_SEEDS + 100))
+def test_transient_read_errors_in_a_file_source_stay_exactly_once_soak(tmp_path, monkeypatch, seed) -> None:
+    _read_error_case(tmp_path, monkeypatch, seed)
 
 
 @pytest.mark.parametrize("seed", [s for s in range(32) if not _case(s)[2]])  # unaligned needs exactly-once

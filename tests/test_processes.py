@@ -20,7 +20,9 @@ from collections import Counter
 from typing import Any, Dict, List, Tuple
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from chaos import FlakyFiles
 
 import pyengine as pe
 from pyengine.errors import NonRetryableError
@@ -221,6 +223,53 @@ def test_soak_random_failures_stay_exactly_once(tmp_path) -> None:
         where = f"seed {seed} ({how} at {at}, {backend}, unaligned={unaligned})"
         assert result.status == "FINISHED", f"{where}: {result.cause}"
         assert pairs(committed) == expected_pairs(RECORDS), where
+
+
+def _read_error_run(tmp_path, seed: int) -> None:
+    """The soak's file-source fault on processes: the ``at``-th read a worker makes of
+    the parquet files fails, once across workers and attempts (a marker file), and the
+    restarted workers reopen the files at the checkpointed position; odd seeds also
+    kill a worker at a record later on."""
+    root = tmp_path / "in"
+    root.mkdir()
+    table = pa.Table.from_pylist(RECORDS)
+    for k in range(3):  # 12 row groups, 6 for each of the 2 workers
+        pq.write_table(table.slice(k * (N // 3), N // 3), str(root / f"part-{k}.parquet"), row_group_size=N // 12)
+    rng = random.Random(500 + seed)
+    at, unaligned = rng.randint(1, 6), rng.random() < 0.5
+    backend = ("heap", "incremental")[seed % 2]
+    tag = f"read-{seed}"
+    files = FlakyFiles(str(tmp_path / f"read-failed-{tag}"), at)
+    e = env(
+        "processes",
+        checkpointing=pe.CheckpointConfig(interval_ms=10, unaligned=unaligned),
+        checkpoint_storage=str(tmp_path / f"ckpt-{tag}"),
+        state_backend=backend,
+        restart_attempts=3,
+        restart_delay_ms=0,
+        channel_capacity=4,
+    )
+    sink = pe.sinks.FileSink(str(tmp_path / f"out-{tag}"))
+    stream = e.read_files(str(root), filesystem=files.filesystem()).map(lambda r: r)
+    if seed % 2:
+        stream = stream.map(FailOnce(str(tmp_path / f"fired-{tag}"), rng.randint(1, N // 4), "kill"))
+    stream.key_by("user").process(Count()).uid("counter").rebalance().map(lambda r: r).sink_to(sink)
+    files.arm()
+    result = e.execute(f"read-errors-{tag}")
+    where = f"seed {seed} (read #{at} fails, {backend}, unaligned={unaligned}, also a kill: {bool(seed % 2)})"
+    assert result.status == "FINISHED", f"{where}: {result.cause}"
+    assert files.fired(), f"{where}: the read error was never injected"
+    assert pairs(sink.read_committed()) == expected_pairs(RECORDS), where
+
+
+def test_soak_transient_read_errors_in_a_file_source_stay_exactly_once(tmp_path) -> None:
+    _read_error_run(tmp_path, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(1, 6))
+def test_soak_transient_read_errors_in_a_file_source_stay_exactly_once_more(tmp_path, seed: int) -> None:
+    _read_error_run(tmp_path, seed)
 
 
 class Refused(NonRetryableError, ValueError):

@@ -9,7 +9,9 @@ from collections import Counter
 from typing import Any, List
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from chaos import FlakyFiles
 from spark_sessions import local_spark
 
 import pyengine as pe
@@ -28,6 +30,10 @@ RECORDS = [{"user": i % 13, "v": i} for i in range(N)]
 
 @pytest.fixture(scope="module")
 def spark():
+    import chaos
+    from pyspark import cloudpickle
+
+    cloudpickle.register_pickle_by_value(chaos)  # FlakyFiles goes to the executors as test code does
     yield from local_spark(__name__, "pyengine-tests", SLOTS, {"spark.sql.shuffle.partitions": "4"})
 
 
@@ -290,6 +296,43 @@ def test_randomized_failures_on_spark_keep_the_output_exact(tmp_path, spark, see
     where = f"seed {seed}: {how} at {step.at}, {backend}, unaligned={unaligned}"
     assert result.status == "FINISHED", f"{where}: {result.cause}"
     assert os.path.exists(tmp_path / "failed-once"), where
+    assert pairs(sink.read_committed()) == expected(), where
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_transient_read_errors_in_a_file_source_on_spark_keep_the_output_exact(tmp_path, spark, seed) -> None:
+    """The soak's file-source fault on Spark: an executor's ``at``-th read of the
+    parquet files fails once across executors and stages (a marker file); the new
+    stage reopens the files at the checkpointed position. Seed 1 also has a Python
+    worker exit at a record later on."""
+    root = tmp_path / "in"
+    root.mkdir()
+    table = pa.Table.from_pylist(RECORDS)
+    for k in range(3):  # 12 row groups, 6 for each of the 2 source subtasks
+        pq.write_table(table.slice(k * (N // 3), N // 3), str(root / f"part-{k}.parquet"), row_group_size=N // 12)
+    rng = random.Random(2000 + seed)
+    files = FlakyFiles(str(tmp_path / "read-failed"), rng.randint(1, 6))
+    backend, unaligned = rng.choice(["heap", "incremental"]), rng.random() < 0.5
+    env = pe.StreamEnvironment(
+        parallelism=2,
+        checkpointing=pe.CheckpointConfig(interval_ms=20, unaligned=unaligned),
+        checkpoint_storage=str(tmp_path / "ckpt"),
+        state_backend=backend,
+        buffer_size=32,
+        buffer_timeout_ms=2,
+        restart_attempts=3,
+    )
+    sink = pe.sinks.FileSink(str(tmp_path / "out"), format="parquet")
+    stream = env.read_files(str(root), filesystem=files.filesystem())
+    if seed:
+        stream = stream.map(FailOnce(str(tmp_path / "failed-once"), rng.randrange(N), "exit"))
+    stream.key_by("user").process(Count()).uid("counter").sink_to(sink)
+    files.arm()
+    result = env.execute(f"read-errors-{seed}", runner=pe.runners.SparkRunner(spark))
+    where = f"seed {seed}: read #{files.at} fails, {backend}, unaligned={unaligned}"
+    assert result.status == "FINISHED", f"{where}: {result.cause}"
+    assert files.fired(), f"{where}: the read error was never injected"
+    assert result.restarts >= 1, where
     assert pairs(sink.read_committed()) == expected(), where
 
 

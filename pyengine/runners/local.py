@@ -571,7 +571,7 @@ class LocalRunner:
         if restored is not None:
             self._check_restore(restored, path or "")
             self.run_info = RunInfo(self.name, self.job_id, covered_by(restored)[0][0], covered_by(restored))
-            self.lease.record.restored_from = path  # type: ignore[union-attr]
+            self.lease.note_restored_from(path)  # type: ignore[union-attr]
         return restored
 
     def _close_run(self, status: str) -> None:

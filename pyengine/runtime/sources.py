@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
 
@@ -16,6 +16,9 @@ from ..io.events import MIN_WATERMARK, WATERMARK_ACTIVE, WATERMARK_IDLE, Waterma
 from ..state import ListStateDescriptor
 from ..storage.metadata import OperatorState
 from .operators import Operator, OperatorContext, UserFunctionError, _mono_ms
+
+if TYPE_CHECKING:
+    import pyarrow.fs
 
 __all__ = [
     "CollectionSource",
@@ -201,7 +204,17 @@ class FileSource(Source):
     formats, sorted by path; subtask ``i`` of ``p`` reads splits ``i, i+p, ...`` one
     after the other, and its position is the number of rows it has read — so a
     restore seeks to the file and row it had reached. ``schema`` is the dataset's
-    (from file footers or the first file, not a scan).
+    (from file footers or the first file, not a scan). ``filesystem``: a
+    ``pyarrow.fs.FileSystem`` to read ``path`` with (an object store with its own
+    credentials, say); by default it is inferred from ``path``.
+
+    Reading fails rather than ends short: a split ends only when its reader has gone
+    through every split normally, and a parquet row group that gives fewer rows than
+    its footer says is an error. A read error (a damaged page, a file that cannot be
+    opened, an object store's hiccup) fails the task with an error naming the file;
+    the reader it broke is dropped, and every attempt (``restore_split_state``) opens
+    the files again at the checkpointed position, so a restart after a transient
+    error reads on, and an error that persists fails each attempt and then the job.
 
     Ordering: per split. The rows of one split (a row group, a file) reach the next
     operator in file order, and one subtask's splits in path order; splits read by
@@ -211,13 +224,19 @@ class FileSource(Source):
 
     FORMATS = ("parquet", "csv", "json", "feather", "ipc", "arrow")
 
-    def __init__(self, path: Any, format: str = "parquet", columns: Optional[List[str]] = None) -> None:
+    def __init__(
+        self,
+        path: Any,
+        format: str = "parquet",
+        columns: Optional[List[str]] = None,
+        filesystem: Optional[pyarrow.fs.FileSystem] = None,
+    ) -> None:
         import pyarrow.dataset as ds
 
         if format not in self.FORMATS:
             raise ValueError(f"read_files format must be one of {', '.join(self.FORMATS)}, got {format!r}")
         try:
-            dataset = ds.dataset(path, format=format)
+            dataset = ds.dataset(path, format=format, filesystem=filesystem)
         except (FileNotFoundError, OSError, pa.ArrowInvalid) as exc:
             raise ValueError(f"read_files({path!r}): {exc}") from None
         if columns is not None:
@@ -235,6 +254,10 @@ class FileSource(Source):
         self.schema: pa.Schema = schema if columns is None else pa.schema([schema.field(c) for c in columns])
         self.columns = columns
         self._splits = splits
+        # what each split's file says it holds (a parquet row group's footer); None: unknown
+        self._rows: List[Optional[int]] = [
+            sum(rg.num_rows for rg in split.row_groups) if format == "parquet" else None for split in splits
+        ]
         self._readers: Dict[Tuple[int, int], _SplitReader] = {}
         self._lock = threading.Lock()
 
@@ -246,47 +269,143 @@ class FileSource(Source):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
+        if "_rows" not in state:
+            self._rows = [None] * len(self._splits)
         self._lock = threading.Lock()
 
-    def read(self, subtask: int, parallelism: int, position: int, n: int) -> Any:
+    def restore_split_state(self, subtask: int, parallelism: int, state: Any) -> None:
+        """An attempt starts: the split's files are opened again, at the position it
+        restores (a reader kept from the attempt before may have failed midway)."""
         with self._lock:
-            reader = self._readers.get((subtask, parallelism))
+            self._readers.pop((subtask, parallelism), None)
+
+    def read(self, subtask: int, parallelism: int, position: int, n: int) -> Any:
+        split = (subtask, parallelism)
+        with self._lock:
+            reader = self._readers.get(split)
             if reader is None or reader.position != position or reader.batch_size != n:
-                reader = _SplitReader(self._splits[subtask::parallelism], self.schema, self.columns, n, position)
-                self._readers[(subtask, parallelism)] = reader
-        batch = reader.take(n)
-        return batch if batch.num_rows else None  # the reader has no more: the split ended
+                self._readers.pop(split, None)
+                reader = _SplitReader(
+                    self.path,
+                    self._splits[subtask::parallelism],
+                    self._rows[subtask::parallelism],
+                    self.schema,
+                    self.columns,
+                    n,
+                    position,
+                )
+                self._readers[split] = reader
+        try:
+            return reader.take(n)  # None only when every split was read to its end
+        except BaseException:
+            with self._lock:  # a reader that failed is never asked again
+                if self._readers.get(split) is reader:
+                    del self._readers[split]
+            raise
 
 
 class _SplitReader:
-    """Reads a subtask's splits in order, ``n`` rows at a time, from a row position."""
+    """Reads a subtask's splits in order, ``n`` rows at a time, from a row position.
 
-    def __init__(self, splits: List[Any], schema: pa.Schema, columns: Any, n: int, position: int) -> None:
+    It tells the end (``take`` returns None) only after every split's batches have run
+    out normally and each parquet row group gave the rows its footer says; an error
+    while reading names the file and leaves the reader broken (it raises again)."""
+
+    def __init__(
+        self,
+        path: Any,
+        splits: List[Any],
+        rows: List[Optional[int]],
+        schema: pa.Schema,
+        columns: Any,
+        n: int,
+        position: int,
+    ) -> None:
+        self.path = path
         self.batch_size = n
         self.schema = schema
+        self.columns = columns
         self.position = 0
-        self._batches = (
-            b for split in splits for b in split.to_batches(batch_size=n, columns=columns, use_threads=False)
-        )
+        self._splits = splits
+        self._rows = rows
+        self._next = 0  # the next split to open
+        self._current: Optional[int] = None  # the split being read
+        self._batches: Any = None
+        self._read = 0  # rows the current split has given
+        self._broken: Optional[BaseException] = None
         self._pending: List[pa.RecordBatch] = []
         self._pending_rows = 0
-        while self.position < position:  # seek: whole batches skipped, the last one sliced
-            batch = next(self._batches, None)
-            if batch is None:
+        while self._next < len(splits) and rows[self._next] is not None:  # seek: whole row groups by footer
+            known = rows[self._next]
+            assert known is not None
+            if self.position + known > position:
                 break
+            self.position += known
+            self._next += 1
+        while self.position < position:  # then batches skipped, the last one sliced
+            batch = self._batch()
+            if batch is None:
+                raise NonRetryableError(
+                    f"read_files({path!r}): the checkpoint has read {position} rows of this split, but its files "
+                    f"hold {self.position}: they changed since; restore from a checkpoint of these files, or run "
+                    "the job fresh"
+                )
             skip = min(batch.num_rows, position - self.position)
             self.position += skip
             if skip < batch.num_rows:
                 self._pending, self._pending_rows = [batch.slice(skip)], batch.num_rows - skip
 
-    def take(self, n: int) -> pa.RecordBatch:
+    def _where(self) -> str:
+        index = self._current if self._current is not None else self._next
+        if index >= len(self._splits):
+            return f"read_files({self.path!r})"
+        split = self._splits[index]
+        groups = getattr(split, "row_groups", None)
+        group = f" (row group {groups[0].id})" if groups and len(groups) == 1 else ""
+        return f"read_files({self.path!r}): {split.path}{group}, after {self._read} rows of it"
+
+    def _batch(self) -> Optional[pa.RecordBatch]:
+        """The next batch with rows, or None at the end of the last split."""
+        if self._broken is not None:
+            raise RuntimeError(f"{self._where()}: this reader failed before ({self._broken})")
+        try:
+            while True:
+                if self._batches is None:
+                    if self._next >= len(self._splits):
+                        return None
+                    self._current, self._next, self._read = self._next, self._next + 1, 0
+                    split = self._splits[self._current]
+                    self._batches = iter(
+                        split.to_batches(batch_size=self.batch_size, columns=self.columns, use_threads=False)
+                    )
+                batch = next(self._batches, None)
+                if batch is None:  # the split ran out: as many rows as its file says?
+                    assert self._current is not None
+                    known = self._rows[self._current]
+                    if known is not None and self._read != known:
+                        raise OSError(f"the file's footer says {known} rows, the read gave {self._read}")
+                    self._batches = None
+                    continue
+                if batch.num_rows:
+                    self._read += batch.num_rows
+                    return batch
+        except Exception as exc:
+            self._broken = exc
+            message = f"{self._where()}: {exc}"
+            try:
+                error = type(exc)(message)
+            except Exception:
+                error = OSError(message)
+            raise error from exc
+
+    def take(self, n: int) -> Optional[pa.RecordBatch]:
+        """Up to ``n`` rows; None once every split has been read to its end."""
         while self._pending_rows < n:
-            batch = next(self._batches, None)
+            batch = self._batch()
             if batch is None:
                 break
-            if batch.num_rows:
-                self._pending.append(batch)
-                self._pending_rows += batch.num_rows
+            self._pending.append(batch)
+            self._pending_rows += batch.num_rows
         pieces, taken = [], 0
         while self._pending and taken < n:
             head = self._pending[0]
@@ -301,7 +420,7 @@ class _SplitReader:
         self._pending_rows -= taken
         self.position += taken
         if not pieces:
-            return pa.RecordBatch.from_pylist([], self.schema)
+            return None
         return pieces[0] if len(pieces) == 1 else pa.concat_batches(pieces)
 
 
@@ -310,11 +429,21 @@ class GeneratorSource(Source):
     ``count`` is None; at most ``rate_per_s`` per second over all subtasks when given
     (paced: a split that is ahead has "nothing now"). Deterministic by construction.
 
+    The rate is a ceiling: each split has a token bucket that fills at its share of
+    the rate and holds at most ``BURST_S`` seconds of it, so over any window of ``T``
+    seconds the source gives at most ``rate_per_s * (T + BURST_S)`` records. Time the
+    job spent not reading (backpressure, a stall, a restart) is not made up for later
+    with a burst; the bound of 50 ms is above the source's longest idle back-off
+    (20 ms), so an unhindered source still reaches the rate.
+
     Ordering: parallel, like Flink's ``fromSequence``: subtask ``i`` of ``p`` makes
     the records of sequence numbers ``i, i+p, i+2p, ...``, in increasing order, and
     the subtasks interleave. A key's records keep the sequence order downstream only
     when they all come from one subtask (at parallelism 1, say); otherwise use
     ``from_collection``, which keeps its order per key at any parallelism."""
+
+    BURST_S = 0.05
+    """The most of the rate a split saves up while it is not read (its bucket's size)."""
 
     def __init__(self, fn: Callable[[int], Any], count: Optional[int], rate_per_s: Optional[float] = None) -> None:
         if count is not None and (type(count) is not int or count < 0):
@@ -324,7 +453,8 @@ class GeneratorSource(Source):
         self.fn = fn
         self.count = count
         self.rate_per_s = rate_per_s
-        self._pace: Dict[Tuple[int, int], Tuple[float, int]] = {}  # split -> (start, position then)
+        # split -> (when its bucket was last filled, tokens then, the position it expects next)
+        self._pace: Dict[Tuple[int, int], Tuple[float, float, int]] = {}
 
     def __getstate__(self) -> Dict[str, Any]:  # to Spark executors: pacing starts there
         state = self.__dict__.copy()
@@ -332,15 +462,22 @@ class GeneratorSource(Source):
         return state
 
     def _allowed(self, subtask: int, parallelism: int, position: int, n: int) -> int:
-        """How many records the split may give now: its share of the rate since it
-        started reading in this process (a restore starts the clock again)."""
+        """How many records the split may give now: the whole tokens in its bucket,
+        which fills at ``rate_per_s / parallelism`` a second up to ``BURST_S`` seconds'
+        worth. A split read from another position than the one it gave last (the first
+        read, a restore) starts with one token (a restore starts the clock again)."""
         assert self.rate_per_s is not None
         now = time.monotonic()
-        start = self._pace.get((subtask, parallelism))
-        if start is None or start[1] > position:
-            start = self._pace[(subtask, parallelism)] = (now, position)
-        budget = int((now - start[0]) * self.rate_per_s / parallelism) + 1 - (position - start[1])
-        return max(0, min(n, budget))
+        rate = self.rate_per_s / parallelism
+        size = max(1.0, rate * self.BURST_S)
+        bucket = self._pace.get((subtask, parallelism))
+        if bucket is None or bucket[2] != position:
+            tokens = 1.0
+        else:
+            tokens = min(size, bucket[1] + (now - bucket[0]) * rate)
+        give = max(0, min(n, int(tokens)))
+        self._pace[(subtask, parallelism)] = (now, tokens - give, position + give)
+        return give
 
     def read(self, subtask: int, parallelism: int, position: int, n: int) -> Optional[List[Any]]:
         first = subtask + position * parallelism
@@ -372,7 +509,14 @@ class MonitoredFileSource(Source):
 
     Ordering: per file, in file order; one split's files in the order it took them."""
 
-    def __init__(self, path: str, format: str, columns: Optional[List[str]], monitor_interval_ms: int) -> None:
+    def __init__(
+        self,
+        path: str,
+        format: str,
+        columns: Optional[List[str]],
+        monitor_interval_ms: int,
+        filesystem: Optional[pyarrow.fs.FileSystem] = None,
+    ) -> None:
         import pyarrow.dataset as ds
         import pyarrow.fs as pafs
 
@@ -381,7 +525,10 @@ class MonitoredFileSource(Source):
         if type(monitor_interval_ms) is not int or monitor_interval_ms < 1:
             raise ValueError(f"read_files monitor_interval_ms must be an int >= 1, got {monitor_interval_ms!r}")
         try:
-            fs, root = pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), path)
+            if filesystem is not None:
+                fs, root = filesystem, path
+            else:
+                fs, root = pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), path)
             info = fs.get_file_info(root)
         except (OSError, pa.ArrowInvalid) as exc:
             raise ValueError(f"read_files({path!r}): {exc}") from None
@@ -391,6 +538,7 @@ class MonitoredFileSource(Source):
         self.format = format
         self.columns = columns
         self.interval_s = monitor_interval_ms / 1000
+        self.filesystem = filesystem
         self._fs, self._root = fs, root.rstrip("/")
         files = self._list()
         self.schema = None  # type: ignore[assignment]
@@ -417,7 +565,10 @@ class MonitoredFileSource(Source):
 
         self.__dict__.update(state)
         self._lock = threading.Lock()
-        self._fs = pafs.FileSystem.from_uri(self.path)[0] if "://" in self.path else pafs.LocalFileSystem()
+        if getattr(self, "filesystem", None) is not None:
+            self._fs = self.filesystem
+        else:
+            self._fs = pafs.FileSystem.from_uri(self.path)[0] if "://" in self.path else pafs.LocalFileSystem()
 
     def _list(self) -> List[str]:
         """Every readable file under the directory, by path relative to it, sorted."""
@@ -458,18 +609,23 @@ class MonitoredFileSource(Source):
         if reader is None or reader.position != position:
             reader = _FilesReader(self, list(self._taken.get(split, [])), position)
             self._readers[split] = reader
-        batch = reader.take(n)
-        if batch is not None:
-            return batch
-        now = time.monotonic()
-        if now - self._scanned.get(split, -1e9) < self.interval_s:
-            return []
-        self._scanned[split] = now
-        new = self._discover(subtask, parallelism)
-        if not new:
-            return []
-        reader.files.extend(new)
-        return reader.take(n) or []
+        try:
+            batch = reader.take(n)
+            if batch is not None:
+                return batch
+            now = time.monotonic()
+            if now - self._scanned.get(split, -1e9) < self.interval_s:
+                return []
+            self._scanned[split] = now
+            new = self._discover(subtask, parallelism)
+            if not new:
+                return []
+            reader.files.extend(new)
+            return reader.take(n) or []
+        except BaseException:  # a reader that failed is never asked again (it would skip the file's rest)
+            if self._readers.get(split) is reader:
+                del self._readers[split]
+            raise
 
 
 class _FilesReader:
@@ -504,7 +660,16 @@ class _FilesReader:
 
     def _next_batch(self, n: int) -> Optional[pa.RecordBatch]:
         while True:
-            batch = next(self._batches, None)
+            try:
+                batch = next(self._batches, None)
+            except Exception as exc:  # name the file: which one failed is what a user needs
+                name = self.files[self._next_file - 1]
+                message = f"read_files({self.source.path!r}): {self.source._root}/{name}: {exc}"
+                try:
+                    error = type(exc)(message)
+                except Exception:
+                    error = OSError(message)
+                raise error from exc
             if batch is not None:
                 if batch.num_rows:
                     return batch

@@ -81,6 +81,11 @@ class DataFrameSource(Source):
             except OSError as exc:
                 log.warning("could not delete the DataFrame copy %s: %s", self.copied, exc)
 
+    def restore_split_state(self, subtask: int, parallelism: int, state: Any) -> None:
+        """An attempt starts: the files' source opens them again (``FileSource``)."""
+        if self._files is not None:
+            self._files.restore_split_state(subtask, parallelism, state)
+
     def read(self, subtask: int, parallelism: int, position: int, n: int) -> Any:
         if self._files is None:
             raise RuntimeError(f"DataFrame source {self.name!r} was not prepared: run it with env.execute()")

@@ -262,6 +262,15 @@ class JobLease:
         self._write()
         self._acquired = True
 
+    def note_restored_from(self, path: Optional[str]) -> None:
+        """Records the checkpoint this run restores, at once: a resumed run learns it
+        only after ``acquire`` (its coordinator reads the directory it leases), and a
+        run killed before its first heartbeat must not leave ``restored_from: null``
+        behind, which reads as a run that started from nothing."""
+        self.record.restored_from = path
+        if self._acquired:
+            self._write()
+
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             self.record.heartbeat_ms = _now_ms()
