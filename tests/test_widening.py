@@ -1,0 +1,183 @@
+"""Columns of whole numbers that later hold fractions (issue #37, item 2): keyed and
+window ``aggregate`` widen their accumulators as Arrow unifies the types (int64 and
+float64 make float64), never truncate, agree at every parallelism and across a
+restore; types Arrow cannot unify fail at once, naming the column and both types."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Any, Dict, List
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import pyengine as pe
+from pyengine.state import ValueStateDescriptor, create_keyed_backend
+from pyengine.state.reader import read_keyed_state
+from pyengine.storage import checkpoint_storage
+
+AGGS = (pe.agg.sum("price"), pe.agg.max("price"), pe.agg.min("price"), pe.agg.mean("price"), pe.agg.count())
+
+
+def ints_then_floats(n: int = 600, keys: int = 7, key: Any = int) -> List[Dict[str, Any]]:
+    """Whole prices first (``{"price": 10}``), then fractions (``10.3``), as in the issue."""
+    whole = [{"k": key(i % keys), "price": 10 + i % 5, "ts": i} for i in range(n // 2)]
+    frac = [{"k": key(i % keys), "price": 10.3 + i % 3, "ts": n // 2 + i} for i in range(n // 2)]
+    return whole + frac
+
+
+def reference(rows: List[Dict[str, Any]]) -> Dict[Any, Dict[str, Any]]:
+    prices: Dict[Any, List[float]] = defaultdict(list)
+    for r in rows:
+        prices[r["k"]].append(r["price"])
+    return {
+        k: {
+            "sum_price": sum(v),
+            "max_price": max(v),
+            "min_price": min(v),
+            "mean_price": sum(v) / len(v),
+            "count": len(v),
+        }
+        for k, v in prices.items()
+    }
+
+
+def assert_matches(got: Dict[Any, Dict[str, Any]], want: Dict[Any, Dict[str, Any]]) -> None:
+    assert got.keys() == want.keys()
+    for k, w in want.items():
+        for column, value in w.items():
+            assert got[k][column] == pytest.approx(value, rel=1e-12), (k, column, got[k][column], value)
+
+
+def final(env: pe.StreamEnvironment, rows: List[Dict[str, Any]], **kw: Any) -> Dict[Any, Dict[str, Any]]:
+    sink = pe.sinks.CollectSink()
+    env.from_collection(rows).key_by("k").aggregate(*AGGS, emit="final").uid("agg").sink_to(sink)
+    env.execute("widening", **kw)
+    return {r["k"]: r for r in sink.records}
+
+
+@pytest.mark.parametrize("parallelism", [1, 2])
+@pytest.mark.parametrize("key", [int, str])
+def test_keyed_aggregate_widens_whole_numbers_to_fractions_at_every_parallelism(parallelism: int, key: Any) -> None:
+    """Before: max 10 where 10.3 came later, sums short by the fractions, and another
+    answer at p=2 (whose subtasks saw other first batches)."""
+    rows = ints_then_floats(key=key)
+    env = pe.StreamEnvironment(parallelism=parallelism, buffer_size=16, buffer_timeout_ms=1, monitoring=None)
+    got = final(env, rows)
+    assert_matches(got, reference(rows))
+    assert all(isinstance(r["sum_price"], float) and isinstance(r["max_price"], float) for r in got.values())
+
+
+@pytest.mark.parametrize("parallelism", [1, 2])
+def test_window_aggregate_widens_whole_numbers_to_fractions(parallelism: int) -> None:
+    rows = ints_then_floats()
+    env = pe.StreamEnvironment(parallelism=parallelism, buffer_size=16, buffer_timeout_ms=1, monitoring=None)
+    sink = pe.sinks.CollectSink()
+    strategy = pe.WatermarkStrategy.for_monotonous_timestamps().with_timestamp_assigner(lambda r: r["ts"])
+    (
+        env.from_collection(rows, watermark_strategy=strategy)
+        .key_by("k")
+        .window(pe.windows.tumbling(10_000))
+        .aggregate(*AGGS)
+        .sink_to(sink)
+    )
+    env.execute("window-widening")
+    got = {r["k"]: r for r in sink.records}
+    assert len(sink.records) == len(got)  # one window
+    assert_matches(got, reference(rows))
+
+
+def test_the_update_stream_turns_float_where_fractions_came() -> None:
+    rows = ints_then_floats(n=64, keys=1)
+    env = pe.StreamEnvironment(parallelism=1, buffer_size=8, buffer_timeout_ms=1, monitoring=None)
+    sink = pe.sinks.CollectSink()
+    env.from_collection(rows).key_by("k").aggregate(pe.agg.sum("price")).sink_to(sink)
+    env.execute("updates")
+    last = max(sink.records, key=lambda r: r["_seq"])
+    assert last["sum_price"] == pytest.approx(sum(r["price"] for r in rows))
+    firsts = sorted(sink.records, key=lambda r: r["_seq"])
+    assert isinstance(firsts[0]["sum_price"], int)  # whole numbers stay int64 until fractions come
+
+
+@pytest.mark.parametrize("backend", ["heap", "incremental"])
+def test_a_widened_aggregate_is_exactly_once_across_a_failure(tmp_path: Any, backend: str) -> None:
+    """Checkpoints before and after the widening, a failure after it: the restored
+    float64 state (an incremental chain across the type change) and the replay give
+    the failure-free totals."""
+    rows = ints_then_floats(n=4000, keys=50)
+    calls, lock = [0], threading.Lock()
+
+    def flaky(r: Any) -> Any:
+        with lock:
+            calls[0] += 1
+            if calls[0] == 3500:
+                raise RuntimeError("injected")
+        if calls[0] % 50 == 0:
+            threading.Event().wait(0.002)  # room for checkpoints
+        return r
+
+    env = pe.StreamEnvironment(
+        parallelism=2,
+        buffer_size=16,
+        buffer_timeout_ms=1,
+        state_backend=backend,
+        checkpointing=pe.CheckpointConfig(interval_ms=5),
+        checkpoint_storage=str(tmp_path / "ckpt"),
+        monitoring=None,
+    )
+    sink = pe.sinks.CollectSink()
+    env.from_collection(rows).map(flaky).key_by("k").aggregate(*AGGS, emit="final").uid("agg").sink_to(sink)
+    result = env.execute("widened-failover")
+    assert result.status == "FINISHED" and result.restarts == 1
+    assert result.checkpoints.counts["completed"] >= 2
+    assert_matches({r["k"]: r for r in sink.records}, reference(rows))
+    state = read_keyed_state(result.latest_checkpoint, "agg", "sum(price)")  # the documented name stays
+    assert pa.types.is_floating(state.schema.field("value").type)
+
+
+@pytest.mark.parametrize("whole", [16, 20])  # the strings in buffers of their own, or one buffer of both
+def test_a_column_arrow_cannot_unify_fails_naming_it_and_both_types(whole: int) -> None:
+    rows = [{"k": 1, "price": 10}] * whole + [{"k": 1, "price": "10.3"}] * 16
+    env = pe.StreamEnvironment(parallelism=1, buffer_size=8, restart_attempts=0, monitoring=None)
+    env.from_collection(rows).key_by("k").aggregate(pe.agg.sum("price")).sink_to(pe.sinks.CollectSink())
+    with pytest.raises(pe.JobFailedError) as failed:
+        env.execute("mixed")
+    message = str(failed.value)
+    assert "'price'" in message and "int" in message and "str" in message, message
+    assert "give the column one type" in message
+    assert failed.value.result.restarts == 0
+
+
+# -- the backend's in-place retype -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["heap", "incremental"])
+def test_retype_value_state_keeps_every_entry_and_restores_across_the_type_change(tmp_path: Any, kind: str) -> None:
+    storage = checkpoint_storage(str(tmp_path), "job")
+    b = create_keyed_backend(kind, max_parallelism=16)
+    ints = b.get_state(ValueStateDescriptor("sum(price)", 0, pa.int64()))
+    for k in range(100):
+        b.set_current_key(k)
+        ints.update(k * 10)
+    first = b.snapshot(1, storage.location(1)).run()
+    b.notify_checkpoint_complete(1)
+    floats = b.retype_value_state(ValueStateDescriptor("sum(price)", 0, pa.float64()))
+    keys = np.arange(100, dtype=np.int64)
+    found, values = floats.get_many(keys)
+    assert found.all() and values.dtype == np.float64 and values.tolist() == [k * 10.0 for k in range(100)]
+    floats.merge_many(keys[:10], np.full(10, 0.5), "add")
+    b.set_current_key(99)
+    floats.clear()
+    second = b.snapshot(2, storage.location(2)).run()
+    assert first.handles
+    restored = create_keyed_backend(kind, max_parallelism=16)
+    restored.restore(second.handles)
+    from pyengine.runtime.aggregate import value_state
+
+    state = value_state(restored, ValueStateDescriptor("sum(price)", 0, pa.float64()))
+    found, values = state.get_many(keys)
+    assert found.tolist() == [k != 99 for k in range(100)]
+    want = [k * 10.0 + (0.5 if k < 10 else 0.0) for k in range(99)]
+    assert values[:99].tolist() == want and values.dtype == np.float64
