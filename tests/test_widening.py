@@ -5,6 +5,7 @@ restore; types Arrow cannot unify fail at once, naming the column and both types
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import defaultdict
 from typing import Any, Dict, List
@@ -181,3 +182,111 @@ def test_retype_value_state_keeps_every_entry_and_restores_across_the_type_chang
     assert found.tolist() == [k != 99 for k in range(100)]
     want = [k * 10.0 + (0.5 if k < 10 else 0.0) for k in range(99)]
     assert values[:99].tolist() == want and values.dtype == np.float64
+
+
+# -- a parquet FileSink keeps one type per column (issue #37, item 4) -----------------------------
+
+
+def _slowly(r: Any) -> Any:
+    """Room for checkpoints between the whole numbers and the fractions: several part files."""
+    if r["ts"] % 20 == 0:
+        threading.Event().wait(0.003)
+    return r
+
+
+def _checkpointed(tmp_path: Any, parallelism: int) -> pe.StreamEnvironment:
+    return pe.StreamEnvironment(
+        parallelism=parallelism,
+        buffer_size=16,
+        buffer_timeout_ms=1,
+        checkpointing=pe.CheckpointConfig(interval_ms=5),
+        checkpoint_storage=str(tmp_path / "ckpt"),
+        monitoring=None,
+    )
+
+
+def _read_dir(path: str) -> pa.Table:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path)  # the directory as one dataset: its first file's schema
+
+
+@pytest.mark.parametrize("parallelism", [1, 2])
+def test_a_parquet_file_sink_reads_back_whole_after_whole_numbers_then_fractions(
+    tmp_path: Any, parallelism: int
+) -> None:
+    """Before: part files of int64 and of double, and ``pq.read_table(dir)`` failed
+    ("Float value 10.3 was truncated converting to int64")."""
+    rows = ints_then_floats(n=400)
+    out = str(tmp_path / "out")
+    env = _checkpointed(tmp_path, parallelism)
+    env.from_collection(rows).map(_slowly).sink_to(pe.sinks.FileSink(out, format="parquet"))
+    env.execute("sink-widening")
+    assert len([p for p in os.listdir(out) if p.startswith("part-")]) > 2
+    table = _read_dir(out)
+    assert table.schema.field("price").type == pa.float64()
+    assert sorted(table.column("price").to_pylist()) == sorted(float(r["price"]) for r in rows)
+
+
+def test_an_aggregate_into_parquet_reads_back_at_p2(tmp_path: Any) -> None:
+    """p=2: one subtask's sums may stay int64 while the other's turn float64; the
+    directory still reads as one table."""
+    rows = ints_then_floats(n=400, keys=5)
+    out = str(tmp_path / "out")
+    env = _checkpointed(tmp_path, 2)
+    sink = pe.sinks.FileSink(out, format="parquet")
+    env.from_collection(rows).map(_slowly).key_by("k").aggregate(*AGGS).sink_to(sink)
+    env.execute("agg-parquet")
+    updates = _read_dir(out).to_pylist()
+    got = {r["k"]: max((u for u in updates if u["k"] == r["k"]), key=lambda u: u["_seq"]) for r in updates}
+    assert_matches(got, reference(rows))
+
+
+def test_a_later_run_with_fractions_widens_an_earlier_runs_whole_numbers(tmp_path: Any) -> None:
+    out = str(tmp_path / "out")
+    for i, price in enumerate([10, 10.3]):
+        env = pe.StreamEnvironment(parallelism=1, monitoring=None)
+        env.from_collection([{"price": price}] * 3).sink_to(pe.sinks.FileSink(out, format="parquet", mode="append"))
+        env.execute(f"run-{i}")
+    assert sorted(_read_dir(out).column("price").to_pylist()) == [10.0] * 3 + [10.3] * 3
+
+
+def test_a_parquet_column_arrow_cannot_unify_is_refused_naming_it_and_both_types(tmp_path: Any) -> None:
+    out = str(tmp_path / "out")
+    env = pe.StreamEnvironment(parallelism=1, monitoring=None)
+    env.from_collection([{"price": 10}] * 4).sink_to(pe.sinks.FileSink(out, format="parquet"))
+    env.execute("ints")
+    env = pe.StreamEnvironment(parallelism=1, restart_attempts=0, monitoring=None)
+    env.from_collection([{"price": "ten"}] * 4).sink_to(pe.sinks.FileSink(out, format="parquet", mode="append"))
+    with pytest.raises(pe.JobFailedError) as failed:
+        env.execute("refused")
+    message = str(failed.value)
+    assert "RecordRejectedError" in message and "'price'" in message and "int64" in message and "string" in message
+
+
+def test_a_rewrite_cut_short_is_finished_by_the_next_run(tmp_path: Any) -> None:
+    """A crash between recording the wider type and rewriting the files: the record
+    says so, and the next run rewrites what is left before it writes."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "out"
+    env = pe.StreamEnvironment(parallelism=1, monitoring=None)
+    env.from_collection([{"price": 10}] * 3).sink_to(pe.sinks.FileSink(str(out), format="parquet"))
+    env.execute("first")
+    record = out / "_pyengine" / "schema.json"
+    body = json.loads(record.read_text())
+    (part,) = [p for p in out.iterdir() if p.name.startswith("part-")]
+    # what a widening writer leaves when it dies after the record, before the rewrite
+    pq.write_table(pa.table({"price": [1.5]}), str(out / ("part-" + "0" * 12 + "-0-1-0.parquet")))
+    sink = pe.sinks.FileSink(str(out), format="parquet", mode="append")
+    schema = pa.schema([("price", pa.float64())])
+    sink._write_schema(*sink._fs(), schema, rewriting=True)
+    assert body["columns"] == {"price": "int64"}
+    env = pe.StreamEnvironment(parallelism=1, monitoring=None)
+    env.from_collection([{"price": 2}]).sink_to(sink)
+    env.execute("second")
+    assert pq.read_schema(str(part)).field("price").type == pa.float64()
+    assert sorted(_read_dir(str(out)).column("price").to_pylist()) == [1.5, 2.0, 10.0, 10.0, 10.0]
+    assert json.loads(record.read_text())["rewriting"] is False
