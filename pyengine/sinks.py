@@ -1280,16 +1280,18 @@ def _conform_table(table: pa.Table, schema: pa.Schema, who: str = "FileSink") ->
         textual = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
         if column.type in textual and field.type not in textual:  # a cast would parse the text
             raise RecordRejectedError(
-                f"FileSink cannot write column {field.name!r} ({column.type}) as {field.type}: "
+                f"{who} cannot write column {field.name!r} ({column.type}) as {field.type}: "
                 "text is not parsed into other types; convert it before the sink"
             )
         if not field.nullable and column.null_count:
-            raise RecordRejectedError(f"FileSink cannot write: field {field.name!r} ({field.type}) holds nulls")
+            raise RecordRejectedError(f"{who} cannot write: field {field.name!r} ({field.type}) holds nulls")
         try:
             columns.append(column.cast(field.type, safe=True))
         except (pa.ArrowException, TypeError, ValueError) as exc:
             raise RecordRejectedError(
-                f"FileSink cannot write column {field.name!r} ({column.type}) as {field.type}: {exc}"
+                f"{who} cannot write column {field.name!r} ({column.type}) as {field.type}, the output's type for "
+                f"it: {exc}; give the column the output's type before the sink, or write to an output declared "
+                f"with the wider type ({who}(..., schema=pyarrow.schema([...])))"
             ) from None
     return pa.Table.from_arrays(columns, schema=schema)
 

@@ -290,3 +290,31 @@ def test_a_rewrite_cut_short_is_finished_by_the_next_run(tmp_path: Any) -> None:
     assert pq.read_schema(str(part)).field("price").type == pa.float64()
     assert sorted(_read_dir(str(out)).column("price").to_pylist()) == [1.5, 2.0, 10.0, 10.0, 10.0]
     assert json.loads(record.read_text())["rewriting"] is False
+
+
+# -- DeltaSink: one type per column, refused by name (issue #37, item 4) ---------------------------
+
+
+@pytest.mark.parametrize("as_batches", [True, False])
+def test_delta_refuses_fractions_after_whole_numbers_saying_deltasink_and_both_types(
+    tmp_path: Any, as_batches: bool
+) -> None:
+    pytest.importorskip("deltalake")
+    from pyengine.sinks import RecordRejectedError, RunInfo
+
+    sink = pe.sinks.DeltaSink(str(tmp_path / "t"))
+    sink.begin_run(RunInfo(job_name="j", run_id="r1", lineage_id="r1"))
+    sink.recover(())
+
+    def records(price: Any) -> Any:
+        rows = [{"k": 1, "price": price}]
+        return pa.RecordBatch.from_pylist(rows) if as_batches else rows
+
+    sink.stage(0, 1, records(10))
+    sink.commit(0, 1)
+    with pytest.raises(RecordRejectedError) as refused:
+        sink.stage(0, 2, records(10.3))
+    message = str(refused.value)
+    assert message.startswith("DeltaSink") and "FileSink cannot" not in message, message
+    assert "'price'" in message and "int64" in message and ("double" in message or "10.3" in message), message
+    assert sink.read_table().column("price").to_pylist() == [10]  # nothing truncated went in
