@@ -318,3 +318,35 @@ def test_delta_refuses_fractions_after_whole_numbers_saying_deltasink_and_both_t
     assert message.startswith("DeltaSink") and "FileSink cannot" not in message, message
     assert "'price'" in message and "int64" in message and ("double" in message or "10.3" in message), message
     assert sink.read_table().column("price").to_pylist() == [10]  # nothing truncated went in
+
+
+# -- joins' projected columns --------------------------------------------------------------------
+
+
+def _join_inputs(env: pe.StreamEnvironment) -> Any:
+    strategy = pe.WatermarkStrategy.for_bounded_out_of_orderness(100).with_timestamp_assigner("ts")
+    orders = [{"user": i % 3, "ts": i * 10, "price": 10 if i < 40 else 10.3} for i in range(80)]
+    pays = [{"user": i % 3, "ts": i * 10 + 5, "paid": 5 if i < 40 else 5.5} for i in range(80)]
+    return env.from_collection(orders, watermark_strategy=strategy), env.from_collection(
+        pays, watermark_strategy=strategy
+    )
+
+
+@pytest.mark.parametrize("parallelism", [1, 2])
+@pytest.mark.parametrize("kind", ["interval", "window"])
+def test_a_projected_join_widens_whole_numbers_to_fractions(parallelism: int, kind: str) -> None:
+    """Before: ``ArrowInvalid: Schema at index 0 was different`` (int64 vs double)."""
+    env = pe.StreamEnvironment(parallelism=parallelism, buffer_size=8, buffer_timeout_ms=1, monitoring=None)
+    orders, pays = _join_inputs(env)
+    sink = pe.sinks.CollectSink()
+    if kind == "interval":
+        joined = orders.key_by("user").interval_join(pays.key_by("user")).between(0, 9)
+        joined.project(left=["price"], right=["paid"]).sink_to(sink)
+    else:
+        joined = orders.join(pays).where("user").equal_to("user").window(pe.windows.tumbling(400))
+        joined.project(left=["price"], right=["paid"]).sink_to(sink)
+    env.execute("join-widening")
+    prices = sorted(r["price"] for r in sink.records)
+    assert set(prices) == {10, 10.3} and 10.3 in prices
+    if kind == "interval":  # each order pairs with the payment 5 ms after it
+        assert sorted((r["price"], r["paid"]) for r in sink.records) == sorted([(10, 5)] * 40 + [(10.3, 5.5)] * 40)
