@@ -350,3 +350,35 @@ def test_a_projected_join_widens_whole_numbers_to_fractions(parallelism: int, ki
     assert set(prices) == {10, 10.3} and 10.3 in prices
     if kind == "interval":  # each order pairs with the payment 5 ms after it
         assert sorted((r["price"], r["paid"]) for r in sink.records) == sorted([(10, 5)] * 40 + [(10.3, 5.5)] * 40)
+
+
+@pytest.mark.parametrize("kind", ["heap", "incremental"])
+def test_a_rescaled_restore_of_int64_and_float64_halves_reads_one_float64_state(tmp_path: Any, kind: str) -> None:
+    """At p=2 one subtask saw whole numbers only (its sums int64), the other fractions
+    (float64); restored at p=1 both files meet in one state: every value, as float64,
+    in columns again (the operator unifies the subtasks' schemas, ``unified_schema``)."""
+    from pyengine.runtime.aggregate import unified_schema, value_state
+    from pyengine.state import key_group_range_for_subtask
+    from pyengine.state.keygroups import assign_to_key_group
+
+    storage = checkpoint_storage(str(tmp_path), "job")
+    handles = []
+    want = {}
+    for subtask, (arrow_type, value) in enumerate([(pa.int64(), 7), (pa.float64(), 7.5)]):
+        r = key_group_range_for_subtask(16, 2, subtask)
+        b = create_keyed_backend(kind, max_parallelism=16, key_group_range=r)
+        state = b.get_state(ValueStateDescriptor("sum(price)", 0, arrow_type))
+        for k in range(200):
+            if r.start <= assign_to_key_group(k, 16) <= r.end:
+                b.set_current_key(k)
+                state.update(value)
+                want[k] = float(value)
+        handles += b.snapshot(1, storage.location(1)).run().handles
+    restored = create_keyed_backend(kind, max_parallelism=16)
+    restored.restore(handles)
+    schema = unified_schema("op", pa.schema([("price", pa.int64())]), pa.schema([("price", pa.float64())]), ["price"])
+    assert schema.field("price").type == pa.float64()
+    state = value_state(restored, ValueStateDescriptor("sum(price)", 0, pa.float64()))
+    keys = np.arange(200, dtype=np.int64)
+    found, values = state.get_many(keys)  # columnar again: get_many works
+    assert found.all() and values.tolist() == [want[k] for k in range(200)]
