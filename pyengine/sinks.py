@@ -17,6 +17,7 @@ A runner drives a sink as follows (the driver's calls in capitals):
 
 from __future__ import annotations
 
+import base64
 import csv
 import datetime
 import hashlib
@@ -263,6 +264,8 @@ _TEMP = re.compile(r"^\.part-([0-9a-f]{12})-.*\.tmp$")
 
 META_DIR = "_pyengine"  # the sink's own files: who wrote the directory, who writes it now
 RUNS_FILE = "runs.json"
+SCHEMA_FILE = "schema.json"  # parquet: the column types every part file of the directory has
+SCHEMA_FORMAT = "pyengine-filesink-schema"
 LOCK_FILE = "lock.json"
 RUNS_FORMAT = "pyengine-filesink-runs"
 HEARTBEAT_S = 10.0
@@ -309,7 +312,17 @@ class FileSink(Sink):
     directory: the second is refused, naming the first.
 
     ``schema`` (parquet and csv): a ``pyarrow.Schema`` every record must fit; without
-    it, each staged piece takes the union of its records' fields."""
+    it, each staged piece takes the union of its records' fields.
+
+    Parquet without ``schema``: every part file of the directory has one type per
+    column, recorded in ``_pyengine/schema.json``, so ``pyarrow.parquet.read_table``
+    (which reads the directory as its first file's schema) and Spark read it whole. A
+    piece whose column is of a narrower type (whole numbers where fractions were) is
+    written as the recorded type; one that needs a wider type (fractions after whole
+    numbers: Arrow unifies int64 and float64 as float64) widens the record and
+    rewrites the directory's part files of the narrower type in place (their values
+    unchanged). Types Arrow cannot unify (int64, then text) are refused
+    (``RecordRejectedError`` naming the column and both types)."""
 
     FORMATS = ("jsonl", "csv", "parquet")
     MODES = MODES
@@ -349,6 +362,7 @@ class FileSink(Sink):
         self._tag: Optional[str] = None
         self._token: Optional[str] = None  # the directory lock this object holds (driver only)
         self._heartbeat: Optional[_Heartbeat] = None
+        self._columns: Optional[pa.Schema] = None  # parquet: the directory's column types, as last read
 
     # The heartbeat thread stays on the driver; a copy (a Spark executor's) holds no lock.
     def __getstate__(self) -> Dict[str, Any]:
@@ -429,6 +443,7 @@ class FileSink(Sink):
             _LIVE_TOKENS.discard(token)
             raise  # refused: nothing a reader sees changed (a hidden _pyengine/.guard stays)
         fs.create_dir(f"{root}/_staging", recursive=True)
+        self._settle_schema(fs, root)
         with self._lock:
             self._run, self._tag, self._token = run, tag, token
             self._seq = {}
@@ -647,18 +662,133 @@ class FileSink(Sink):
         self._require_run("stage")
         if not len(records):
             return
-        data = self._encode(records)  # refuses a bad record before anything is written
+        fs, root = self._fs()
+        typed = self.format == "parquet" and self.schema is None  # the directory keeps one type per column
+        if typed:
+            table = self._fit_directory(fs, root, _table_of(records))
+            sink = pa.BufferOutputStream()
+            pq.write_table(table, sink)
+            data = bytes(sink.getvalue().to_pybytes())
+        else:
+            data = self._encode(records)  # refuses a bad record before anything is written
         with self._lock:
             seq = self._seq.get((subtask, checkpoint_id), 0)
             self._seq[(subtask, checkpoint_id)] = seq + 1
-        fs, root = self._fs()
         name = f"part-{self._tag}-{subtask}-{checkpoint_id}-{seq}.{self.format}"
         temp = f"{root}/_staging/.{name}.{uuid.uuid4().hex[:12]}.tmp"  # never shared by two writers
         with fs.open_output_stream(temp) as out:
             out.write(data)
         fs.move(temp, f"{root}/_staging/{name}")
+        if typed:
+            # Another subtask may have widened the directory since this piece was fitted: it
+            # wrote the record before listing the files, so it either saw this piece or the
+            # record read here is the wider one.
+            recorded = self._read_schema(fs, root)
+            if recorded is not None and _needs_rewrite(table.schema, recorded):
+                self._columns = recorded
+                _rewrite_part(fs, f"{root}/_staging/{name}", recorded, self.path)
         with self._lock:
             self._mine.setdefault(subtask, []).append((checkpoint_id, name))
+
+    # -- parquet: one type per column in the whole directory ------------------------------------------------------
+
+    def _read_schema(self, fs: Any, root: str) -> Optional[pa.Schema]:
+        """The recorded column types (``_pyengine/schema.json``), or None."""
+        try:
+            with fs.open_input_stream(f"{root}/{META_DIR}/{SCHEMA_FILE}") as f:
+                body = json.loads(f.read())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise OSError(f"FileSink {self.path}: {META_DIR}/{SCHEMA_FILE} is unreadable ({exc})") from exc
+        if not isinstance(body, dict) or body.get("format") != SCHEMA_FORMAT:
+            return None
+        return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(body["schema"])))
+
+    def _write_schema(self, fs: Any, root: str, schema: pa.Schema, rewriting: bool) -> None:
+        body = {
+            "format": SCHEMA_FORMAT,
+            "version": 1,
+            # True while part files are being rewritten to it: the next run finishes the rewrite
+            "rewriting": rewriting,
+            "columns": {f.name: str(f.type) for f in schema},
+            "schema": base64.b64encode(schema.serialize().to_pybytes()).decode(),
+        }
+        _write_atomic(fs, f"{root}/{META_DIR}/{SCHEMA_FILE}", json.dumps(body, indent=1).encode())
+
+    def _fit_directory(self, fs: Any, root: str, table: pa.Table) -> pa.Table:
+        """``table`` with the directory's column types: cast up to them where narrower,
+        and the directory widened first where ``table`` needs a wider type."""
+        known = self._columns if self._columns is not None else self._read_schema(fs, root)
+        merged = _unify_columns(known, table.schema, "FileSink", self.path)
+        if known is None or not merged.equals(known):
+            merged = self._widen_directory(fs, root, table.schema)
+        self._columns = merged
+        return _cast_columns(table, merged, "FileSink")
+
+    def _widen_directory(self, fs: Any, root: str, schema: pa.Schema) -> pa.Schema:
+        """Records ``schema``'s columns unified with the recorded ones and rewrites the
+        part files of narrower types; one writer at a time (``guarded``)."""
+        fs.create_dir(f"{root}/{META_DIR}", recursive=True)
+        with guarded(fs, f"{root}/{META_DIR}/.schema-guard"):
+            current = self._read_schema(fs, root)
+            merged = _unify_columns(current, schema, "FileSink", self.path)
+            if current is not None and merged.equals(current):
+                return merged  # another writer widened it meanwhile
+            wider = current is not None and any(
+                f.name in merged.names and not merged.field(f.name).type.equals(f.type) for f in current
+            )
+            self._write_schema(fs, root, merged, rewriting=wider)
+            if wider:
+                log.info("FileSink %s: widening the part files' columns to (%s)", self.path, _describe(merged))
+                self._conform_parts(fs, root, merged)
+                self._write_schema(fs, root, merged, rewriting=False)
+            return merged
+
+    def _conform_parts(self, fs: Any, root: str, schema: pa.Schema) -> None:
+        """Rewrites every parquet part file (committed or staged, of any run) whose
+        columns are narrower than ``schema``'s."""
+        for info in list(fs.get_file_info(FileSelector(root, allow_not_found=True))) + self._staging_infos(fs, root):
+            name = info.base_name
+            if not info.is_file or not name.endswith(".parquet") or not (_PART.match(name) or _LEGACY_PART.match(name)):
+                continue
+            staged = info.path != f"{root}/{name}"
+            try:
+                _rewrite_part(fs, info.path, schema, self.path)
+            except FileNotFoundError:
+                if not staged:
+                    continue  # deleted meanwhile
+            if staged and fs.get_file_info(f"{root}/{name}").type == pafs.FileType.File:
+                # committed before or while it was rewritten: the published copy counts
+                _rewrite_part(fs, f"{root}/{name}", schema, self.path)
+                try:
+                    fs.delete_file(info.path)
+                except FileNotFoundError:
+                    pass
+
+    def _settle_schema(self, fs: Any, root: str) -> None:
+        """At the start of a run: a rewrite a crash interrupted is finished; a record
+        with no part file left (an overwrite, a directory emptied by hand) goes."""
+        self._columns = None
+        if self.format != "parquet" or self.schema is not None:
+            return
+        recorded = self._read_schema(fs, root)
+        if recorded is None:
+            return
+        names = [i.base_name for i in fs.get_file_info(FileSelector(root, allow_not_found=True))]
+        names += [i.base_name for i in self._staging_infos(fs, root)]
+        if not any(_PART.match(n) or _LEGACY_PART.match(n) for n in names):
+            try:
+                fs.delete_file(f"{root}/{META_DIR}/{SCHEMA_FILE}")
+            except FileNotFoundError:
+                pass
+            return
+        with fs.open_input_stream(f"{root}/{META_DIR}/{SCHEMA_FILE}") as f:
+            rewriting = bool(json.loads(f.read()).get("rewriting"))
+        if rewriting:
+            with guarded(fs, f"{root}/{META_DIR}/.schema-guard"):
+                self._conform_parts(fs, root, recorded)
+                self._write_schema(fs, root, recorded, rewriting=False)
 
     def _staging_infos(self, fs: Any, root: str) -> List[Any]:
         try:
@@ -1150,15 +1280,87 @@ def _conform_table(table: pa.Table, schema: pa.Schema, who: str = "FileSink") ->
         textual = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
         if column.type in textual and field.type not in textual:  # a cast would parse the text
             raise RecordRejectedError(
-                f"FileSink cannot write column {field.name!r} ({column.type}) as {field.type}: "
+                f"{who} cannot write column {field.name!r} ({column.type}) as {field.type}: "
                 "text is not parsed into other types; convert it before the sink"
             )
         if not field.nullable and column.null_count:
-            raise RecordRejectedError(f"FileSink cannot write: field {field.name!r} ({field.type}) holds nulls")
+            raise RecordRejectedError(f"{who} cannot write: field {field.name!r} ({field.type}) holds nulls")
         try:
             columns.append(column.cast(field.type, safe=True))
         except (pa.ArrowException, TypeError, ValueError) as exc:
             raise RecordRejectedError(
-                f"FileSink cannot write column {field.name!r} ({column.type}) as {field.type}: {exc}"
+                f"{who} cannot write column {field.name!r} ({column.type}) as {field.type}, the output's type for "
+                f"it: {exc}; give the column the output's type before the sink, or write to an output declared "
+                f"with the wider type ({who}(..., schema=pyarrow.schema([...])))"
             ) from None
     return pa.Table.from_arrays(columns, schema=schema)
+
+
+# -- one type per column: Arrow's unification ---------------------------------------------------------------------
+
+
+def _describe(schema: pa.Schema) -> str:
+    return ", ".join(f"{f.name}: {f.type}" for f in schema)
+
+
+def _unify_columns(known: Optional[pa.Schema], found: pa.Schema, who: str, where: str) -> pa.Schema:
+    """``known`` and ``found`` as one schema, as Arrow unifies them
+    (``promote_options="permissive"``: int64 and float64 make float64, null takes any
+    type, nothing narrows); columns only one has are kept. Two types Arrow cannot make
+    one are a ``RecordRejectedError`` naming the column and both types."""
+    if known is None:
+        return found
+    try:
+        return pa.unify_schemas([known, found], promote_options="permissive")
+    except (pa.ArrowException, TypeError) as exc:
+        for field in found:
+            if field.name in known.names and not known.field(field.name).type.equals(field.type):
+                try:
+                    pa.unify_schemas(
+                        [pa.schema([known.field(field.name)]), pa.schema([field])], promote_options="permissive"
+                    )
+                except (pa.ArrowException, TypeError):
+                    raise RecordRejectedError(
+                        f"{who} {where} cannot write column {field.name!r} as {field.type}: its output holds it as "
+                        f"{known.field(field.name).type}, and Arrow cannot make the two one type; give the column "
+                        f"one type before the sink, or declare {who}(..., schema=pyarrow.schema([...]))"
+                    ) from None
+        raise RecordRejectedError(f"{who} {where} cannot write columns ({_describe(found)}): {exc}") from None
+
+
+def _needs_rewrite(schema: pa.Schema, target: pa.Schema) -> bool:
+    """Some column of ``schema`` has another type in ``target``."""
+    return any(f.name in target.names and not target.field(f.name).type.equals(f.type) for f in schema)
+
+
+def _cast_columns(table: pa.Table, target: pa.Schema, who: str) -> pa.Table:
+    """``table``'s columns cast to ``target``'s types (only widening casts reach here)."""
+    if not _needs_rewrite(table.schema, target):
+        return table
+    fields = [target.field(f.name) if f.name in target.names else f for f in table.schema]
+    try:
+        return table.cast(pa.schema(fields), safe=True)
+    except (pa.ArrowException, TypeError, ValueError) as exc:
+        raise RecordRejectedError(
+            f"{who} cannot write columns ({_describe(table.schema)}) as the output's: {exc}"
+        ) from None
+
+
+def _rewrite_part(fs: Any, path: str, target: pa.Schema, where: str) -> bool:
+    """Rewrites the parquet file at ``path`` with ``target``'s column types where its
+    own differ (a temp file moved over it: a reader sees the old file or the new one);
+    False when nothing had to change. ``FileNotFoundError`` when it is gone."""
+    with fs.open_input_file(path) as f:
+        table = pq.ParquetFile(f).read(use_threads=False)
+    if not _needs_rewrite(table.schema, target):
+        return False
+    table = _cast_columns(table, target, "FileSink")
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    parent, _, name = path.rpartition("/")
+    temp = f"{parent}/.{name}.{uuid.uuid4().hex[:12]}.tmp"
+    with fs.open_output_stream(temp) as out:
+        out.write(sink.getvalue())
+    fs.move(temp, path)
+    log.info("FileSink %s: rewrote %s with the directory's column types", where, name)
+    return True

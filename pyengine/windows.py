@@ -43,7 +43,16 @@ import pyarrow as pa
 from .agg import Aggregation
 from .errors import NonRetryableError, not_records, refuse_non_records
 from .io.events import MAX_WATERMARK, MIN_WATERMARK
-from .runtime.aggregate import AggregateInputError, check_key_type, needed_accumulators, not_a_table, null_keys
+from .runtime.aggregate import (
+    AggregateInputError,
+    accumulator_type,
+    check_key_type,
+    needed_accumulators,
+    not_a_table,
+    null_keys,
+    unified_schema,
+    value_state,
+)
 from .runtime.copies import per_subtask
 from .runtime.operators import (
     EventTimeOperatorMixin,
@@ -811,9 +820,13 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         if restored is None:
             return
         self.late_records_dropped = sum(int(v) for v in self._late.get())
-        schemas = [e[0] for e in self._schema_state.get() if e[0]]
+        schemas = [pa.ipc.read_schema(pa.py_buffer(e[0])) for e in self._schema_state.get() if e[0]]
         if schemas:
-            self._make_accumulators(pa.ipc.read_schema(pa.py_buffer(schemas[0])))
+            # every subtask's columns as one: one that saw fractions widens the others' states
+            schema = schemas[0]
+            for other in schemas[1:]:
+                schema = unified_schema(self.where(), schema, other, self._typed_columns())
+            self._make_accumulators(schema)
         for group, slot, window in self._slot_state.get():
             if r.start <= group <= r.end:
                 index = int(group) - r.start
@@ -842,30 +855,35 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         return sorted(set(self._windows) | set(self._overflowed))
 
     def _make_accumulators(self, schema: pa.Schema) -> None:
+        """The accumulators' types for the columns' types in ``schema``; called again when
+        a column widens (whole numbers, then fractions): the slots' int64 states of its
+        accumulators become float64 in place (``retype_value_state``)."""
+        changed = []
         for kind, column in self.needed:
             name = _acc_name(kind, column)
-            if kind in ("rows", "n"):
-                self._types[name] = pa.int64()
-                continue
-            assert column is not None
-            t = schema.field(column).type
-            if pa.types.is_integer(t) or pa.types.is_boolean(t):
-                self._types[name] = pa.int64()
-            elif pa.types.is_floating(t) or pa.types.is_decimal(t):
-                self._types[name] = pa.float64()
-            else:
-                raise AggregateInputError(f"{self.where()}: pe.agg.{kind}({column!r}) needs a numeric column, got {t}")
+            t = schema.field(column).type if column is not None else pa.int64()
+            arrow_type = accumulator_type(self.where(), kind, column, t)
+            if name not in self._types or not self._types[name].equals(arrow_type):
+                changed.append(name)
+            self._types[name] = arrow_type
+        for index, table in enumerate(self._tables):
+            for name in changed:
+                descriptor = ValueStateDescriptor(f"window/{name}@{index}", 0, self._types[name])
+                table[name] = value_state(self.backend, descriptor)
         columns = [self.key_column] + [c for _, c in self.needed if c is not None]
         self._schema = pa.schema([schema.field(c) for c in dict.fromkeys(columns)])
         self._key_type = schema.field(self.key_column).type
         self._max_slots = max(1, _MAX_SLOT_STATES // len(self._types))
+
+    def _typed_columns(self) -> List[str]:
+        return [c for k, c in self.needed if c is not None and k != "n"]
 
     def _ensure_slot(self, slot: int) -> None:
         while len(self._tables) <= slot:
             index = len(self._tables)
             self._tables.append(
                 {
-                    name: self.backend.get_state(ValueStateDescriptor(f"window/{name}@{index}", 0, arrow_type))
+                    name: value_state(self.backend, ValueStateDescriptor(f"window/{name}@{index}", 0, arrow_type))
                     for name, arrow_type in self._types.items()
                 }
             )
@@ -914,6 +932,12 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
             self._make_accumulators(batch.schema)
         else:
             check_key_type(self.where(), self.key_column, self._key_type, batch)
+            schema = self._schema
+            assert schema is not None
+            if not all(batch.schema.field(f.name).type.equals(f.type) for f in schema):  # else: the fast path
+                widened = unified_schema(self.where(), schema, batch.schema, self._typed_columns())
+                if not widened.equals(schema):
+                    self._make_accumulators(widened)
         if self.assigner.is_event_time:
             assert self.timestamps is not None
             try:

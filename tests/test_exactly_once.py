@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import random
 from collections import Counter
-from typing import Any, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -78,8 +78,8 @@ class Count(pe.KeyedProcessFunction):
 
 
 class ChaosSink(pe.sinks.FileSink):
-    def __init__(self, path: str, chaos: Chaos) -> None:
-        super().__init__(path)
+    def __init__(self, path: str, chaos: Chaos, format: str = "jsonl") -> None:
+        super().__init__(path, format=format)
         self.chaos = chaos
 
     def commit(self, subtask: int, checkpoint_id: int) -> None:
@@ -346,3 +346,102 @@ def test_unaligned_under_backpressure_persists_output_in_flight_and_stays_exact(
     assert result.restarts == 1 and chaos.fired
     assert pairs(sink.read_committed()) == expected
     assert any(p > 0 for p in persisted), "no checkpoint had data in flight: the test did not test that"
+
+
+# -- the soak with a column of whole numbers that later holds fractions (issue #37) ------------------------
+
+# Whole prices first, then fractions of a power of two: every sum is exact in float64 whatever the
+# order of the additions, so the committed totals compare exactly with the plain computation.
+PRICED = [{"user": i % 13, "v": i, "price": i % 7 if i < N // 2 else i % 7 + 0.25 * (1 + i % 3)} for i in range(N)]
+
+
+class Hit:
+    """An identity map that is a failure point (``user``), one chaos for every subtask."""
+
+    def __init__(self, chaos: Chaos) -> None:
+        self.chaos = chaos
+
+    def __deepcopy__(self, memo: Any) -> Hit:
+        return Hit(self.chaos)
+
+    def __call__(self, r: Any) -> Any:
+        self.chaos.hit("user")
+        return r
+
+
+def priced_expected() -> Dict[int, Tuple[float, float, float, int]]:
+    out: Dict[int, List[float]] = {}
+    for r in PRICED:
+        out.setdefault(r["user"], []).append(r["price"])
+    return {u: (sum(p), max(p), min(p), len(p)) for u, p in out.items()}
+
+
+def run_priced(tmp_path, chaos: Chaos, *, backend: str, unaligned: bool, parallelism: int, tag: str) -> Any:
+    """Keyed aggregates over the prices into a parquet FileSink (failure points at its
+    commits), and the records themselves into another: both directories must read back
+    as one table (``pq.read_table``), the aggregates exact."""
+    env = pe.StreamEnvironment(
+        parallelism=parallelism,
+        checkpointing=pe.CheckpointConfig(interval_ms=5, unaligned=unaligned),
+        state_backend=backend,
+        checkpoint_storage=str(tmp_path / f"ckpt-{tag}"),
+        buffer_size=32,
+        buffer_timeout_ms=1,
+        restart_attempts=3,
+        channel_capacity=4,
+    )
+    totals = ChaosSink(str(tmp_path / f"totals-{tag}"), chaos, format="parquet")
+    rows = pe.sinks.FileSink(str(tmp_path / f"rows-{tag}"), format="parquet")
+    priced = env.from_collection(PRICED).map(Hit(chaos))
+    aggs = (pe.agg.sum("price"), pe.agg.max("price"), pe.agg.min("price"), pe.agg.count())
+    priced.key_by("user").aggregate(*aggs).uid("agg").sink_to(totals)
+    priced.rebalance().map(lambda r: r).sink_to(rows)
+    return env.execute(f"priced-{tag}")
+
+
+def check_priced(tmp_path, tag: str, where: str, rows: bool = True) -> None:
+    import pyarrow.parquet as pq
+
+    updates = pq.read_table(str(tmp_path / f"totals-{tag}")).to_pylist()  # fails on int64 and double parts
+    last: Dict[int, Dict[str, Any]] = {}
+    for u in updates:
+        if u["user"] not in last or u["_seq"] > last[u["user"]]["_seq"]:
+            last[u["user"]] = u
+    seqs = Counter((u["user"], u["_seq"]) for u in updates)
+    assert max(seqs.values()) == 1, f"{where}: an update committed twice"
+    got = {u: (r["sum_price"], r["max_price"], r["min_price"], r["count"]) for u, r in last.items()}
+    assert got == priced_expected(), where
+    if rows:
+        table = pq.read_table(str(tmp_path / f"rows-{tag}"))
+        assert table.schema.field("price").type == pa.float64(), where
+        got_rows = Counter((r["v"], r["price"]) for r in table.to_pylist())
+        assert got_rows == Counter((r["v"], r["price"]) for r in PRICED), where
+
+
+PRICED_SEEDS = int(os.environ.get("PYENGINE_PRICED_SEEDS", "8"))
+
+
+@pytest.mark.parametrize("seed", range(PRICED_SEEDS))
+def test_ints_then_floats_stay_exact_and_readable_across_failures(tmp_path, monkeypatch, seed) -> None:
+    point, backend, unaligned, _ = _case(seed)
+    at = random.Random(seed).randint(1, N if point == "user" else 3)
+    chaos = Chaos(point, at=at)
+    if point == "async":
+        _snapshot_chaos(
+            monkeypatch, chaos, IncrementalKeyedStateBackend if backend == "incremental" else HeapKeyedStateBackend
+        )
+    elif point == "notify":
+        _notify_chaos(monkeypatch, chaos)
+    parallelism = 1 + seed % 2
+    result = run_priced(tmp_path, chaos, backend=backend, unaligned=unaligned, parallelism=parallelism, tag=str(seed))
+    where = f"seed {seed}: failure at {point} #{at} (fired={chaos.fired}), {backend}, unaligned={unaligned}"
+    where += f", parallelism {parallelism}"
+    assert result.status == "FINISHED", f"{where}: {result.cause}"
+    assert chaos.fired and result.restarts >= 1, where
+    check_priced(tmp_path, str(seed), where)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(PRICED_SEEDS, PRICED_SEEDS + 100))
+def test_ints_then_floats_stay_exact_and_readable_across_failures_soak(tmp_path, monkeypatch, seed) -> None:
+    test_ints_then_floats_stay_exact_and_readable_across_failures(tmp_path, monkeypatch, seed)

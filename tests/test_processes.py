@@ -680,3 +680,38 @@ def test_more_workers_than_cores_is_warned_with_the_parallelism_that_fits(monkey
         assert e.execute("crowded").status == "FINISHED"
     warned = [r.getMessage() for r in caplog.records if "worker processes on 1 core" in r.getMessage()]
     assert len(warned) == 1 and "fastest at parallelism=1" in warned[0], caplog.text
+
+
+@pytest.mark.parametrize("seed", [1, pytest.param(0, marks=pytest.mark.slow)])
+def test_soak_ints_then_floats_stay_exact_and_readable(tmp_path, seed: int) -> None:
+    """The soak's column of whole numbers that later holds fractions (issue #37), on
+    worker processes: keyed aggregates and the records into parquet directories that
+    read back whole, exact across a killed worker (seed 0) and a user exception (1)."""
+    from test_exactly_once import PRICED, check_priced
+
+    rng = random.Random(100 + seed)
+    how = ("kill", "raise")[seed % 2]
+    backend = ("heap", "incremental")[seed % 2]
+    unaligned = rng.random() < 0.5
+    at = rng.randint(N // 8, N // 2)
+    tag = f"priced-{seed}"
+    e = env(
+        "processes",
+        checkpointing=pe.CheckpointConfig(interval_ms=10, unaligned=unaligned),
+        checkpoint_storage=str(tmp_path / f"ckpt-{tag}"),
+        state_backend=backend,
+        restart_attempts=3,
+        restart_delay_ms=0,
+        channel_capacity=4,
+    )
+    totals = pe.sinks.FileSink(str(tmp_path / f"totals-{tag}"), format="parquet")
+    rows = pe.sinks.FileSink(str(tmp_path / f"rows-{tag}"), format="parquet")
+    priced = e.from_collection(PRICED).map(FailOnce(str(tmp_path / f"fired-{tag}"), at, how))
+    aggs = (pe.agg.sum("price"), pe.agg.max("price"), pe.agg.min("price"), pe.agg.count())
+    priced.key_by("user").aggregate(*aggs).uid("agg").sink_to(totals)
+    priced.rebalance().map(lambda r: r).sink_to(rows)
+    result = e.execute(f"priced-{tag}")
+    where = f"seed {seed} ({how} at {at}, {backend}, unaligned={unaligned})"
+    assert result.status == "FINISHED", f"{where}: {result.cause}"
+    assert os.path.exists(tmp_path / f"fired-{tag}"), f"{where}: the failure was never injected"
+    check_priced(tmp_path, tag, where)

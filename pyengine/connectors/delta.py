@@ -163,7 +163,10 @@ class DeltaSink(Sink):
     The table's schema is the stream's: an existing table's, else ``schema`` (a
     ``pyarrow.Schema``), else the first records' (Arrow batches keep theirs; records
     as dicts are inferred, so declare ``schema`` for them). Records that do not fit
-    are refused (``RecordRejectedError``). ``storage_options`` go to ``deltalake``;
+    are refused (``RecordRejectedError``, naming the column and both types): a column
+    of whole numbers that later holds fractions is not widened, as ``FileSink`` widens
+    its part files, since the files a Delta commit names are typed by the table's
+    schema; declare ``schema`` with float64 for such a column. ``storage_options`` go to ``deltalake``;
     the data files are written through ``pyarrow.fs`` for the same URI, so both must
     reach the table (on Spark: from every executor)."""
 
@@ -509,10 +512,16 @@ class DeltaSink(Sink):
             return pa.schema([])
         for p, s in zip(pieces, schemas, strict=True):
             if not _same_columns(s, target):
+                changed = [
+                    f"{f.name!r} is {f.type} there and {target.field(f.name).type} in the table"
+                    for f in s
+                    if f.name in target.names and not target.field(f.name).type.equals(f.type)
+                ]
                 raise NonRetryableError(
                     f"DeltaSink {self.table_uri}: staged file {p.path} has columns ({_describe(s)}), the table "
-                    f"({_describe(target)}); records inferred differently in different pieces. Declare "
-                    "DeltaSink(..., schema=pyarrow.schema([...]))"
+                    f"({_describe(target)}){': ' + '; '.join(changed) if changed else ''}; records inferred "
+                    "differently in different pieces (whole numbers in one, fractions in another, say), and a "
+                    "Delta table's column has one type. Declare DeltaSink(..., schema=pyarrow.schema([...]))"
                 )
         return target
 

@@ -86,6 +86,19 @@ def not_a_table(where: str, records: Any, key_column: Any, exc: BaseException) -
                 f"{where}: the key column {key_column!r} holds keys of types {', '.join(kinds)} ({keys_exc}); "
                 + _one_key_type(key_column)
             )
+        names = dict.fromkeys(k for r in records for k in r)
+        for name in names:
+            values = [r.get(name) for r in records]
+            try:
+                pa.array(values)
+            except (TypeError, pa.ArrowException) as column_exc:
+                kinds = sorted({type(v).__name__ for v in values if v is not None})
+                return AggregateInputError(
+                    f"{where}: the records are not a table: the column {name!r} holds values of types "
+                    f"{', '.join(kinds)}, which Arrow cannot make one type ({column_exc}); "
+                    "give the column one type before the aggregate, e.g. "
+                    f".map(lambda r: {{**r, {name!r}: float(r[{name!r}])}})"
+                )
     return AggregateInputError(f"{where}: the records are not a table: {exc}")
 
 
@@ -165,6 +178,69 @@ def check_aggregate(
                 raise AggregateInputError(f"{where} needs a numeric column, got {t}")
 
 
+def accumulator_type(where: str, kind: str, column: Optional[str], t: pa.DataType) -> pa.DataType:
+    """The type of a ``kind`` accumulator over a column of type ``t``: int64 for whole
+    numbers (and for a column seen only as nulls so far: it widens when values come),
+    float64 for fractions."""
+    if kind in ("rows", "n") or pa.types.is_null(t) or pa.types.is_integer(t) or pa.types.is_boolean(t):
+        return pa.int64()
+    if pa.types.is_floating(t) or pa.types.is_decimal(t):
+        return pa.float64()
+    raise AggregateInputError(f"{where}: pe.agg.{kind}({column!r}) needs a numeric column, got {t}")
+
+
+def unified_schema(where: str, schema: pa.Schema, found: pa.Schema, typed: Sequence[str]) -> pa.Schema:
+    """``schema`` (the columns an aggregate has seen) widened to take ``found`` (a new
+    buffer's), as Arrow unifies types (``promote_options="permissive"``: int64 and
+    float64 make float64; a type is never narrowed). Whole numbers and booleans share
+    their int64 accumulators, as before. A column in ``typed`` (summed, compared,
+    averaged) whose two types do not unify is an ``AggregateInputError`` naming the
+    column and both types: a replay would fail the same way."""
+    fields = []
+    for field in schema:
+        name = field.name
+        t = found.field(name).type if name in found.names else field.type
+        if t.equals(field.type):
+            fields.append(field)
+            continue
+        try:
+            merged = pa.unify_schemas(
+                [pa.schema([field]), pa.schema([pa.field(name, t)])], promote_options="permissive"
+            ).field(name)
+        except (pa.ArrowException, TypeError) as exc:
+            kinds = {accumulator_type(where, "sum", name, u) for u in (field.type, t) if _numeric(u)}
+            if name not in typed or (len(kinds) == 1 and _numeric(t) and _numeric(field.type)):
+                merged = field  # counted only, or booleans among whole numbers: nothing to widen
+            else:
+                raise AggregateInputError(
+                    f"{where}: the column {name!r} was {field.type} and is now {t}, and Arrow cannot make them one "
+                    f"type ({exc}); give the column one type before the aggregate, e.g. "
+                    f".map(lambda r: {{**r, {name!r}: float(r[{name!r}])}})"
+                ) from None
+        fields.append(merged)
+    return pa.schema(fields)
+
+
+def value_state(backend: Any, descriptor: ValueStateDescriptor[Any]) -> Any:
+    """``backend.get_state(descriptor)``, converting what it holds when that is of
+    another type: a restore can bring one state as int64 from a subtask that saw whole
+    numbers only and as float64 from one that saw fractions."""
+    table = backend._tables.get(descriptor.name)
+    assert descriptor.type is not None
+    if table is not None:
+        dtype = getattr(table, "dtype", None)
+        if dtype is not None:
+            stale = dtype != np.dtype(descriptor.type.to_pandas_dtype())
+        else:  # dict storage: keys of other types, or a restored chain across a type change
+            want = float if pa.types.is_floating(descriptor.type) else int
+            stale = any(type(v) is not want for group in table.groups for v in group.values()) or all(
+                type(k) is int for group in table.groups for k in group
+            )  # ints where floats belong, or int keys that columns take again
+        if stale:
+            return backend.retype_value_state(descriptor)
+    return backend.get_state(descriptor)
+
+
 def needed_accumulators(aggregations: Sequence[Aggregation]) -> List[Tuple[str, Optional[str]]]:
     """(kind, column) of every accumulator the aggregations need, each once; a row
     count or n(column) comes first (every key seen has an entry there). Shared by the
@@ -199,7 +275,9 @@ class AggregateOperator(KeyedOperator):
         # float64), or at restore from the schema kept in operator state
         self._acc: Dict[str, Tuple[str, Optional[str], Any]] = {}
         self._types: Dict[str, pa.DataType] = {}
-        self._schema: Optional[pa.Schema] = None  # the key and aggregated columns of the input
+        # the key and aggregated columns of the input, each of the widest type seen so far
+        self._schema: Optional[pa.Schema] = None
+        self._typed: List[str] = []  # the columns summed, compared or averaged
         self._emitted = False  # emit="final": the final rows went out
         self._batches = 0  # emit="updates": output batches so far, the _seq of the last one
         self._progress: Any = None
@@ -214,9 +292,13 @@ class AggregateOperator(KeyedOperator):
         # Every subtask sees the end of input before the same barrier, so the flags agree.
         self._emitted = any(bool(e[0]) for e in entries)
         self._batches = max((int(e[2]) for e in entries if len(e) > 2), default=0)
-        schemas = [e[1] for e in entries if e[1]]
+        schemas = [pa.ipc.read_schema(pa.py_buffer(e[1])) for e in entries if e[1]]
         if schemas:
-            self._make_states(pa.ipc.read_schema(pa.py_buffer(schemas[0])))
+            # every subtask's columns as one: one that saw fractions widens the others' states
+            schema = schemas[0]
+            for other in schemas[1:]:
+                schema = unified_schema(self.where(), schema, other, self._typed_columns())
+            self._make_states(schema)
 
     def snapshot(self, checkpoint_id: int, location: Any) -> Any:
         schema = self._schema.serialize().to_pybytes() if self._schema is not None else b""
@@ -226,26 +308,24 @@ class AggregateOperator(KeyedOperator):
     # -- accumulators ------------------------------------------------------------------------
 
     def _make_states(self, schema: pa.Schema) -> None:
+        """The accumulators for the columns' types in ``schema``; called again when a
+        column widens (whole numbers, then fractions), which converts the int64
+        accumulators of that column to float64 in place (``retype_value_state``)."""
         for kind, column in needed_accumulators(self.aggregations):
-            if kind in ("rows", "n"):
-                arrow_type: pa.DataType = pa.int64()
-            else:
-                assert column is not None
-                t = schema.field(column).type
-                if pa.types.is_integer(t) or pa.types.is_boolean(t):
-                    arrow_type = pa.int64()
-                elif pa.types.is_floating(t) or pa.types.is_decimal(t):
-                    arrow_type = pa.float64()
-                else:
-                    raise AggregateInputError(
-                        f"{self.where()}: pe.agg.{kind}({column!r}) needs a numeric column, got {t}"
-                    )
+            t = schema.field(column).type if column is not None else pa.int64()
+            arrow_type = accumulator_type(self.where(), kind, column, t)
             name = f"{kind}({column})" if column is not None else "count(*)"
+            if name in self._types and self._types[name].equals(arrow_type):
+                continue
             descriptor = ValueStateDescriptor(name, 0, arrow_type)
-            self._acc[name] = (kind, column, self.backend.get_state(descriptor))
+            self._acc[name] = (kind, column, value_state(self.backend, descriptor))
             self._types[name] = arrow_type
         columns = [self.key_column] + [a.column for a in self.aggregations if a.column is not None]
         self._schema = pa.schema([schema.field(c) for c in dict.fromkeys(columns)])
+        self._typed = self._typed_columns()
+
+    def _typed_columns(self) -> List[str]:
+        return [c for k, c in needed_accumulators(self.aggregations) if c is not None and k != "n"]
 
     # -- processing ----------------------------------------------------------------------
 
@@ -268,6 +348,11 @@ class AggregateOperator(KeyedOperator):
         else:
             assert self._schema is not None
             check_key_type(self.where(), self.key_column, self._schema.field(self.key_column).type, batch)
+            schema = self._schema
+            if not all(batch.schema.field(f.name).type.equals(f.type) for f in schema):  # else: the fast path
+                widened = unified_schema(self.where(), schema, batch.schema, self._typed)
+                if not widened.equals(schema):
+                    self._make_states(widened)
         spec: List[Tuple[Any, str]] = [([], "count_all")]
         for kind, column, _ in self._acc.values():
             if column is not None:

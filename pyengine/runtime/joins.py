@@ -348,7 +348,9 @@ class _ArrowJoinBase(_LateCounting):
             groups = self._key_groups(batch.column(self.keys[side]))
             mine = batch.filter(pa.array((groups >= r.start) & (groups <= r.end)))
             if mine.num_rows:
-                self._schemas[side] = mine.schema
+                mine = self._fit(mine, int(side))  # subtasks that saw other types: one type per column
+                if self._schemas[side] is None:
+                    self._schemas[side] = mine.schema
                 self._buckets.setdefault((int(bucket), int(side)), []).append(mine)
 
     def _key_groups(self, keys: pa.Array) -> np.ndarray:
@@ -390,7 +392,42 @@ class _ArrowJoinBase(_LateCounting):
             raise NonRetryableError(f"{self.where()}: the {('left', 'right')[side]} key column {key!r} has nulls")
         kept = batch.select(wanted)
         kept = kept.append_column(_TS, pa.array(ts, pa.int64()))
-        return kept, ts
+        return self._fit(kept, side), ts
+
+    def _fit(self, batch: pa.RecordBatch, side: int) -> pa.RecordBatch:
+        """``batch`` with the column types of the rows waiting on its side, unified as
+        Arrow unifies types (``promote_options="permissive"``: int64 and float64 make
+        float64, never narrower): where ``batch`` needs a wider type, the waiting rows
+        are widened first (whole numbers, then fractions), so the side's rows make one
+        table and the output one type per column. Types Arrow cannot unify fail the
+        job, naming the column and both."""
+        known = self._schemas[side]
+        if known is None:
+            return batch
+        shared = [f for f in batch.schema if f.name in known.names]
+        if all(known.field(f.name).type.equals(f.type) for f in shared):
+            return batch  # the usual case
+        types: Dict[str, pa.DataType] = {}
+        for f in shared:
+            k = known.field(f.name)
+            if k.type.equals(f.type):
+                continue
+            try:
+                unified = pa.unify_schemas([pa.schema([k]), pa.schema([f])], promote_options="permissive")
+            except (pa.ArrowException, TypeError) as exc:
+                raise NonRetryableError(
+                    f"{self.where()}: the {('left', 'right')[side]} column {f.name!r} was {k.type} and is now "
+                    f"{f.type}, and Arrow cannot make them one type ({exc}); give the column one type before the join"
+                ) from None
+            types[f.name] = unified.field(f.name).type
+        wider = {n: t for n, t in types.items() if not t.equals(known.field(n).type)}
+        if wider:
+            for where, batches in self._buckets.items():
+                if where[1] == side:
+                    self._buckets[where] = [_cast_columns(b, wider) for b in batches]
+            self._schemas[side] = _cast_columns(known.empty_table(), wider).schema
+            self._plan = None  # the output's columns widen too
+        return _cast_columns(batch, types)
 
     def _output_plan(self) -> Tuple[List[str], List[str], pa.Schema]:
         if self._plan is None:
@@ -433,6 +470,16 @@ class _ArrowJoinBase(_LateCounting):
         arrays += [extra[n] for n in schema.names[len(arrays) :]]
         table = pa.Table.from_arrays(arrays, schema=schema)
         return table.combine_chunks().to_batches()[0] if table.num_rows else pa.RecordBatch.from_pylist([], schema)
+
+
+def _cast_columns(batch: Any, types: Dict[str, pa.DataType]) -> Any:
+    """``batch`` (a record batch or table) with the columns named in ``types`` cast to
+    them (widening casts only: safe)."""
+    if not types:
+        return batch
+    fields = [pa.field(f.name, types.get(f.name, f.type), f.nullable, f.metadata) for f in batch.schema]
+    columns = [c.cast(t.type, safe=True) if t.name in types else c for c, t in zip(batch.columns, fields, strict=True)]
+    return type(batch).from_arrays(columns, schema=pa.schema(fields, metadata=batch.schema.metadata))
 
 
 def _min_max(column: pa.Array) -> Tuple[int, int]:

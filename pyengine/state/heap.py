@@ -1683,6 +1683,73 @@ class HeapKeyedStateBackend(_CurrentKey):
         self._states[descriptor.name] = state
         return state
 
+    def retype_value_state(self, descriptor: ValueStateDescriptor[Any]) -> Any:
+        """The value state ``descriptor`` names, with every stored entry converted to the
+        descriptor's (wider) type: ``pe.agg.sum`` over a column of whole numbers that now
+        holds fractions keeps its sums as int64 no longer but as float64, under the same
+        name, so what a reader or a restore finds stays where it was. Columnar storage
+        stays columnar (a restored chain across the type change, held as dicts, becomes
+        columns again where its keys allow). Values are converted as Arrow casts them
+        (``safe``): a conversion that would change a value raises ``StateTypeError``.
+        An unfinished snapshot keeps the entries it froze."""
+        from .columnar import ColumnarValueTable, columnar_dtype
+
+        name = descriptor.name
+        if descriptor.kind != "value" or getattr(descriptor, "ttl", None) is not None:
+            raise TypeError(f"retype_value_state takes a value state descriptor without a TTL, got {descriptor!r}")
+        old = self._tables.get(name)
+        self._states.pop(name, None)
+        if old is None:
+            return self.get_state(descriptor)
+        arrow_type = descriptor.type
+        dtype = columnar_dtype(descriptor) if self._columnar else None
+        # an incremental backend's change log: the keys written or removed since its last take
+        changed: Optional[List[Set[Any]]] = None
+        if isinstance(old, ColumnarValueTable):
+            parts = [group.arrays() for group in old.groups]
+            changed = old.pending_key_sets() if old.tracking else None
+        else:
+            parts = [(list(group), list(group.values())) for group in old.groups]
+            changed = old.changes
+
+        def converted(values: Any) -> pa.Array:
+            try:
+                return pa.array(values).cast(arrow_type, safe=True) if arrow_type is not None else pa.array(values)
+            except (pa.ArrowException, TypeError, ValueError) as exc:
+                raise StateTypeError(f"value state {name!r} cannot hold its values as {arrow_type}: {exc}") from None
+
+        int_keys = all(
+            isinstance(keys, np.ndarray) or all(type(k) is int and -(1 << 63) <= k < (1 << 63) for k in keys)
+            for keys, _ in parts
+        )
+        new: Any
+        if dtype is not None and int_keys:
+            new = ColumnarValueTable(descriptor, len(self.key_group_range), dtype)
+            if changed is not None:
+                new.track_changes()  # every entry is written anew, in the new type
+            for index, (group, (keys, values)) in enumerate(zip(new.groups, parts, strict=True)):
+                if len(keys):
+                    group.put_many(np.asarray(keys, np.int64), converted(values).to_numpy(zero_copy_only=False))
+                for key in changed[index] if changed is not None else ():
+                    if not group.contains(key):  # removed since the last take: logged as removed again
+                        group.put(key, 0)
+                        group.remove(key)
+        else:
+            new = StateTable(descriptor, len(self.key_group_range))
+            for group, (keys, values) in zip(new.groups, parts, strict=True):
+                if len(keys):
+                    keys = keys.tolist() if isinstance(keys, np.ndarray) else keys
+                    group.update(zip(keys, converted(values).to_pylist(), strict=True))
+            if changed is not None:
+                new.changes = [set(c) | set(g) for c, g in zip(changed, new.groups, strict=True)]
+        self._tables[name] = new
+        self._retyped(name)
+        return self.get_state(descriptor)
+
+    def _retyped(self, name: str) -> None:
+        """Called when ``retype_value_state`` replaced a state's table (see the
+        incremental backend: the next snapshot writes it whole)."""
+
     def _check_room(self, descriptor: StateDescriptor) -> None:
         """Refuses a new state that one keyed state file could not hold (more than
         32767 states, or past 128 states more than 128 distinct storage types:

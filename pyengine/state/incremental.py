@@ -110,6 +110,13 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
         self._track(table)
         return table
 
+    def _retyped(self, name: str) -> None:
+        """A state changed type: the next snapshots are full until one completes as the
+        new base, so no delta of the new type builds on a base of the old (and no
+        removal logged by the replaced table is lost)."""
+        self._track(self._tables[name])
+        self._materialising = True
+
     def snapshot(self, checkpoint_id: int, location: CheckpointStorageLocation) -> IncrementalSnapshot:
         """Synchronous part: freezes state (copy-on-write) and takes the change log;
         the asynchronous part writes a delta on the last completed chain, or a full base."""
