@@ -393,6 +393,18 @@ def test_aborting_a_pending_savepoint_as_subsumed_is_an_illegal_state(make, tmp_
     assert savepoint.result(0).type == "savepoint"
 
 
+def test_a_tasks_decline_of_a_savepoint_as_subsumed_is_a_declined_subsumption(make, tmp_path) -> None:
+    """A task's decline names its reason (a remote task's comes by name): CHECKPOINT_SUBSUMED
+    from a task fails the savepoint as CHECKPOINT_DECLINED_SUBSUMED, not with an error in
+    the message handler, and not as the subsumption only the coordinator does."""
+    coordinator, gateway, _timers, _storage = make()
+    savepoint = coordinator.trigger_savepoint(str(tmp_path / "sp"))
+    subsumed = CheckpointException(CheckpointFailureReason.CHECKPOINT_SUBSUMED)
+    coordinator.receive_decline_message(1, TASKS[0], subsumed)
+    assert reason_of(savepoint) is CheckpointFailureReason.CHECKPOINT_DECLINED_SUBSUMED
+    assert coordinator.pending_checkpoints == {} and gateway.aborted == [1] and gateway.failures == []
+
+
 # -- forged acknowledgements: only the job's own files are deleted ------------------------------
 
 

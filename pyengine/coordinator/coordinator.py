@@ -674,6 +674,10 @@ class CheckpointCoordinator:
             reason = CheckpointFailureReason.CHECKPOINT_DECLINED
             if isinstance(cause, CheckpointException):
                 reason = cause.reason
+            if pending.is_savepoint and reason is CheckpointFailureReason.CHECKPOINT_SUBSUMED:
+                # Only the coordinator subsumes, and never a savepoint: a task (a remote one
+                # names its reason) saying so means a newer barrier overtook the savepoint's.
+                reason = CheckpointFailureReason.CHECKPOINT_DECLINED_SUBSUMED
             detail = f"declined by {task}" + (f": {cause}" if cause is not None else "")
             self._abort(pending, CheckpointException(reason, detail))
 
