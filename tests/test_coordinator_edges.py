@@ -17,6 +17,7 @@ from pyengine.coordinator import (
     CheckpointCoordinator,
     CheckpointException,
     ExecutionAttempt,
+    IllegalCheckpointStateError,
     ManualTimerService,
     TaskStateSnapshot,
 )
@@ -278,6 +279,130 @@ def test_aborting_as_subsumed_leaves_savepoints(make, tmp_path) -> None:
     assert list(coordinator.pending_checkpoints) == [2] and not savepoint.done()
     ack_all(coordinator, 2)
     assert savepoint.result(0).type == "savepoint"
+
+
+# -- Flink's CheckpointCoordinatorTest scenarios (issue 37) ----------------------------------
+
+
+@pytest.mark.parametrize("how", ["declined", "expired"])
+def test_a_failed_savepoint_discards_what_its_tasks_acknowledged(make, tmp_path, how) -> None:
+    """As Flink's testAbortDiscardsState for a savepoint: what a task acknowledged goes
+    (its files in the job's chk-<n>/ and shared/), and so does the savepoint-<run>-<n>
+    directory made for it in the target, which would look like a savepoint."""
+    coordinator, gateway, timers, storage = make(timeout_ms=10)
+    target = tmp_path / "sp"
+    savepoint = coordinator.trigger_savepoint(str(target))
+    own = _file(tmp_path / "ckpt" / "job" / "chk-1" / "state")
+    delta = _file(tmp_path / "ckpt" / "job" / "shared" / "delta-1")
+    assert coordinator.receive_acknowledge_message(1, TASKS[0], _forged(own, delta)) is AckResult.SUCCESS
+    if how == "declined":
+        coordinator.receive_decline_message(1, TASKS[1], RuntimeError("snapshot failed"))
+        assert reason_of(savepoint) is CheckpointFailureReason.CHECKPOINT_DECLINED
+    else:
+        timers.advance(10)
+        assert reason_of(savepoint) is CheckpointFailureReason.CHECKPOINT_EXPIRED
+    assert not _exists(own) and not _exists(delta)
+    assert storage.fs.get_file_info(storage.checkpoint_dir(1)).type.name == "NotFound"
+    assert sorted(p.name for p in target.iterdir()) == [], "the failed savepoint left its directory"
+    assert gateway.aborted == [1] and gateway.failures == []  # a savepoint's failure is not counted
+    again = coordinator.trigger_savepoint(str(target))  # the target still takes savepoints
+    ack_all(coordinator, 2)
+    assert again.result(0).type == "savepoint"
+    assert [p.name for p in target.iterdir()] == ["savepoint-job-2"]
+
+
+def test_a_failed_savepoint_leaves_other_files_in_its_directory(make, tmp_path) -> None:
+    """The savepoint's directory goes only when empty: never a file this savepoint did not write."""
+    coordinator, _gateway, _timers, _storage = make()
+    savepoint = coordinator.trigger_savepoint(str(tmp_path / "sp"))
+    foreign = _file(tmp_path / "sp" / "savepoint-job-1" / "notes.txt")
+    coordinator.receive_decline_message(1, TASKS[0], RuntimeError("snapshot failed"))
+    assert reason_of(savepoint) is CheckpointFailureReason.CHECKPOINT_DECLINED
+    assert _exists(foreign)
+    assert not (tmp_path / "sp" / "savepoint-job-1" / "chk-1").exists()
+
+
+def test_queued_requests_at_shutdown_fail_as_coordinator_shutdown(make, tmp_path) -> None:
+    """As Flink's testTriggerCheckpointWithShuttingDownCoordinator: a periodic request
+    queued when the coordinator shuts down fails for the shutdown, not for the scheduler
+    stopping on the way; so do queued manual requests and the pending checkpoint."""
+    coordinator, gateway, timers, _storage = make(interval_ms=100, max_concurrent=1)
+    coordinator.start_checkpoint_scheduler()
+    timers.advance(101)
+    assert gateway.ids == [1]
+    timers.advance(100)  # the next tick queues behind checkpoint 1
+    manual = coordinator.trigger_checkpoint()
+    periodic = coordinator._queue[0].future
+    assert coordinator._queue[0].periodic and coordinator.num_queued_requests == 2
+    pending = coordinator.pending_checkpoints[1].future
+    coordinator.shutdown()
+    for future in (periodic, manual, pending):
+        assert reason_of(future) is CheckpointFailureReason.CHECKPOINT_COORDINATOR_SHUTDOWN
+    assert coordinator.num_queued_requests == 0 and gateway.ids == [1] and gateway.failures == []
+    assert reason_of(coordinator.trigger_checkpoint()) is CheckpointFailureReason.CHECKPOINT_COORDINATOR_SHUTDOWN
+
+
+def _stopping_while_starting(coordinator: CheckpointCoordinator, storage: Any, stop: Any) -> None:
+    """Creating the location stops the coordinator's scheduler (or shuts it down) while
+    the request is running, as Flink's testTriggerCheckpointAfterCancel does from its
+    checkpoint id counter."""
+    location = storage.location
+
+    def stopping(checkpoint_id: int) -> Any:
+        made = location(checkpoint_id)
+        stop(coordinator)
+        return made
+
+    storage.location = stopping
+
+
+@pytest.mark.parametrize("abort_pending", [True, False])
+def test_a_periodic_request_running_when_the_scheduler_stops_fails(make, abort_pending) -> None:
+    coordinator, gateway, _timers, storage = make(interval_ms=100)
+    coordinator.start_checkpoint_scheduler()
+    _stopping_while_starting(coordinator, storage, lambda c: c.stop_checkpoint_scheduler(abort_pending))
+    future = coordinator.trigger_checkpoint(periodic=True)
+    assert reason_of(future) is CheckpointFailureReason.PERIODIC_SCHEDULER_SHUTDOWN
+    assert gateway.ids == [] and coordinator.pending_checkpoints == {}
+    assert storage.fs.get_file_info(storage.checkpoint_dir(1)).type.name == "NotFound"
+    assert gateway.failures == []
+    manual = coordinator.trigger_checkpoint()  # not the scheduler's: it goes on
+    ack_all(coordinator, 2)
+    assert manual.result(0).checkpoint_id == 2
+
+
+def test_a_request_running_when_the_coordinator_shuts_down_fails(make, tmp_path) -> None:
+    coordinator, gateway, _timers, storage = make()
+    _stopping_while_starting(coordinator, storage, lambda c: c.shutdown())
+    future = coordinator.trigger_checkpoint()
+    assert reason_of(future) is CheckpointFailureReason.CHECKPOINT_COORDINATOR_SHUTDOWN
+    assert gateway.ids == [] and coordinator.pending_checkpoints == {}
+    assert storage.fs.get_file_info(storage.checkpoint_dir(1)).type.name == "NotFound"
+
+
+def test_aborting_a_pending_savepoint_as_subsumed_is_an_illegal_state(make, tmp_path) -> None:
+    """As Flink's PendingCheckpoint.abort: a savepoint is never subsumed, so being asked to
+    is a bug; refused, and the savepoint stays pending and completes."""
+    coordinator, gateway, _timers, _storage = make()
+    savepoint = coordinator.trigger_savepoint(str(tmp_path / "sp"))
+    pending = coordinator.pending_checkpoints[1]
+    with pytest.raises(IllegalCheckpointStateError, match=r"savepoint 1 .*never subsumed"):
+        coordinator._abort(pending, CheckpointException(CheckpointFailureReason.CHECKPOINT_SUBSUMED))
+    assert coordinator.pending_checkpoints == {1: pending} and not savepoint.done() and gateway.aborted == []
+    ack_all(coordinator, 1)
+    assert savepoint.result(0).type == "savepoint"
+
+
+def test_a_tasks_decline_of_a_savepoint_as_subsumed_is_a_declined_subsumption(make, tmp_path) -> None:
+    """A task's decline names its reason (a remote task's comes by name): CHECKPOINT_SUBSUMED
+    from a task fails the savepoint as CHECKPOINT_DECLINED_SUBSUMED, not with an error in
+    the message handler, and not as the subsumption only the coordinator does."""
+    coordinator, gateway, _timers, _storage = make()
+    savepoint = coordinator.trigger_savepoint(str(tmp_path / "sp"))
+    subsumed = CheckpointException(CheckpointFailureReason.CHECKPOINT_SUBSUMED)
+    coordinator.receive_decline_message(1, TASKS[0], subsumed)
+    assert reason_of(savepoint) is CheckpointFailureReason.CHECKPOINT_DECLINED_SUBSUMED
+    assert coordinator.pending_checkpoints == {} and gateway.aborted == [1] and gateway.failures == []
 
 
 # -- forged acknowledgements: only the job's own files are deleted ------------------------------

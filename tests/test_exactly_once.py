@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from collections import Counter
 from typing import Any, Dict, List, Tuple
 
@@ -72,6 +73,10 @@ class Count(pe.KeyedProcessFunction):
 
     def process_element(self, value: Any, ctx: Any) -> Any:
         self.chaos.hit("user")
+        if value["v"] % 32 == 0:
+            # A run long enough for a few checkpoints before its final one (the last since no
+            # checkpoint starts after it): a failure at the third commit or snapshot happens.
+            time.sleep(0.001)
         n = self.count.value() + 1
         self.count.update(n)
         yield {"user": ctx.current_key, "n": n, "v": value["v"]}

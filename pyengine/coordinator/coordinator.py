@@ -37,6 +37,7 @@ __all__ = [
     "CheckpointCoordinator",
     "CheckpointException",
     "ExecutionAttempt",
+    "IllegalCheckpointStateError",
     "JobGateway",
     "PendingCheckpoint",
     "TaskStateSnapshot",
@@ -77,6 +78,11 @@ _NOT_COUNTED = {
 MAX_QUEUED_REQUESTS = 1000
 BACKLOG_POLL_MS = 200  # how often a backlog without checkpoints is asked whether it is over
 RECENT_EXPIRED = 16  # as Flink's NUM_GHOST_CHECKPOINT_IDS
+
+
+class IllegalCheckpointStateError(RuntimeError):
+    """The coordinator was asked to do what its rules never allow (Flink's
+    ``IllegalStateException``): a bug in the caller, not a failed checkpoint."""
 
 
 class CheckpointException(Exception):
@@ -538,9 +544,19 @@ class CheckpointCoordinator:
     def _num_pending_checkpoints(self) -> int:
         return sum(1 for p in self._pending.values() if not p.is_savepoint)
 
-    def _start(self, request: _Request) -> None:
+    def _stopped_reason(self, request: _Request) -> Optional[CheckpointFailureReason]:
+        """Why ``request`` may no longer start, if it may not: the coordinator shut down,
+        or (a periodic request) the periodic scheduler stopped."""
+        if self._shutdown:
+            return CheckpointFailureReason.CHECKPOINT_COORDINATOR_SHUTDOWN
         if request.periodic and not self._periodic:
-            request.future.set_exception(CheckpointException(CheckpointFailureReason.PERIODIC_SCHEDULER_SHUTDOWN))
+            return CheckpointFailureReason.PERIODIC_SCHEDULER_SHUTDOWN
+        return None
+
+    def _start(self, request: _Request) -> None:
+        stopped = self._stopped_reason(request)
+        if stopped is not None:
+            request.future.set_exception(CheckpointException(stopped))
             return
         if not self.gateway.all_running():
             request.future.set_exception(CheckpointException(CheckpointFailureReason.NOT_ALL_REQUIRED_TASKS_RUNNING))
@@ -563,6 +579,15 @@ class CheckpointCoordinator:
             self.stats.report_failed(checkpoint_id, now, str(cause))
             request.future.set_exception(cause)
             self._count_failure(cause, savepoint)
+            return
+        # Re-checked now that the location exists (Flink's createPendingCheckpoint checks
+        # again after the id and the location): a gateway or storage call above may have
+        # shut the coordinator down or stopped the periodic scheduler, and a request still
+        # running then must not start a checkpoint nobody will end.
+        stopped = self._stopped_reason(request)
+        if stopped is not None:
+            self._dispose_location(location, storage, checkpoint_id)
+            request.future.set_exception(CheckpointException(stopped))
             return
         pending = PendingCheckpoint(
             checkpoint_id, now, request.checkpoint_type, self.gateway.tasks_to_ack(), location, storage
@@ -649,6 +674,10 @@ class CheckpointCoordinator:
             reason = CheckpointFailureReason.CHECKPOINT_DECLINED
             if isinstance(cause, CheckpointException):
                 reason = cause.reason
+            if pending.is_savepoint and reason is CheckpointFailureReason.CHECKPOINT_SUBSUMED:
+                # Only the coordinator subsumes, and never a savepoint: a task (a remote one
+                # names its reason) saying so means a newer barrier overtook the savepoint's.
+                reason = CheckpointFailureReason.CHECKPOINT_DECLINED_SUBSUMED
             detail = f"declined by {task}" + (f": {cause}" if cause is not None else "")
             self._abort(pending, CheckpointException(reason, detail))
 
@@ -870,7 +899,18 @@ class CheckpointCoordinator:
         )
 
     def _abort(self, pending: PendingCheckpoint, cause: CheckpointException) -> None:
+        """Ends a pending checkpoint as failed: deletes what its tasks acknowledged and
+        its location, notifies the tasks, fails its future. A savepoint aborted as
+        CHECKPOINT_SUBSUMED is refused (``IllegalCheckpointStateError``), changing nothing:
+        savepoints are never subsumed, so the caller has a bug (Flink's
+        ``PendingCheckpoint.abort`` says the same)."""
         checkpoint_id = pending.checkpoint_id
+        if pending.is_savepoint and cause.reason is CheckpointFailureReason.CHECKPOINT_SUBSUMED:
+            raise IllegalCheckpointStateError(
+                f"savepoint {checkpoint_id} cannot be aborted as {cause.reason.name}: savepoints are never "
+                "subsumed. Subsume checkpoints only (abort_pending_checkpoints(CHECKPOINT_SUBSUMED) leaves "
+                "savepoints pending), or abort the savepoint with the reason it failed for"
+            )
         if self._pending.pop(checkpoint_id, None) is None:
             return
         pending.disposed = True
@@ -879,12 +919,7 @@ class CheckpointCoordinator:
         self._recent.append(checkpoint_id)
         self.store.registry.release_pending(checkpoint_id)
         self._discard(pending.handles(), checkpoint_id)
-        try:
-            pending.location.dispose()
-            if pending.storage is not self.storage:  # a savepoint's tasks wrote into the job's directory
-                self.storage.delete_dir(self.storage.checkpoint_dir(checkpoint_id))
-        except OSError as exc:
-            log.warning("could not delete the location of failed checkpoint %s: %s", checkpoint_id, exc)
+        self._dispose_location(pending.location, pending.storage, checkpoint_id)
         self.stats.report_failed(checkpoint_id, self.timers.now_ms(), str(cause))
         for task in self.gateway.tasks_to_ack():
             self.gateway.notify_aborted(task, checkpoint_id)
@@ -892,6 +927,23 @@ class CheckpointCoordinator:
         self._count_failure(cause, pending.is_savepoint)
         if not self._shutdown:
             self._execute_queued()
+
+    def _dispose_location(
+        self, location: CheckpointStorageLocation, storage: CheckpointStorage, checkpoint_id: int
+    ) -> None:
+        """Deletes what a checkpoint that will not complete wrote where it was going:
+        its ``chk-<n>``; for a savepoint also the job directory's ``chk-<n>`` (its tasks
+        write there) and the ``savepoint-<run>-<n>`` directory made for it in the target,
+        so a failed savepoint leaves nothing that looks like one - that directory only
+        once it holds no file, so nothing else written there is ever deleted."""
+        try:
+            location.dispose()
+            if storage is not self.storage:
+                self.storage.delete_dir(self.storage.checkpoint_dir(checkpoint_id))
+                if not storage.list_files():
+                    storage.delete_dir(storage.root)
+        except OSError as exc:
+            log.warning("could not delete the location of failed checkpoint %s: %s", checkpoint_id, exc)
 
     def _count_failure(self, cause: CheckpointException, savepoint: bool) -> None:
         """Counts a failed checkpoint against ``tolerable_failures``; past it, the job fails."""
@@ -997,13 +1049,14 @@ class CheckpointCoordinator:
         return len(self._queue)
 
     def shutdown(self) -> None:
+        """Stops for good: every queued request and pending checkpoint fails with
+        CHECKPOINT_COORDINATOR_SHUTDOWN - periodic requests too, failed before the
+        scheduler stops (which would say PERIODIC_SCHEDULER_SHUTDOWN), as in Flink, so
+        a caller sees the reason that holds."""
         with self._lock:
-            self.stop_checkpoint_scheduler(abort_pending=False)
             self._shutdown = True
+            self._fail_queued(lambda r: True, CheckpointFailureReason.CHECKPOINT_COORDINATOR_SHUTDOWN)
+            self.stop_checkpoint_scheduler(abort_pending=False)
             self.abort_pending_checkpoints(CheckpointFailureReason.CHECKPOINT_COORDINATOR_SHUTDOWN)
-            while self._queue:
-                self._queue.popleft().future.set_exception(
-                    CheckpointException(CheckpointFailureReason.CHECKPOINT_COORDINATOR_SHUTDOWN)
-                )
             if self._pause_timer is not None:
                 self._pause_timer.cancel()

@@ -768,9 +768,17 @@ class LocalRunner:
 
     def _final_checkpoint(self) -> bool:
         """At the end of bounded input: one more checkpoint, so sinks commit what
-        the last records produced before the job ends."""
+        the last records produced before the job ends.
+
+        The periodic scheduler stops first, so the final checkpoint is the job's last:
+        a periodic one that started after it (a tick between its completion and the
+        scheduler's stop) completed once the tasks had ended, and its notification,
+        reaching no running task, committed nothing - a completed checkpoint without
+        its commit (a DeltaSink's table one version short of the job's checkpoints).
+        Checkpoints already pending go on: they complete before it, or it subsumes them."""
         coordinator = self.coordinator
         assert coordinator is not None
+        coordinator.stop_checkpoint_scheduler(abort_pending=False)
         while self._failure is None:
             future = coordinator.trigger_checkpoint(aligned=True)  # see trigger_checkpoint
             # The coordinator expires the checkpoint at its timeout; a task failing meanwhile
