@@ -33,8 +33,11 @@ class TuneResult:
     it; ``messages``: the same in words, including when no setting could).
 
     ``finalists``: the settings measured again at the end, on the longest runs and with
-    their restore, among which the recommendation was chosen. A shorter trial's figure
-    is noisier and may top theirs by chance: the table lists the finalists first."""
+    their restore; the recommendation is one of them (when the choice over every setting's
+    latest measurement fell on another, that one was measured so too, and joined them), or
+    the defaults, when their confirming runs of the same length came out ahead. A
+    shorter trial's figure is noisier and may top theirs by chance: the table lists the
+    recommendation, then the finalists, first."""
 
     goal: str
     recommended: Setting
