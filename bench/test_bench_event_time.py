@@ -37,7 +37,7 @@ ROUNDS = 3  # a compared row's rounds
 # best-of-3 on a shared machine spread it over 66-80% in three runs in a row (one
 # neighbour's burst over a side's three rounds); each more pair of runs costs ~3 s.
 TIMER_ROUNDS = 5
-BASELINE_ROUNDS = 1  # a baseline row's own rounds; its runs between the compared row's rounds add to them
+BASELINE_ROUNDS = 3  # a baseline row's own rounds; its runs between the compared row's rounds add to them
 _BASELINES: Dict[str, List[float]] = {}  # each baseline row's times, by benchmark
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import SUMMARY
+from conftest import SUMMARY, start_spark
 
 import pyengine as pe
 import pyengine.spark
@@ -44,13 +44,12 @@ def spark():
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    session = (
+    session = start_spark(
         SparkSession.builder.master("local[2]")
         .appName("pyengine-bench-foreach-batch")
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "2")
-        .getOrCreate()
     )
     session.sparkContext.setLogLevel("ERROR")
     yield session

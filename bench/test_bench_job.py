@@ -19,12 +19,12 @@ from typing import Any, List, Optional
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import RESULTS, SUMMARY, best_seconds
+from conftest import RESULTS, SUMMARY, best_seconds, per_checkpoint
 
 import pyengine as pe
 from pyengine.state import ValueStateDescriptor
 from pyengine.testing import JobBenchmark
-from pyengine.tune import Setting, measure
+from pyengine.tune import Measurement, Setting, measure
 
 RECORDS = int(os.environ.get("PYENGINE_BENCH_RECORDS", 10_000_000))
 # The default settings (buffer_size=None: slices of ~256 KiB from this columnar source) run in
@@ -160,7 +160,6 @@ def test_keyed_count_aggregate(benchmark, clicks, setting: Setting, checkpointin
             checkpointing,
             "aggregate",
             "job-aggregate-defaults",
-            rounds=2,
         )
         return
     _row("aggregate", RECORDS, benchmark, build, setting, checkpointing, "aggregate", "job-aggregate")
@@ -205,8 +204,8 @@ class SlowSink(pe.sinks.DiscardSink):
         super().stage(subtask, checkpoint_id, records)
 
 
-def _under_backpressure(unaligned: bool, delay_s: float) -> Optional[float]:
-    """Median end-to-end checkpoint duration (ms) of a job whose sink is slow."""
+def _under_backpressure(unaligned: bool, delay_s: float) -> Measurement:
+    """A run of a job whose sink is slow (``_p50``: its median end-to-end checkpoint duration, ms)."""
     setting = Setting(buffer_size=64, buffer_timeout_ms=5, channel_capacity=8, interval_ms=50, unaligned=unaligned)
 
     def build(env: Any) -> None:
@@ -218,7 +217,10 @@ def _under_backpressure(unaligned: bool, delay_s: float) -> Optional[float]:
             .sink_to(SlowSink(delay_s))
         )
 
-    m = measure(build, setting)
+    return measure(build, setting)
+
+
+def _p50(m: Measurement) -> Optional[float]:
     return None if not m.checkpoints else m.checkpoint_p50_ms
 
 
@@ -228,7 +230,7 @@ BACKPRESSURE = [(d, u) for d in (1.0, 4.0) for u in (False, True)]
 def _backpressure(delay_ms: float, unaligned: bool) -> Optional[float]:
     key = ("backpressure", delay_ms, unaligned)
     if key not in RESULTS:  # a row selected alone: its comparison rows run now, untimed
-        RESULTS[key] = _under_backpressure(unaligned, delay_ms / 1000)
+        RESULTS[key] = _p50(_under_backpressure(unaligned, delay_ms / 1000))
     return RESULTS[key]
 
 
@@ -238,10 +240,13 @@ def _backpressure(delay_ms: float, unaligned: bool) -> Optional[float]:
 )
 def test_aligned_against_unaligned_under_a_slow_sink(benchmark, delay_ms: float, unaligned: bool) -> None:
     """As Flink's CheckpointingTimeBenchmark: as the sink slows, aligned checkpoints wait
-    for the in-flight buffers to drain; unaligned ones overtake them. Each row times one
-    whole run; its checkpoint p50 is in extra_info, and the last row compares them."""
-    benchmark.group = "job-backpressure"
-    got = benchmark.pedantic(_under_backpressure, args=(unaligned, delay_ms / 1000), rounds=1, iterations=1)
+    for the in-flight buffers to drain; unaligned ones overtake them. Each row is one run,
+    timed per checkpoint (``conftest.per_checkpoint``: the run lasts as long as the slow
+    sink makes it); its checkpoint p50 is in extra_info, and the last row compares them."""
+    benchmark.group = "job-backpressure: a checkpoint"
+    m = _under_backpressure(unaligned, delay_ms / 1000)
+    per_checkpoint(benchmark, m.checkpoint_durations_ms)
+    got = _p50(m)
     RESULTS[("backpressure", delay_ms, unaligned)] = got
     benchmark.extra_info["checkpoint_p50_ms"] = got
     if (delay_ms, unaligned) != BACKPRESSURE[-1]:

@@ -20,7 +20,7 @@ from typing import Any, List
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import SUMMARY
+from conftest import SUMMARY, baseline_failed, figure_clock, start_spark
 
 import pyengine as pe
 from pyengine.runtime.sources import Source
@@ -97,15 +97,40 @@ def _pyengine_latencies(spark: Any) -> np.ndarray:
     return np.concatenate([np.load(f) for f in files]) if files else np.array([])
 
 
+# Structured Streaming's first micro-batch plans the query, generates its code, opens the
+# RocksDB stores and starts the Python round trip of foreachBatch: 5-10 s here, more than a
+# minute on this 2-core machine under other jobs' load. Measuring starts once it has
+# committed (pyengine's run likewise starts its source 3 s after the stage), and a query
+# that commits nothing within this long cannot be measured here: the row skips, saying so.
+FIRST_BATCH_S = 120
+# The query is stopped after a batch has committed in the measured window and the next
+# has not (a stop lands mid-batch either way; these bound the wait for one)
+LAST_BATCH_S = 60
+
+
 def _structured_streaming_latencies(spark: Any) -> np.ndarray:
+    """Latencies of the rows committed in a window of ``SECONDS`` s, which starts once the
+    query's first micro-batch has committed.
+
+    Before, the query was stopped at a fixed ``SECONDS + 3`` s: on a loaded machine its
+    first micro-batch had not committed by then, the stop cancelled it (its tasks killed,
+    "Job 0 cancelled ... was stopped"), Spark's stream execution thread then died with
+    ``java.lang.StackOverflowError`` deep in ``java.util.regex`` (the 1,024 frames of its
+    trace are all regex matching), and the row failed with "no output was committed"."""
     from pyspark.sql import functions as F
 
-    latencies: List[np.ndarray] = []
+    batches: List[tuple] = []  # (commit time, latencies of its rows)
 
     def record(batch: Any, batch_id: int) -> None:
         rows = np.array([r[0] for r in batch.select(F.col("max_created").cast("double")).collect()])
-        if len(rows):
-            latencies.append(time.time() - rows)
+        now = time.time()
+        batches.append((now, now - rows))
+
+    def wait_for(count: int, limit_s: float) -> bool:
+        deadline = time.monotonic() + limit_s
+        while len(batches) < count and time.monotonic() < deadline and query.isActive:
+            time.sleep(0.05)
+        return len(batches) >= count
 
     with tempfile.TemporaryDirectory() as root:
         stream = (
@@ -122,9 +147,29 @@ def _structured_streaming_latencies(spark: Any) -> np.ndarray:
             .option("checkpointLocation", os.path.join(root, "ss"))
             .start()
         )
-        time.sleep(SECONDS + 3)
-        query.stop()
-    return np.concatenate(latencies) if latencies else np.array([])
+        try:
+            if not wait_for(1, FIRST_BATCH_S):
+                error = query.exception()
+                why = f"the query failed: {str(error)[:300]}" if error else "this machine is too loaded to start it"
+                pytest.skip(
+                    f"Structured Streaming committed no micro-batch within {FIRST_BATCH_S} s ({why}): "
+                    "its latency cannot be measured here; rerun on a quieter machine"
+                )
+            start = batches[0][0]
+            time.sleep(max(0.0, start + SECONDS - time.time()))
+            wait_for(sum(1 for t, _ in batches if t <= start + SECONDS) + 1, LAST_BATCH_S)
+            error = query.exception()
+            if error is not None:
+                baseline_failed("Structured Streaming's latency run", error)
+        finally:
+            query.stop()
+    measured = [lat for _, lat in batches[1:] if len(lat)]  # the first batch's rows waited for its start-up
+    if not measured:
+        pytest.skip(
+            f"Structured Streaming committed its first micro-batch but no other within {SECONDS + LAST_BATCH_S} s: "
+            "this machine is too loaded to measure its latency; rerun on a quieter machine"
+        )
+    return np.concatenate(measured)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +179,7 @@ def spark():
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # not installed on the executors
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    session = (
+    session = start_spark(
         SparkSession.builder.master("local[4]")
         .appName("pyengine-latency")
         .config("spark.ui.enabled", "false")
@@ -144,7 +189,6 @@ def spark():
             "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider",
         )
         .config("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled", "true")
-        .getOrCreate()
     )
     # Start the session's Python workers before measuring (about 2 s, once per session).
     env = pe.StreamEnvironment(parallelism=2)
@@ -154,7 +198,7 @@ def spark():
     session.stop()
 
 
-ROUNDS = 2  # each side keeps its least disturbed run, as the throughput benchmarks keep their best
+ROUNDS = 3  # each side keeps its least disturbed run, as the throughput benchmarks keep their best
 ENGINES = ["pyengine", "structured-streaming"]
 _P99: dict = {}
 
@@ -171,14 +215,21 @@ def _measure(engine: str, spark: Any) -> tuple:
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_end_to_end_latency_on_spark_against_structured_streaming(benchmark, spark, engine: str) -> None:
-    """One row per engine; a round is one paced run of ``SECONDS`` s (its time is mostly
-    the pacing: the figure that matters, latency p50/p99 of each round, is in
-    ``extra_info``). The last row compares the best p99 of each."""
+    """One row per engine, whose time is the end-to-end latency p99 of each round (a paced
+    run of ``SECONDS`` s: its duration is the pacing's, so the row shows the p99 it measured,
+    ``conftest.figure_clock``); p50 and every round's figures are in ``extra_info``. The
+    last row compares the best p99 of each."""
     runs: list = []
-    benchmark.group = "latency"
-    benchmark.pedantic(lambda: runs.append(_measure(engine, spark)), rounds=ROUNDS, iterations=1)
+    benchmark.group = "latency: end-to-end p99 of a paced run"
+    clock = figure_clock(benchmark)
+
+    def paced_run() -> None:
+        runs.append(_measure(engine, spark))
+        clock.record(runs[-1][1] / 1e3)
+
+    benchmark.pedantic(paced_run, rounds=ROUNDS, iterations=1)
     # A slow spell of this shared machine (one CI run: every figure 1.5x slow, and a
-    # 575 ms p99 where 80-180 ms is usual) lands in one round, not in both.
+    # 575 ms p99 where 80-180 ms is usual) lands in one round, not in all.
     _P99[engine] = runs
     best = min(runs, key=lambda pair: pair[1])
     benchmark.extra_info.update(p50_ms=best[0], p99_ms=best[1], every_round_ms=runs)

@@ -127,7 +127,6 @@ def _counter(env: Any) -> None:
 
 @pytest.mark.parametrize(("executor", "parallelism"), COUNTER_ROWS, ids=[f"{e}-p{p}" for e, p in COUNTER_ROWS])
 def test_per_record_counter(benchmark, executor: str, parallelism: int) -> None:
-    compared = (executor, parallelism) in (("threads", 1), ("processes", 2))  # the rest: 2 rounds, for the record
     rate = _row(
         benchmark,
         ("executors-counter", executor, parallelism),
@@ -135,7 +134,7 @@ def test_per_record_counter(benchmark, executor: str, parallelism: int) -> None:
         parallelism,
         _counter,
         COUNTER_RECORDS,
-        ROUNDS if compared else 2,
+        ROUNDS,
     )
     SUMMARY.append(
         f"per-record counter, {COUNTER_RECORDS:,} Python records, {executor} p={parallelism}: {rate / 1e6:.3f} M/s"

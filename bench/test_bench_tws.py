@@ -36,7 +36,7 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-from conftest import SUMMARY, best_seconds, measured_again
+from conftest import SUMMARY, best_seconds, measured_again, start_spark
 from pyspark.sql import Row
 from pyspark.sql.streaming import StatefulProcessor
 
@@ -206,11 +206,11 @@ ROW_GUARD = 0.5
 
 
 def _compare(benchmark: Any, records: List[Dict[str, Any]], kind: str, adapter: str, baselines: List[str]) -> bool:
-    """A baseline's row: one round. The adapter's row: three rounds, each but the first
-    after an untimed run of every baseline (interleaved: the best of three each).
+    """A baseline's row: three rounds. The adapter's row: three rounds, each but the first
+    after an untimed run of every baseline (interleaved: the best of all each).
     True for the adapter's row, once every figure is in ``_CPU``."""
     if kind != adapter:
-        benchmark.pedantic(lambda: _CPU[kind].append(_cpu_seconds(kind, lambda: _run(records, kind))), rounds=1)
+        benchmark.pedantic(lambda: _CPU[kind].append(_cpu_seconds(kind, lambda: _run(records, kind))), rounds=3)
         return False
 
     def between() -> None:
@@ -500,7 +500,7 @@ def spark() -> Any:
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    session = (
+    session = start_spark(
         SparkSession.builder.master("local[2]")
         .appName("pyengine-bench-tws")
         .config("spark.ui.enabled", "false")
@@ -514,7 +514,6 @@ def spark() -> Any:
         # No batches without data: with processing-time timers pending, Spark runs them
         # back to back, and an availableNow query never ends (none fire within the hour).
         .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
-        .getOrCreate()
     )
     session.sparkContext.setLogLevel("ERROR")
     yield session

@@ -370,8 +370,9 @@ def test_the_recommendation_is_measured_again_against_the_defaults(defaults, rec
 
 def test_a_recommended_interval_shorter_than_its_checkpoints_is_said_and_trials_stay_quiet() -> None:
     """``--intervals-ms 2`` (meant as seconds): tune recommended 2 ms beside a 399 ms
-    checkpoint p50, silently. The recommendation says it; the trials, which try such
-    intervals on purpose, leave out the coordinator's run-time warning."""
+    checkpoint p50, silently. Such an interval is never recommended (when it is all that
+    was measured, tune refuses and says what to try); the trials, which try such intervals
+    on purpose, leave out the coordinator's run-time warning."""
     import logging
 
     from pyengine.coordinator.coordinator import BACK_TO_BACK_WARNING
@@ -380,8 +381,9 @@ def test_a_recommended_interval_shorter_than_its_checkpoints_is_said_and_trials_
     m = _m(4096, 3e5, p99=900, recovery=1)
     m.setting = Setting(interval_ms=2)
     m.interval_ms, m.checkpoints, m.checkpoint_p50_ms = 2.0, 5, 399.0
-    _, _, messages = recommend([m], "throughput")
-    assert any("interval of 2 ms is under half of its checkpoints' p50 (399 ms)" in x for x in messages), messages
+    # the only setting measured ran back to back: refused, with the intervals to try instead
+    with pytest.raises(ValueError, match=r"back to back.*2 ms, had a p50 of 399 ms.*from 800 ms \(--intervals-ms"):
+        recommend([m], "throughput")
     m.checkpoint_p50_ms = 3.0
     assert not any("back to back" in x for x in recommend([m], "throughput")[2])
 
@@ -445,3 +447,98 @@ def test_a_build_that_switches_to_worker_processes_is_refused_by_name() -> None:
 
     with pytest.raises(ValueError, match=r"measure a job on threads; build\(env\) set executor='processes'"):
         measure(in_processes, Setting(), seconds=0.2)
+
+
+def _run_of(setting: Setting, throughput: float, p99: float, checkpoint_p50: float) -> Measurement:
+    interval = setting.nominal_interval_ms
+    m = Measurement(setting, int(throughput), 1.0, throughput, latency_p50_ms=p99 / 2, latency_p99_ms=p99)
+    m.checkpoints, m.interval_ms, m.checkpoint_p50_ms, m.checkpoint_p99_ms = 5, float(interval), checkpoint_p50, p99
+    m.latency_measured, m.status, m.restore_s, m.replay_s = True, "CANCELED", 0.1, 0.1
+    return m
+
+
+def test_the_recommendation_is_on_its_own_frontier_and_never_an_interval_it_warns_about(monkeypatch) -> None:
+    """The observed case (``pyengine tune myjob:build --budget-s 60``): short runs put
+    ``buffer_size=16384`` at 500 ms and 4096 at 500 ms on top; measured again on longer runs
+    they fell to 120 k and 100 k rows/s, and tune recommended the first of those two finalists
+    (p99 1,846 ms, with checkpoints running back to back at its 500 ms interval) while its
+    chart showed 16384 at 2,000 ms with 148 k rows/s at p99 953 ms. Synthetic, deterministic
+    measurements (the fake ``measure`` below) replay that search."""
+    import pyengine.tune.search as search_module
+    from pyengine.tune.ranking import back_to_back, dominates, latest
+    from pyengine.tune.report import _rows
+
+    # (buffer_size, interval_ms) -> (records/s on a short run, on a finalist's run, p99 ms, checkpoint p50 ms)
+    figures = {
+        (1024, 500): (90e3, 90e3, 700.0, 200.0),
+        (4096, 500): (155e3, 100e3, 1500.0, 300.0),
+        (16384, 500): (160e3, 120e3, 1846.0, 1100.0),  # checkpoints back to back at 500 ms
+        (16384, 2000): (148e3, 148e3, 953.0, 300.0),
+        (1024, 2000): (80e3, 80e3, 1200.0, 200.0),
+        (4096, 2000): (130e3, 130e3, 1100.0, 250.0),
+    }
+
+    def fake_measure(build, setting, *, seconds, measure_restore=False, **_: Any) -> Measurement:
+        short, finalist, p99, p50 = figures[(setting.buffer_size, setting.interval_ms)]
+        m = _run_of(setting, short if seconds < 2.0 else finalist, p99, p50)
+        m.seconds, m.restore_measured = seconds, measure_restore
+        return m
+
+    monkeypatch.setattr(search_module, "measure", fake_measure)
+    space = {"buffer_size": (1024, 4096, 16384), "interval_ms": (500, 2000), "unaligned": (False,)}
+    result = pe.tune("keyed-count", budget_s=60, trial_s=1.0, space=space)  # finalists run 2 s
+
+    chosen = result.measurement
+    assert (result.recommended.buffer_size, result.recommended.interval_ms) == (16384, 2000), result.messages
+    shown = latest(result.trials)  # what the table and the chart show, one per setting
+    assert not any(dominates(m, chosen) for m in shown), "a setting on the chart beats it on both axes"
+    assert not back_to_back(chosen)
+    assert _rows(result)[0].setting == result.recommended and _rows(result)[0] is chosen
+    assert not any("recommended interval" in x for x in result.messages)
+    why = [x for x in result.messages if x.startswith("It beats the runner-up")]
+    assert why == [
+        "It beats the runner-up (buf=4096 timeout=100ms cap=auto interval=500ms aligned) on both axes: "
+        "148,000 against 100,000 records/s at p99 953 against 1,500 ms."
+    ], result.messages
+    assert any("not considered" in x and "buf=16384" in x and "interval=500ms" in x for x in result.messages)
+
+
+def test_recommend_picks_from_the_frontier_and_says_why_in_one_sentence() -> None:
+    fast = _run_of(Setting(buffer_size=16384, interval_ms=2000), 3e6, 900.0, 100.0)
+    quick = _run_of(Setting(buffer_size=1024, interval_ms=2000), 1e6, 80.0, 100.0)
+    tied = _run_of(Setting(buffer_size=4096, interval_ms=2000), 3e6, 950.0, 100.0)  # fast's throughput, worse p99
+    best, _, messages = recommend([tied, quick, fast], "throughput")
+    assert best is fast, "a tie on the goal goes to the better p99"
+    assert (
+        "It beats the runner-up (buf=4096 timeout=100ms cap=auto interval=2000ms aligned) on both axes" in messages[0]
+    )
+    best, _, messages = recommend([fast, quick], "latency")
+    assert best is quick
+    assert (
+        messages[0].startswith("It beats the runner-up (buf=16384")
+        and "on p99 latency, the goal: 80 against 900 ms" in messages[0]
+    )
+    best, _, messages = recommend([fast, quick], "throughput")
+    assert "on throughput, the goal: 3,000,000 against 1,000,000 records/s at p99 900 against 80 ms" in messages[0]
+    # a later measurement of a setting replaces its earlier one: a setting counts by its latest run
+    again = _run_of(fast.setting, 0.5e6, 900.0, 100.0)
+    assert recommend([fast, quick, again], "throughput")[0] is quick
+    assert recommend([fast], "throughput")[2][0] == "It is the only setting measured."
+
+
+def test_the_report_draws_the_frontier_the_recommendation_is_on(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from pyengine.tune import TuneResult
+    from pyengine.tune.report import write_report
+
+    good = _run_of(Setting(buffer_size=16384, interval_ms=2000), 148e3, 953.0, 300.0)
+    warned = _run_of(Setting(buffer_size=16384, interval_ms=500), 160e3, 700.0, 1100.0)
+    best, honoured, messages = recommend([warned, good], "throughput")
+    assert best is good
+    result = TuneResult(
+        "throughput", best.setting, best, [warned, good], honoured, messages, 2, finalists=[best.setting]
+    )
+    files = write_report(result, str(tmp_path))
+    assert "frontier" in files
+    page = (tmp_path / "report.html").read_text()
+    assert "not considered, as their checkpoints ran back to back" in page

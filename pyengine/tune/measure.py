@@ -80,6 +80,10 @@ class Measurement:
     replay_s: float = math.nan
     status: str = ""
     notes: List[str] = field(default_factory=list)
+    # each completed checkpoint's end-to-end duration, oldest first, as far back as the
+    # statistics' history goes: what a benchmark row per checkpoint times (p50/p99 above
+    # summarise every one; not in ``to_json``, which they summarise)
+    checkpoint_durations_ms: List[float] = field(default_factory=list, repr=False)
 
     @property
     def recovery_s(self) -> float:
@@ -90,6 +94,7 @@ class Measurement:
         out = asdict(self)
         out["setting"] = self.setting.to_json()
         out["recovery_s"] = self.recovery_s
+        del out["checkpoint_durations_ms"]
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
 
 
@@ -403,6 +408,9 @@ def measure(
             m.start_delay_p50_ms, m.start_delay_p99_ms = float(delay.get("p50", 0)), float(delay.get("p99", 0))
             alignment = summary["alignment_duration_ms"]
             m.alignment_p50_ms, m.alignment_p99_ms = float(alignment["p50"]), float(alignment["p99"])
+            m.checkpoint_durations_ms = [
+                float(c.end_to_end_duration_ms) for c in reversed(result.checkpoints.history) if c.status == "COMPLETED"
+            ]
             m.checkpoint_size = float(summary["full_size"]["max"])
             m.persisted_p50 = float(summary["persisted_data"]["p50"])
             m.persisted_max = float(summary["persisted_data"]["max"])

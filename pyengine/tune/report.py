@@ -26,18 +26,20 @@ def _fmt(value: float, spec: str = ",.0f", suffix: str = "") -> str:
 
 
 def _rows(result: TuneResult) -> List[Measurement]:
-    """One row per setting: its latest (longest) measurement; the finalists first (the
-    recommendation is the best of them, measured on the longest runs), each part best
-    first. Ranked all together, a short trial's lucky figure could sit above the
-    recommendation and make it look wrong."""
-    from .ranking import rank
+    """One row per setting: its latest (longest) measurement, the one the recommendation
+    was chosen by; the recommendation first, then the other finalists (measured on the
+    longest runs), then the rest, each part best first. Ranked all together, a short
+    trial's lucky figure could sit above the recommendation and make it look wrong."""
+    from .ranking import latest, rank
 
-    latest: Dict[Any, Measurement] = {}
-    for m in result.trials:
-        latest[m.setting] = m
-    ranked = rank(list(latest.values()), result.goal, result.max_latency_ms, result.max_recovery_s)
+    ranked = rank(latest(result.trials), result.goal, result.max_latency_ms, result.max_recovery_s)
     final = set(result.finalists)
-    return [m for m in ranked if m.setting in final] + [m for m in ranked if m.setting not in final]
+    first = [m for m in ranked if m.setting == result.recommended]
+    return (
+        first
+        + [m for m in ranked if m.setting in final and m.setting != result.recommended]
+        + [m for m in ranked if m.setting not in final and m.setting != result.recommended]
+    )
 
 
 COLUMNS = (
@@ -117,17 +119,29 @@ def _figures(result: TuneResult, directory: str) -> Dict[str, str]:
         plt.close(fig)
         out[name.rsplit(".", 1)[0]] = path
 
-    # throughput against latency: the frontier is the settings no other beats on both
+    # throughput against latency: the frontier of the settings the recommendation was chosen
+    # among (ranking.candidates), the same one it is on; back-to-back intervals marked apart
+    from .ranking import back_to_back, candidates, frontier
+
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    points = [(m.latency_p99_ms, m.throughput, m) for m in rows if not math.isnan(m.latency_p99_ms)]
-    if points:
-        ax.scatter([p[0] for p in points], [p[1] for p in points], color="#8aa", label="settings tried")
-        frontier, top = [], -math.inf
-        for lat, thr, _ in sorted(points, key=lambda p: (p[0], -p[1])):
-            if thr > top:
-                frontier.append((lat, thr))
-                top = thr
-        ax.plot([f[0] for f in frontier], [f[1] for f in frontier], "-o", color="#1f6feb", label="frontier")
+    pool = {id(m) for m in candidates(rows, result.max_latency_ms, result.max_recovery_s)}
+    points = [m for m in rows if not math.isnan(m.latency_p99_ms)]
+    shown = [m for m in points if not back_to_back(m)]
+    if shown:
+        px, py = [m.latency_p99_ms for m in shown], [m.throughput for m in shown]
+        ax.scatter(px, py, color="#8aa", label="settings tried")
+    apart = [m for m in points if back_to_back(m)]
+    if apart:
+        ax.scatter(
+            [m.latency_p99_ms for m in apart],
+            [m.throughput for m in apart],
+            marker="x",
+            color="#999",
+            label="checkpoints back to back (not considered)",
+        )
+    line = sorted(frontier([m for m in points if id(m) in pool]), key=lambda m: m.latency_p99_ms)
+    if line:
+        ax.plot([m.latency_p99_ms for m in line], [m.throughput for m in line], "-o", color="#1f6feb", label="frontier")
     if not math.isnan(best.latency_p99_ms):
         ax.scatter([best.latency_p99_ms], [best.throughput], s=160, marker="*", color="#d73a49", label="recommended")
     if result.max_latency_ms is not None:

@@ -15,8 +15,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+from . import ranking
 from .measure import BOUNDED_NOTE, NO_RECOVERY_NOTE, JobBuilder, Measurement, measure
-from .ranking import _score, rank
+from .ranking import _score, _violations, back_to_back, dominates, frontier, latest, rank
 from .settings import DEFAULT_SPACE, Setting, check_space
 
 __all__ = ["GOALS", "TuneResult", "load_job", "rank", "recommend", "tune"]
@@ -32,8 +33,11 @@ class TuneResult:
     it; ``messages``: the same in words, including when no setting could).
 
     ``finalists``: the settings measured again at the end, on the longest runs and with
-    their restore, among which the recommendation was chosen. A shorter trial's figure
-    is noisier and may top theirs by chance: the table lists the finalists first."""
+    their restore; the recommendation is one of them (when the choice over every setting's
+    latest measurement fell on another, that one was measured so too, and joined them), or
+    the defaults, when their confirming runs of the same length came out ahead. A
+    shorter trial's figure is noisier and may top theirs by chance: the table lists the
+    recommendation, then the finalists, first."""
 
     goal: str
     recommended: Setting
@@ -105,16 +109,65 @@ def _restore_estimate(m: Measurement, base: Measurement) -> float:
     return base.restore_s * max(1.0, ratio)
 
 
+def _ms(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:,.0f}"
+
+
+def _why(best: Measurement, runner: Optional[Measurement], goal: str, excluded: int, inside: bool) -> str:
+    """One sentence: why ``best`` beats ``runner``, the next setting in the ranking."""
+    if runner is None:
+        if excluded:
+            return "It is the only setting measured whose checkpoints did not run back to back."
+        return "It is the only setting measured."
+    head = f"It beats the runner-up ({runner.setting.label})"
+    figures = (
+        f"{best.throughput:,.0f} against {runner.throughput:,.0f} records/s at p99 "
+        f"{_ms(best.latency_p99_ms)} against {_ms(runner.latency_p99_ms)} ms"
+    )
+    if dominates(best, runner):
+        return f"{head} on both axes: {figures}."
+    if not inside:
+        return f"{head} by missing the constraints by less ({figures})."
+    if goal == "throughput":
+        return f"{head} on throughput, the goal: {figures}."
+    return (
+        f"{head} on p99 latency, the goal: {_ms(best.latency_p99_ms)} against {_ms(runner.latency_p99_ms)} ms, "
+        f"at {best.throughput:,.0f} against {runner.throughput:,.0f} records/s."
+    )
+
+
 def recommend(
     measurements: Sequence[Measurement],
     goal: str,
     max_latency_ms: Optional[float] = None,
     max_recovery_s: Optional[float] = None,
 ) -> Tuple[Measurement, Dict[str, bool], List[str]]:
-    """The best measurement, whether it honours each constraint, and what to tell the user."""
+    """The recommendation, whether it honours each constraint, and what to tell the user.
+
+    Each setting counts by its latest measurement (the one the report shows). Settings
+    whose checkpoints ran back to back are left out (``ranking.back_to_back``: an interval
+    tune warns about is never the one it recommends); of the others, those inside the
+    constraints when any is; of those, the frontier (none beaten on both throughput and
+    p99 latency by another), best by the goal. The messages say why it beats the runner-up,
+    in one sentence. Raises ValueError when every setting ran its checkpoints back to back:
+    no interval measured can be recommended, and the message says which to try instead."""
     if not measurements:
         raise ValueError("tune: nothing was measured")
-    best = rank(measurements, goal, max_latency_ms, max_recovery_s)[0]
+    settings = latest(measurements)
+    pool = ranking.candidates(settings, max_latency_ms, max_recovery_s)
+    excluded = [m for m in settings if back_to_back(m)]
+    if not pool:
+        slowest = max(excluded, key=lambda m: m.checkpoint_p50_ms)
+        longest = max(excluded, key=lambda m: m.interval_ms)
+        suggested = math.ceil(2 * slowest.checkpoint_p50_ms / 100.0) * 100
+        raise ValueError(
+            f"tune: every setting measured ran its checkpoints back to back (checkpoint p50 over twice the "
+            f"interval; the longest interval tried, {longest.interval_ms:,.0f} ms, had a p50 of "
+            f"{longest.checkpoint_p50_ms:,.0f} ms), so no interval tried can be recommended: try longer ones, "
+            f"from {suggested:,} ms (--intervals-ms, or interval_ms in the space)"
+        )
+    ranked = rank(frontier(pool), goal, max_latency_ms, max_recovery_s)
+    best = ranked[0]
     honoured: Dict[str, bool] = {}
     messages: List[str] = []
     if max_latency_ms is not None:
@@ -144,11 +197,18 @@ def recommend(
                 else f"max recovery {max_recovery_s:,.2f} s NOT honoured: no setting tried reached it "
                 f"(the closest: {best.recovery_s:,.2f} s)"
             )
-    if best.checkpoints and best.interval_ms > 0 and best.checkpoint_p50_ms > 2 * best.interval_ms:
+    inside = _violations(best, max_latency_ms, max_recovery_s) == 0
+    runner = next((m for m in rank(pool, goal, max_latency_ms, max_recovery_s) if m is not best), None)
+    messages.append(_why(best, runner, goal, len(excluded), inside))
+    if excluded:
+        shown = ", ".join(
+            f"{m.setting.label} (interval {m.interval_ms:,.0f} ms, checkpoint p50 {m.checkpoint_p50_ms:,.0f} ms)"
+            for m in excluded[:3]
+        )
+        more = f" and {len(excluded) - 3} more" if len(excluded) > 3 else ""
         messages.append(
-            f"the recommended interval of {best.interval_ms:,.0f} ms is under half of its checkpoints' p50 "
-            f"({best.checkpoint_p50_ms:,.0f} ms): they ran back to back, one starting as the last ended, which "
-            "the job can sustain here but spends its time on; a longer interval costs little throughput"
+            f"not considered, as their checkpoints ran back to back (p50 over twice the interval, one starting "
+            f"as the last ended): {shown}{more}"
         )
     # what a measurement says of the job, not of its setting, said once
     notes = {n for m in measurements for n in m.notes}
@@ -258,6 +318,27 @@ class _Search:
             if current == before:
                 break
         return current
+
+
+def _finalists(search: _Search, trial_s: float, count: int) -> List[Setting]:
+    """The finalists measured again on the longest runs, each with its restore; then, while
+    the recommendation over every setting's latest measurement (``recommend``) is one not
+    measured so, that one too: a short trial's figure is noisier, and the recommendation
+    must stand on a run as long as its rivals'. Ends, as each setting is measured so at most
+    once. Returns the settings measured so, in order."""
+    top = search.ranked(latest(search.trials))[: max(1, count)]
+    final = [m.setting for m in top]
+    for setting in final:
+        search.measure(setting, trial_s * 2, restore=True)
+    while True:
+        try:
+            pick = recommend(search.trials, search.goal, search.max_latency_ms, search.max_recovery_s)[0]
+        except ValueError:
+            return final  # every setting ran back to back: recommend says so, to the user
+        if pick.setting in final:
+            return final
+        final.append(pick.setting)
+        search.measure(pick.setting, trial_s * 2, restore=True)
 
 
 CONFIRMING_RUNS = 3  # runs each of the recommendation and the defaults, alternately
@@ -407,28 +488,31 @@ def tune(
             bar.update if bar is not None else None,
         )
         search.search(_start(checked))
-        # the finalists again, on the longest runs, each with its own restore measured
-        latest: Dict[Setting, Measurement] = {}
-        for m in search.trials:
-            latest[m.setting] = m
-        top = search.ranked(list(latest.values()))[: max(1, finalists)]
-        final = [search.measure(m.setting, trial_s * 2, restore=True) for m in top]
+        final = _finalists(search, trial_s, finalists)
     finally:
         if bar is not None:
             bar.close()
     assert search.base is not None
-    best, honoured, messages = recommend(final, goal, max_latency_ms, max_recovery_s)
+    best, honoured, messages = recommend(search.trials, goal, max_latency_ms, max_recovery_s)
     start = _start(checked)
     if best.setting != start and all(honoured.values()):
         message, ahead = _against_the_defaults(
             run, goal, best.setting, start, lambda setting: search.seconds(setting, trial_s * 2)
         )
+        if ahead is not None and max_latency_ms is None and max_recovery_s is None:
+            # the defaults' best run becomes their latest measurement, and the choice is made
+            # again over every setting: the recommendation stays on the frontier the report draws
+            ahead.restore_s = _restore_estimate(ahead, search.base)
+            search.trials.append(ahead)
+            best, honoured, messages = recommend(search.trials, goal, max_latency_ms, max_recovery_s)
+            if message is not None and best.setting != start:
+                message = message.replace(
+                    "the defaults are the recommendation",
+                    f"but {best.setting.label} beats their best run, and is the recommendation",
+                )
         if message is not None:
             messages.append(message)
-        if ahead is not None and max_latency_ms is None and max_recovery_s is None:
-            ahead.restore_s = _restore_estimate(ahead, search.base)
-            best = ahead
-        elif ahead is not None:
+        if ahead is not None and (max_latency_ms is not None or max_recovery_s is not None):
             messages.append("the pick stays, as the defaults' runs were not measured against the constraints")
     result = TuneResult(
         goal,
@@ -442,7 +526,7 @@ def tune(
         max_recovery_s,
         time.monotonic() - started,
         search.base.restore_s,
-        finalists=[m.setting for m in final],
+        finalists=final,
     )
     if report_dir is not None:
         from .report import write_report
