@@ -1176,3 +1176,19 @@ def test_a_running_job_shows_its_late_drops_and_a_watermark_an_idle_split_does_n
         result = client.wait(60)
     assert result.status == "FINISHED" and result.event_time is not None
     assert result.event_time.late_records_dropped == 5
+
+
+def test_the_demo_prints_no_monitoring_address_off_a_terminal_for_a_short_job(tmp_path: Any, monkeypatch: Any) -> None:
+    """Off a terminal (a log, CI), a job that ends before ``ANNOUNCE_AFTER_S`` printed an
+    address nobody could open any more (#38); one that runs longer prints it once."""
+    from pyengine import demo
+
+    monkeypatch.setattr(demo, "ANNOUNCE_AFTER_S", 3600.0)  # every job here ends sooner
+    out = io.StringIO()
+    assert demo.run(out, events=20_000, users=100, interval_ms=20, workdir=str(tmp_path / "short"))
+    assert "monitoring" not in out.getvalue() and "OK: all" in out.getvalue()
+
+    monkeypatch.setattr(demo, "ANNOUNCE_AFTER_S", 0.0)  # every job here lives longer
+    out = io.StringIO()
+    assert demo.run(out, events=20_000, users=100, interval_ms=20, workdir=str(tmp_path / "long"))
+    assert out.getvalue().count("  monitoring (while it runs): http://127.0.0.1:") == 1
