@@ -52,7 +52,8 @@ def project(pytester: pytest.Pytester) -> pytest.Pytester:
     shutil.copy(TESTS / "conftest.py", tests / "conftest.py")
     (tests / "test_sample.py").write_text(SAMPLE)
     pytester.makeini(
-        "[pytest]\ntestpaths = tests\naddopts = --strict-markers -p no:cacheprovider -p no:hypothesispytest -p no:benchmark\n"
+        "[pytest]\ntestpaths = tests\n"
+        "addopts = --strict-markers -p no:cacheprovider -p no:hypothesispytest -p no:benchmark\n"
         "markers =\n    slow: slow\n    spark: spark\n    spark_cluster: cluster\n"
     )
     return pytester
