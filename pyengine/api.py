@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional,
 
 from .agg import Aggregation
 from .coordinator import CheckpointConfig
+from .errors import suggest_keywords
 from .monitoring.config import Monitoring
 from .runners.result import JobResult
 from .runtime.aggregate import AggregateOperator
@@ -311,8 +312,10 @@ class JobGraph:
         return [u for v in self.vertices for u in v.uids()] + [f"__channel_state__{v.name}" for v in self.vertices]
 
 
+@suggest_keywords
 class StreamEnvironment:
-    """Where a job is built and run; every setting is checked here."""
+    """Where a job is built and run; every setting is checked here (an unknown keyword
+    too, with the closest known one: ``paralellism=2`` asks "did you mean 'parallelism'?")."""
 
     def __init__(
         self,
@@ -423,6 +426,7 @@ class StreamEnvironment:
 
     # -- sources -----------------------------------------------------------------------------
 
+    @suggest_keywords
     def from_source(
         self, source: Source, name: str = "source", *, watermark_strategy: Optional[WatermarkStrategy] = None
     ) -> DataStream:
@@ -454,6 +458,7 @@ class StreamEnvironment:
         self._sources.append(source)
         return stream
 
+    @suggest_keywords
     def from_collection(
         self,
         records: Iterable[Any],
@@ -467,6 +472,7 @@ class StreamEnvironment:
         Spark DataFrame is refused, naming the call that takes it."""
         return self.from_source(CollectionSource(records), name, watermark_strategy=watermark_strategy)
 
+    @suggest_keywords
     def read_files(
         self,
         path: str,
@@ -495,6 +501,7 @@ class StreamEnvironment:
             source = FileSource(path, format, columns, filesystem)
         return self.from_source(source, name, watermark_strategy=watermark_strategy)
 
+    @suggest_keywords
     def from_dataframe(self, df: Any, name: str = "dataframe", path: Optional[str] = None) -> DataStream:
         """A batch Spark DataFrame as a replayable source (``pyengine.spark.DataFrameSource``):
         a plain scan of parquet files is read in place; anything else is written once,
@@ -506,6 +513,7 @@ class StreamEnvironment:
         taken = sum(1 for s in self._sources if isinstance(s, DataFrameSource))
         return self.from_source(DataFrameSource(df, f"{name}-{taken}" if taken else name, path), name)
 
+    @suggest_keywords
     def from_generator(
         self,
         fn: Callable[[int], Any],

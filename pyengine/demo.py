@@ -89,6 +89,10 @@ class _SayOnOwnLine(logging.Handler):
             self.handleError(record)
 
 
+ANNOUNCE_AFTER_S = 1.0
+"""Off a terminal, the monitoring address is printed once the job has run this long."""
+
+
 def _bar(done: float, width: int = 28) -> str:
     filled = int(width * min(1.0, done))
     return "#" * filled + "-" * (width - filled)
@@ -178,12 +182,20 @@ def _watch(
     line a second elsewhere), then checks its output."""
     started = time.monotonic()
     client = env.execute_async("clickstream-demo")
-    if client.monitoring_url is not None:
+    # The monitoring address is worth printing only while someone can open it: on a
+    # terminal at once (a person watches), elsewhere (a log, CI) once the job has lived
+    # ANNOUNCE_AFTER_S, so a job that ends sooner prints no address that is already dead.
+    announced = client.monitoring_url is None
+    if interactive and not announced:
         print(f"  monitoring (while it runs): {client.monitoring_url}", file=out)
+        announced = True
     last_line = 0.0
     while not client.done():
         time.sleep(0.1)
         now = time.monotonic()
+        if not announced and now - started >= ANNOUNCE_AFTER_S and not client.done():
+            print(f"  monitoring (while it runs): {client.monitoring_url}", file=out, flush=True)
+            announced = True
         if not interactive and now - last_line < 1.0:
             continue
         last_line = now

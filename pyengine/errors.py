@@ -7,7 +7,10 @@ can fix, so runners fail the job at once instead of spending ``restart_attempts`
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import difflib
+import functools
+import inspect
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 __all__ = [
     "ColumnNotFoundError",
@@ -97,3 +100,62 @@ def is_non_retryable(exc: Optional[BaseException]) -> bool:
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+T = TypeVar("T")
+
+
+def unknown_keyword(call: str, keyword: str, known: Sequence[str]) -> TypeError:
+    """The error for ``keyword``, which ``call`` does not take: Python's own words, then
+    the closest keyword it does take ("did you mean"), else the ones it takes. A typo
+    in a setting (``paralellism=2``) otherwise only says what is wrong, not what is right."""
+    close = difflib.get_close_matches(keyword, list(known), n=1, cutoff=0.6)
+    if close:
+        hint = f"did you mean {close[0]!r}?"
+    else:
+        hint = f"it takes {', '.join(known)}" if known else "it takes no keyword arguments"
+    return TypeError(f"{call} got an unexpected keyword argument {keyword!r}; {hint}")
+
+
+def suggest_keywords(target: T) -> T:
+    """Makes an unknown keyword to ``target`` (a class: its own ``__init__``; or a
+    function) raise ``unknown_keyword``'s TypeError, with a "did you mean". The
+    signature stays as written (``functools.wraps``), so editors and type checkers see
+    the real parameters, not ``**kwargs``; a function that takes ``**kwargs`` is left
+    alone, as is every call whose keywords are all known (the check is a set lookup
+    per keyword, before the call)."""
+    if isinstance(target, type):
+        init = target.__dict__.get("__init__")
+        if init is not None and callable(init):
+            type.__setattr__(target, "__init__", _checked(init, target.__qualname__ + "()"))
+        return target
+    if callable(target):
+        qualname = getattr(target, "__qualname__", getattr(target, "__name__", "the call"))
+        return _checked(target, qualname + "()")  # type: ignore[return-value]
+    raise TypeError(f"suggest_keywords applies to a class or a function, not {target!r}")
+
+
+def _checked(fn: Callable[..., Any], call: str) -> Callable[..., Any]:
+    if getattr(fn, "__pe_keywords_checked__", False):
+        return fn
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check against
+        return fn
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return fn
+    keywords = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    known = tuple(p.name for p in parameters[1:] if p.kind in keywords) if parameters else ()
+    if parameters and parameters[0].kind in keywords and parameters[0].name not in ("self", "cls"):
+        known = (parameters[0].name, *known)  # a plain function: its first parameter is a keyword too
+    accepted = frozenset(known) | {p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_ONLY}
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        for keyword in kwargs:
+            if keyword not in accepted:
+                raise unknown_keyword(call, keyword, known)
+        return fn(*args, **kwargs)
+
+    checked.__pe_keywords_checked__ = True  # type: ignore[attr-defined]
+    return checked

@@ -41,7 +41,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from pyarrow.fs import FileSelector
 
-from .errors import NonRetryableError, OutputInUseError
+from .errors import NonRetryableError, OutputInUseError, suggest_keywords
 from .state.serializers import STORED_AS_LISTS
 from .state.serializers import unviewed as _unviewed
 from .storage.filesystem import guarded, resolve
@@ -128,6 +128,12 @@ class Sink:
     ``recover`` and ``end_run`` on the driver."""
 
     transactional = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Every sink's constructor, a user's own too, answers an unknown keyword with
+        # "did you mean" (pe.sinks.FileSink(fromat="csv")), its signature unchanged.
+        super().__init_subclass__(**kwargs)
+        suggest_keywords(cls)
 
     def open(self, subtask: int) -> None:
         pass

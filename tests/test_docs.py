@@ -69,8 +69,19 @@ def test_every_block_is_known(page: Path) -> None:
         assert lang in RUN or lang in NOT_CODE or lang == "bash", f"{page.name}:{line}: unknown fence {lang!r}"
 
 
+# Pages whose code starts a local Spark or runs a tune search (20-45 s each on two cores):
+# the slow tier runs them (python -m pytest --full, CI).
+SLOW_PAGES = {"docs/guide/spark.md", "docs/guide/coming-from-spark.md", "docs/guide/tuning.md"}
+
+
 @pytest.mark.parametrize(
-    "page", [p for p in PAGES if runnable(p)], ids=[str(p.relative_to(ROOT)) for p in PAGES if runnable(p)]
+    "page",
+    [
+        pytest.param(p, marks=[pytest.mark.slow] if str(p.relative_to(ROOT)) in SLOW_PAGES else [])
+        for p in PAGES
+        if runnable(p)
+    ],
+    ids=[str(p.relative_to(ROOT)) for p in PAGES if runnable(p)],
 )
 def test_page_runs(page: Path, tmp_path: Path) -> None:
     code = script(page)

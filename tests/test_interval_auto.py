@@ -359,6 +359,7 @@ class Keep(pe.KeyedProcessFunction):
         return ()
 
 
+@pytest.mark.slow
 def test_recovery_of_a_growing_job_stays_within_the_goal(tmp_path: Any) -> None:
     """The failure comes late in the run (the most state) and just before a checkpoint
     is triggered, so the replay covers a whole interval since the latest completed

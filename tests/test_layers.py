@@ -14,7 +14,7 @@ from typing import List, Set
 
 import pytest
 
-pytest.importorskip("importlinter")
+pytest.importorskip("importlinter", reason="needs import-linter (pip install -e '.[test]' brings it)")
 grimp = pytest.importorskip("grimp")
 
 ROOT = Path(__file__).resolve().parent.parent

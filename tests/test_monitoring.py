@@ -1317,3 +1317,19 @@ def test_at_the_total_bound_the_greediest_client_s_oldest_waiting_connection_mak
         server._open.clear()
     finally:
         server.close()
+
+
+def test_the_demo_prints_no_monitoring_address_off_a_terminal_for_a_short_job(tmp_path: Any, monkeypatch: Any) -> None:
+    """Off a terminal (a log, CI), a job that ends before ``ANNOUNCE_AFTER_S`` printed an
+    address nobody could open any more (#38); one that runs longer prints it once."""
+    from pyengine import demo
+
+    monkeypatch.setattr(demo, "ANNOUNCE_AFTER_S", 3600.0)  # every job here ends sooner
+    out = io.StringIO()
+    assert demo.run(out, events=20_000, users=100, interval_ms=20, workdir=str(tmp_path / "short"))
+    assert "monitoring" not in out.getvalue() and "OK: all" in out.getvalue()
+
+    monkeypatch.setattr(demo, "ANNOUNCE_AFTER_S", 0.0)  # every job here lives longer
+    out = io.StringIO()
+    assert demo.run(out, events=20_000, users=100, interval_ms=20, workdir=str(tmp_path / "long"))
+    assert out.getvalue().count("  monitoring (while it runs): http://127.0.0.1:") == 1

@@ -20,11 +20,15 @@ from pyengine.monitoring import Monitoring, start_monitor
 webdriver = pytest.importorskip("selenium.webdriver", reason="the dashboard test needs selenium")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
-# CI installs them (.ci/run), so there a missing browser fails the test instead of skipping it.
-pytestmark = pytest.mark.skipif(
-    (CHROMIUM is None or CHROMEDRIVER is None) and not os.environ.get("CI"),
-    reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
-)
+# CI installs them (.ci/run) before it runs the slow tests, so there a missing browser fails
+# the test instead of skipping it. A browser is slow to start: the fast tier leaves it out.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        (CHROMIUM is None or CHROMEDRIVER is None) and not os.environ.get("CI"),
+        reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
+    ),
+]
 ARTIFACTS = Path(
     os.environ.get("PYENGINE_TEST_ARTIFACTS") or Path(__file__).resolve().parent.parent / "build" / "test-artifacts"
 )

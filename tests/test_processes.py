@@ -209,6 +209,7 @@ def test_exactly_once_across_a_killed_worker_and_a_user_exception(tmp_path, how:
     assert result.checkpoints.counts["restored"] >= 1 or result.latest_checkpoint is not None
 
 
+@pytest.mark.slow
 def test_soak_random_failures_stay_exactly_once(tmp_path) -> None:
     """The threads runner's soak (test_exactly_once), reduced: random failure points,
     both ways of failing, both backends, aligned and unaligned."""

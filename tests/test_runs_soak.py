@@ -195,7 +195,10 @@ def scenario_killed(s: Setup, seed: int, tmp_path: Any) -> None:
 SCENARIOS = ["append", "older", "damaged", "killed"]
 
 
-@pytest.mark.parametrize("seed", range(12))
+# Four seeds in the fast tier (each of the four scenarios once), the other eight in the slow one.
+@pytest.mark.parametrize(
+    "seed", [s if s < len(SCENARIOS) else pytest.param(s, marks=pytest.mark.slow) for s in range(12)]
+)
 def test_every_finished_run_delivers_exactly_its_output(tmp_path, seed) -> None:
     s = Setup(seed, tmp_path)
     which = SCENARIOS[seed % len(SCENARIOS)]

@@ -41,6 +41,7 @@ def tuned(tmp_path_factory):
     return result, report
 
 
+@pytest.mark.slow  # the module's tune search (`tuned`) takes half a minute
 def test_tune_finds_a_setting_within_10_percent_of_the_grids_best(tuned) -> None:
     result, _ = tuned
     points = grid(SPACE)
@@ -73,6 +74,7 @@ def test_tune_finds_a_setting_within_10_percent_of_the_grids_best(tuned) -> None
     assert len({m.setting for m in result.trials}) < len(points)
 
 
+@pytest.mark.slow  # the module's tune search (`tuned`) takes half a minute
 def test_tune_honours_a_reachable_constraint_and_says_so(tuned) -> None:
     result, _ = tuned
     m = result.measurement
@@ -137,6 +139,7 @@ def test_the_table_lists_the_finalists_first_and_marks_the_recommendation() -> N
     assert "(recommended)" not in lines[2] and "(finalist)" not in lines[2], lines
 
 
+@pytest.mark.slow  # the module's tune search (`tuned`) takes half a minute
 def test_the_report_renders(tuned) -> None:
     result, report = tuned
     page = (report / "report.html").read_text()
@@ -249,6 +252,7 @@ def test_cli_errors_name_the_command_once(capsys) -> None:
     assert err.startswith("pyengine tune: ") and "tune: tune:" not in err
 
 
+@pytest.mark.slow  # the module's tune search (`tuned`) takes half a minute
 def test_the_report_without_matplotlib_keeps_the_results_and_says_how_to_get_figures(
     tuned, tmp_path, monkeypatch
 ) -> None:

@@ -18,6 +18,8 @@ from spark_sessions import local_spark
 import pyengine as pe
 from pyengine.spark.tws_dataframe import transform_with_state, transform_with_state_in_pandas
 
+pytestmark = [pytest.mark.spark, pytest.mark.slow]  # a local Spark per module
+
 N = 400
 
 

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from ..errors import suggest_keywords
+
 __all__ = ["CheckpointConfig", "DEFAULT_MAX_RECOVERY_S", "MODES"]
 
 MODES = ("exactly_once", "at_least_once")
@@ -20,6 +22,7 @@ def _int(name: str, value: object, minimum: int) -> None:
         raise ValueError(f"CheckpointConfig.{name} must be >= {minimum}, got {value}")
 
 
+@suggest_keywords  # an unknown keyword says "did you mean"
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Flink's checkpoint settings, under Flink's names in snake case.

@@ -9,6 +9,8 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Optional
 
+from ..errors import suggest_keywords
+
 __all__ = ["MIN_TOKEN_LENGTH", "Monitoring", "is_loopback"]
 
 # A token is a shared secret sent with every request: short ones are guessable.
@@ -27,6 +29,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+@suggest_keywords  # an unknown keyword says "did you mean"
 @dataclass(frozen=True)
 class Monitoring:
     """A job's monitoring server: Flink's REST paths, Prometheus ``/metrics`` and a

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 
 import pyarrow as pa
 
-from ..errors import ColumnNotFoundError, NonRetryableError
+from ..errors import ColumnNotFoundError, NonRetryableError, suggest_keywords
 from ..io.events import MIN_WATERMARK, WATERMARK_ACTIVE, WATERMARK_IDLE, Watermark
 from ..state import ListStateDescriptor
 from ..storage.metadata import OperatorState
@@ -67,6 +67,12 @@ class Source:
     """What ``read`` returns at the end of a split."""
 
     schema: Optional[pa.Schema] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Every source's constructor, a user's own too, answers an unknown keyword with
+        # "did you mean", its signature unchanged.
+        super().__init_subclass__(**kwargs)
+        suggest_keywords(cls)
 
     def read(self, subtask: int, parallelism: int, position: int, n: int) -> Any:
         """Up to ``n`` records from ``position`` of the split; ``None`` at its end."""
