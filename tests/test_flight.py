@@ -124,6 +124,44 @@ def test_shutdown_returns_once_the_serving_thread_has() -> None:
     assert not own.is_alive() and other.returned
 
 
+_CTRL_C_AFTER_OVERLAPPING_SERVERS = """
+import os, signal, sys, time
+from pyengine.io import CheckpointedInputGate
+from pyengine.runners.flight import serve
+from pyengine.testing import RecordingListener
+
+# Two servers whose serving overlaps, shut down in the order they started: with pyarrow's
+# serve() the second restored the first one's C handler, long gone, and Ctrl-C was lost.
+a, _ = serve(CheckpointedInputGate(1, RecordingListener()), "t" * 32)
+b, _ = serve(CheckpointedInputGate(1, RecordingListener()), "t" * 32)
+time.sleep(0.2)
+a.shutdown()
+b.shutdown()
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+except KeyboardInterrupt:
+    print("interrupted")
+    sys.exit(0)
+print("Ctrl-C was swallowed")
+sys.exit(1)
+"""
+
+
+def test_ctrl_c_reaches_python_after_flight_servers_that_overlapped() -> None:
+    """pyarrow's ``serve()`` installs a C SIGINT handler while it serves and puts back the
+    one it found when it returns; servers of one process that overlap (a job's channel and
+    control servers, a driver's runs) could leave a dead server's handler in place, and
+    Ctrl-C in ``execute()`` did nothing. The serving thread waits without signals."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_AFTER_OVERLAPPING_SERVERS], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and "interrupted" in done.stdout, done.stdout + done.stderr
+
+
 def test_servers_made_one_after_another_each_answer() -> None:
     """A smoke test of the case above, end to end: each of 300 servers made right after
     the last one's shutdown answers its port. (Without the join about 1 server in 3,000

@@ -274,11 +274,6 @@ def test_ctrl_c_during_execute_records_the_run_canceled_before_the_interrupt_goe
 
     from pyengine.storage.jobs import list_jobs
 
-    # Python's own SIGINT handler, as a script starts with: pyarrow Flight's serve() puts its
-    # C handler in place while it serves, and servers that overlap (tests/test_flight.py
-    # starts 16) can leave it there, swallowing Ctrl-C; a Spark test that ran in between
-    # used to mask this by installing pyspark's handler, the fast tier has none (#38).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     env = pe.StreamEnvironment(
         parallelism=2,
         checkpointing=pe.CheckpointConfig(interval_ms=100),

@@ -492,11 +492,18 @@ class GuardedServer(flight.FlightServerBase):
         return thread
 
     def serve(self) -> None:
-        """pyarrow's ``serve()`` (it blocks until ``shutdown()``; the server answers calls
-        from its construction on), remembering the thread, which ``shutdown()`` joins."""
+        """Blocks until ``shutdown()`` (the server answers calls from its construction on),
+        remembering the thread, which ``shutdown()`` joins.
+
+        It waits with pyarrow's ``wait()``, not its ``serve()``: ``serve()`` installs a C
+        handler for SIGINT and SIGTERM while it serves and puts back the handler it found
+        when it returns, so two servers whose serving overlaps (a job's channel and control
+        servers, one run after another in a driver) can leave a shut-down server's handler
+        in place, and Ctrl-C in ``execute()`` then does nothing. A job's servers are ended
+        by the job, never by a signal."""
         if self._serving is None:
             self._serving = threading.current_thread()
-        super().serve()
+        self.wait()
 
     def shutdown(self) -> None:
         """Stops the server, then waits for the thread in ``serve()`` to return.
