@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional,
 from .agg import Aggregation
 from .coordinator import CheckpointConfig
 from .errors import suggest_keywords
+from .joins import IntervalJoin, JoinedStreams
 from .monitoring.config import Monitoring
 from .runners.result import JobResult
 from .runtime.aggregate import AggregateOperator
@@ -60,12 +61,10 @@ from .sinks import Sink
 from .state.descriptors import MapStateDescriptor
 from .state.keygroups import check_parallelism
 from .time.strategy import TimestampAssigner, WatermarkStrategy
+from .windows import WindowAssigner, WindowedStream
 
 if TYPE_CHECKING:
     import pyarrow.fs
-
-    from .joins import IntervalJoin, JoinedStreams
-    from .windows import WindowAssigner, WindowedStream
 
 __all__ = [
     "BroadcastConnectedStream",
@@ -1061,8 +1060,6 @@ class DataStream:
         """A window join (PyFlink's): ``a.join(b).where(k1).equal_to(k2)
         .window(pe.windows.tumbling(...)).apply(fn)`` calls ``fn(left, right)`` for
         every pair of records with equal keys in the same window."""
-        from .joins import JoinedStreams
-
         return JoinedStreams(self, other)
 
     @overload
@@ -1375,8 +1372,6 @@ class KeyedStream:
         .between(lower_ms, upper_ms).process(fn)`` pairs each record of ``a`` with the
         records of ``b`` of the same key whose timestamps lie in
         ``[a.ts + lower_ms, a.ts + upper_ms]``; event time on both sides."""
-        from .joins import IntervalJoin
-
         return IntervalJoin(self, other)
 
     def process(self, fn: KeyedProcessFunction) -> DataStream:
@@ -1456,6 +1451,4 @@ class KeyedStream:
         slide_ms)`` or ``session(gap_ms)``; then ``.aggregate(pe.agg...)`` or
         ``.process(fn)``. Event time needs the stream's timestamps (a
         ``watermark_strategy`` or ``assign_timestamps_and_watermarks`` upstream)."""
-        from .windows import WindowedStream
-
         return WindowedStream(self, assigner)
