@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import numpy as np
 import pyarrow as pa
 
+from .._native import ColumnarGroup, merge_groups
 from ..agg import Aggregation
 from ..errors import NonRetryableError
 from ..io.events import MAX_WATERMARK
@@ -314,8 +315,6 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         return assign_to_key_group(key, self.backend.max_parallelism) - self.backend.key_group_range.start
 
     def _merge_columnar(self, keys: np.ndarray, window: int, partial: Dict[str, Any]) -> Dict[str, np.ndarray]:
-        from .. import _native
-
         r = self.backend.key_group_range
         groups_of = key_groups_of_int64(keys, self.backend.max_parallelism) - r.start
         if len(groups_of) and (groups_of.min() < 0 or groups_of.max() >= len(r)):
@@ -342,7 +341,7 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
                     groups[index] = self._tables[slot_of[index]][name]._table.groups[index]
                 if kind in _ADDED or not p.null_count:
                     how = "add" if kind in _ADDED else kind
-                    merged = _native.merge_groups(groups, sorted_keys, sorted_values, bounds, in_slots, how)
+                    merged = merge_groups(groups, sorted_keys, sorted_values, bounds, in_slots, how)
                 else:  # keys with only nulls here keep what they have (n(column) tells if anything)
                     has = ~np.asarray(p.is_null())[order]
                     for index in in_slots:
@@ -457,8 +456,6 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         return self._output(keys_array, window, totals)
 
     def _purge(self, window: int) -> None:
-        from .. import _native
-
         for index in self._windows.pop(window, ()):
             slot = self._slots[index].pop(window)
             for state in self._tables[slot].values():
@@ -466,7 +463,7 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
                 if table.tracking:  # incremental: the removals go into the next delta
                     table.groups[index].clear()
                 else:  # a new, empty group: a snapshot still writing the old one keeps it
-                    table.groups[index] = _native.ColumnarGroup(table.dtype)
+                    table.groups[index] = ColumnarGroup(table.dtype)
         spilled = self._overflowed.pop(window, ())
         if spilled:
             table = self.backend._tables.get(_OVERFLOW.name)
