@@ -16,7 +16,8 @@ dropped and counted in the job's statistics (``numLateRecordsDropped``). Session
 windows merge as Flink's ``MergingWindowSet``: a record opens ``[ts, ts + gap)`` and
 every window that intersects it (touching counts) merges into one.
 
-Two operators run windows:
+Two operators run windows, both in the runtime (``pyengine.runtime.aligned_windows``,
+``pyengine.runtime.windows``); this module builds them and checks the arguments:
 
 - tumbling and sliding windows with ``.aggregate`` over a stream keyed by a column
   (``AlignedWindowAggregateOperator``): vectorised like ``KeyedStream.aggregate``.
