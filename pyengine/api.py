@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional,
 
 from .agg import Aggregation
 from .coordinator import CheckpointConfig
-from .errors import suggest_keywords
+from .errors import JobFailedError, KeySelectorError, NonRetryableError, UnhashableKeyError, suggest_keywords
+from .joins import IntervalJoin, JoinedStreams
 from .monitoring.config import Monitoring
+from .monitoring.console import checkpoint_summary_html
 from .runners.result import JobResult
-from .runtime.aggregate import AggregateOperator
+from .runtime.aggregate import AggregateOperator, check_aggregate
 from .runtime.broadcast import (
     BroadcastProcessFunction,
     BroadcastProcessOperator,
@@ -43,6 +45,7 @@ from .runtime.operators import (
     ProcessFunction,
     ProcessOperator,
     TimestampsAndWatermarksOperator,
+    UserFunctionError,
     key_selector,
     overrides_co_on_timer,
     overrides_on_timer,
@@ -54,18 +57,17 @@ from .runtime.sources import (
     MonitoredFileSource,
     Source,
     SourceOperator,
+    check_columns,
 )
 from .runtime.task import EventTimeStatistics, SinkOperator, event_time_statistics
 from .sinks import Sink
 from .state.descriptors import MapStateDescriptor
 from .state.keygroups import check_parallelism
 from .time.strategy import TimestampAssigner, WatermarkStrategy
+from .windows import WindowAssigner, WindowedStream
 
 if TYPE_CHECKING:
     import pyarrow.fs
-
-    from .joins import IntervalJoin, JoinedStreams
-    from .windows import WindowAssigner, WindowedStream
 
 __all__ = [
     "BroadcastConnectedStream",
@@ -693,16 +695,11 @@ def _named(obj: Any) -> str:
 def _raise_if_failed(result: JobResult) -> JobResult:
     if result.status != "FAILED":
         return result
-    from .errors import JobFailedError
-
     cause = result.cause
     user = cause.__cause__ if cause is not None and cause.__cause__ is not None else cause
     # the user's exception, with where it was raised when the runner wrapped it
     # (UserFunctionError, KeySelectorError: their messages name the operator and repeat it)
     what = f"{type(user).__name__}: {user}" if user is not None else "unknown cause"
-    from .errors import KeySelectorError, NonRetryableError, UnhashableKeyError
-    from .runtime.operators import UserFunctionError
-
     if isinstance(cause, UserFunctionError) and user is not cause and str(cause):
         what = str(cause)  # "operator 'x' (subtask 0): KeyError: ..."
     elif isinstance(cause, (KeySelectorError, UnhashableKeyError, NonRetryableError)) and user is not cause:
@@ -726,8 +723,6 @@ def _check_strategy(strategy: Any, where: str) -> Optional[WatermarkStrategy]:
 
 def _check_timestamp_column(schema: Any, assigner: Any, where: str) -> None:
     if schema is not None and assigner is not None and isinstance(assigner.column, str):
-        from .runtime.sources import check_columns
-
         check_columns(schema, [assigner.column], f"{where} (timestamp column)")
 
 
@@ -820,8 +815,6 @@ class JobClient:
         return None if monitor is None else monitor.url
 
     def _repr_html_(self) -> str:
-        from .monitoring.console import checkpoint_summary_html
-
         stats = self.checkpoints
         if stats is None:
             return f"<p>job <b>{self._runner.name}</b> starting</p>"
@@ -1061,8 +1054,6 @@ class DataStream:
         """A window join (PyFlink's): ``a.join(b).where(k1).equal_to(k2)
         .window(pe.windows.tumbling(...)).apply(fn)`` calls ``fn(left, right)`` for
         every pair of records with equal keys in the same window."""
-        from .joins import JoinedStreams
-
         return JoinedStreams(self, other)
 
     @overload
@@ -1132,8 +1123,6 @@ class DataStream:
 
     def key_by(self, key: Any) -> KeyedStream:
         if isinstance(key, str):
-            from .runtime.sources import check_columns
-
             check_columns(self._schema, [key], f"key_by({key!r})")
         select = key_selector(key)
         return KeyedStream(self._then(_Step("exchange", "hash", exchange="hash", key=select)), select)
@@ -1342,8 +1331,6 @@ class KeyedStream:
         if clashes:
             raise ValueError(f"aggregate output columns must be unique and differ from the key; repeated: {clashes}")
         aggs = list(aggregations)
-        from .runtime.aggregate import check_aggregate
-
         check_aggregate(self._stream._schema, column, aggs, emit)
         return self._stream._op(
             "aggregate", lambda uid, n, _c: AggregateOperator(uid, n, column, aggs, emit), side_outputs=False
@@ -1375,8 +1362,6 @@ class KeyedStream:
         .between(lower_ms, upper_ms).process(fn)`` pairs each record of ``a`` with the
         records of ``b`` of the same key whose timestamps lie in
         ``[a.ts + lower_ms, a.ts + upper_ms]``; event time on both sides."""
-        from .joins import IntervalJoin
-
         return IntervalJoin(self, other)
 
     def process(self, fn: KeyedProcessFunction) -> DataStream:
@@ -1456,6 +1441,4 @@ class KeyedStream:
         slide_ms)`` or ``session(gap_ms)``; then ``.aggregate(pe.agg...)`` or
         ``.process(fn)``. Event time needs the stream's timestamps (a
         ``watermark_strategy`` or ``assign_timestamps_and_watermarks`` upstream)."""
-        from .windows import WindowedStream
-
         return WindowedStream(self, assigner)

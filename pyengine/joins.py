@@ -20,9 +20,8 @@ the chosen columns of each side and the pair's times (``pyengine.runtime.joins``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple
 
-from .errors import NonRetryableError
 from .runtime.copies import per_subtask
 from .runtime.joins import (
     ArrowIntervalJoinOperator,
@@ -30,16 +29,15 @@ from .runtime.joins import (
     IntervalJoinOperator,
     JoinContext,
     ProcessJoinFunction,
-    check_key,
+    WindowJoinOperator,
     joined_schema,
 )
-from .runtime.operators import Operator, OutputTag, UserFunctionError, rows_of
+from .runtime.operators import Operator, OutputTag
+from .runtime.windows import WindowAssigner
 from .time.strategy import TimestampAssigner
-from .windows import WindowOperator
 
 if TYPE_CHECKING:
     from .api import DataStream, KeyedStream
-    from .windows import WindowAssigner
 
 __all__ = [
     "IntervalJoin",
@@ -282,68 +280,6 @@ def _check_schema(
     return joined_schema(a._schema, b._schema, keys, columns, right_suffix, extra_types)[2]
 
 
-class WindowJoinOperator(WindowOperator):
-    """The window join with a ``JoinFunction``, per record: Flink's join is a co-group
-    of the two sides' windows, and so is this ``WindowOperator`` (each key's windows
-    and their elements in keyed state, a timer per window) whose elements are kept as
-    ``(side, record)``: at a window's end every pair of a left and a right element of
-    the key goes to the function, and a session window merges both sides' elements."""
-
-    def __init__(
-        self,
-        uid: str,
-        name: str,
-        key_selectors: Tuple[Callable[[Any], Any], Callable[[Any], Any]],
-        timestamps: Tuple[TimestampAssigner, TimestampAssigner],
-        assigner: Any,
-        fn: Callable[[Any, Any], Any],
-    ) -> None:
-        super().__init__(uid, name, key_selectors[0], "key", assigner, 0, timestamps[0], function=self._pairs)
-        self.key_selectors = key_selectors
-        self.side_timestamps = timestamps
-        self.join_fn = fn
-
-    def _pairs(self, key: Any, window: Any, elements: List[Any]) -> List[Any]:
-        lefts = [r for side, r in elements if side == 0]
-        rights = [r for side, r in elements if side == 1]
-        fn = self.join_fn
-        return [fn(left, right) for left in lefts for right in rights]
-
-    def open(self) -> None:
-        opener = getattr(self.join_fn, "open", None)
-        if opener is not None:
-            self._call(opener, self._wctx)
-
-    def close(self) -> None:
-        closer = getattr(self.join_fn, "close", None)
-        if closer is not None:
-            self._call(closer)
-
-    def process(self, records: Any) -> List[Any]:
-        return self._tagged(records, 0)
-
-    def process2(self, records: Any) -> List[Any]:
-        return self._tagged(records, 1)
-
-    def _tagged(self, records: Any, side: int) -> List[Any]:
-        out: List[Any] = []
-        if not len(records):
-            return out
-        stamps = self.side_timestamps[side].of_buffer(records, self.where()).tolist()
-        select, backend = self.key_selectors[side], self.backend
-        try:
-            for record, ts in zip(rows_of(records), stamps, strict=True):
-                key = select(record)
-                check_key(self, key, record)
-                backend.set_current_key(key)
-                self._add(key, (side, record), ts, out)
-        except (NonRetryableError, UserFunctionError):
-            raise
-        except Exception as exc:
-            raise UserFunctionError(f"{self.where()}: {type(exc).__name__}: {exc}") from exc
-        return out
-
-
 # -- the window join -------------------------------------------------------------------------------
 
 
@@ -390,8 +326,6 @@ class WithWindow:
     """A window join with its keys and windows: end it with ``.apply(fn)`` or ``.project(...)``."""
 
     def __init__(self, left: DataStream, right: DataStream, keys: Tuple[Any, Any], assigner: WindowAssigner) -> None:
-        from .windows import WindowAssigner
-
         if not isinstance(assigner, WindowAssigner):
             raise TypeError(
                 f"join window takes pe.windows.tumbling(...), sliding(...) or session(...), got {assigner!r}"

@@ -6,11 +6,12 @@ Needs import-linter (the ``lint`` extra); skipped without it."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Set
+from typing import List, Set, Tuple
 
 import pytest
 
@@ -101,6 +102,8 @@ CYCLES = "No import cycles between the modules of a package"
 LAYERS = "Layers, top to bottom; nothing imports upward"
 PYSPARK = "Only the Spark runner and the Spark integrations import pyspark"
 PYSPARK_BELOW = "Nothing below the Spark runner reaches pyspark, even indirectly"
+RUNTIME_FACE = "The runtime never imports the face (the graph builders)"
+TOP_CYCLES = "No import cycles between pyengine's top-level modules and packages"
 
 
 def lazy(statement: str) -> str:
@@ -117,6 +120,12 @@ INJECTIONS = [
     ("state/heap.py", lazy("from .. import api"), LAYERS),
     ("runtime/sources.py", lazy("import pyspark"), PYSPARK),
     ("sinks.py", lazy("from .spark import dataframe"), PYSPARK_BELOW),
+    ("runtime/windows.py", lazy("from .. import windows"), RUNTIME_FACE),
+    ("runtime/joins.py", lazy("from ..joins import JoinedStreams"), RUNTIME_FACE),
+    ("runtime/aligned_windows.py", lazy("from ..api import DataStream"), RUNTIME_FACE),
+    # api imports joins and windows at the top: an import back, even in a function, is a circle
+    ("joins.py", lazy("from .api import DataStream"), TOP_CYCLES),
+    ("windows.py", lazy("from . import api"), TOP_CYCLES),
 ]
 
 
@@ -129,3 +138,65 @@ def test_an_injected_import_breaks_its_contract(copy: Path, path: str, code: str
     assert done.returncode == 1, done.stdout + done.stderr
     broken = [line for line in done.stdout.splitlines() if " BROKEN" in line]
     assert any(line.startswith(contract) for line in broken), done.stdout
+
+
+def _function_level_imports(path: Path, package: str) -> List[Tuple[int, str]]:
+    """(line, module) of every import of a pyengine module inside a function of ``path``
+    (a module of ``package``), relative imports resolved."""
+    tree = ast.parse(path.read_text())
+    out: List[Tuple[int, str]] = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")
+                if node.level:
+                    base = base[: len(base) - node.level + 1]
+                    name = ".".join([*base, node.module] if node.module else base)
+                else:
+                    name = node.module or ""
+                out.append((node.lineno, name))
+            elif isinstance(node, ast.Import):
+                out.extend((node.lineno, alias.name) for alias in node.names)
+    return [(line, name) for line, name in out if name == "pyengine" or name.startswith("pyengine.")]
+
+
+# In the face a function may import only what brings an optional dependency (pyspark) or is
+# chosen when the job runs: the runners (the Spark runner, the process runner's workers).
+DEFERRED_IN_THE_FACE = ("pyengine.spark", "pyengine.runners")
+
+
+@pytest.mark.parametrize("module", ["api", "joins", "windows"])
+def test_the_face_imports_what_it_builds_at_the_top(module: str) -> None:
+    """api, joins and windows build graphs from the operators below them: they take those
+    at import time, so no call (``key_by(...).window(...)``, ``a.join(b)``) imports a
+    module, and no import circle among them can hide in a function."""
+    found = _function_level_imports(ROOT / "pyengine" / f"{module}.py", "pyengine")
+    deferred = [(line, name) for line, name in found if not name.startswith(DEFERRED_IN_THE_FACE)]
+    assert not deferred, f"pyengine/{module}.py imports in a function: {deferred}"
+
+
+def test_the_runtime_reaches_the_native_module_directly() -> None:
+    """``from .. import _native`` in the runtime is an import of the top-level package,
+    which names the whole API (the face above the runtime): the runtime imports
+    ``pyengine._native`` by its own name instead."""
+    graph = grimp.build_graph("pyengine", exclude_type_checking_imports=True)
+    importers = graph.find_modules_that_directly_import("pyengine")
+    importers = {m for m in importers if m.startswith("pyengine.runtime")}
+    assert not importers, f"the runtime imports the top-level package: {sorted(importers)}"
+
+
+def test_monitoring_submodules_do_not_import_their_package() -> None:
+    """``pyengine.monitoring`` imports ``monitor`` at its top, so a ``from . import x``
+    there is an import of the package that is importing it (a circle that works only
+    because Python falls back to the submodule): its modules name the module they use."""
+    package = ROOT / "pyengine" / "monitoring"
+    through_package = [
+        (path.name, node.lineno)
+        for path in sorted(package.glob("*.py"))
+        if path.name != "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module is None
+    ]
+    assert not through_package, f"imports through pyengine.monitoring: {through_package}"

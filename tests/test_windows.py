@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pyengine as pe
+from pyengine.runtime import aligned_windows
 from pyengine.windows import WindowAssigner
 
 AGGS = (pe.agg.count(), pe.agg.sum("v"), pe.agg.min("v"), pe.agg.max("v"), pe.agg.mean("v"))
@@ -201,7 +202,7 @@ def test_windows_beyond_the_slots_overflow_and_stay_exact(
     """With one slot per key group (the states' budget of 5 for 5 accumulators),
     every further open window of a key group takes the per-key overflow: the output
     must not change, across a failure and a restore either."""
-    monkeypatch.setattr(pe.windows, "_MAX_SLOT_STATES", 5)
+    monkeypatch.setattr(aligned_windows, "_MAX_SLOT_STATES", 5)
     records = make_records(400, keys=6, step=3, jitter=60, seed=11)
     result = run_job(
         tmp_path, records, assigner, parallelism=3, backend=backend, unaligned=True, jitter=60, fail_at=200
@@ -226,7 +227,7 @@ def test_sessions_merge_and_fire_as_flinks_merge_windows_and_the_scan(
     timers: the same window returned and the same contents, merged in order of start,
     after every addition (touching windows merge, as Flink's); then timers at random
     times fire the window ending there and drop those whose cleanup has come."""
-    from pyengine.windows import TimeWindow, _Sessions, merge_windows
+    from pyengine.runtime.windows import TimeWindow, _Sessions, merge_windows
 
     contents: Dict[Tuple[int, int], Any] = {}
     reference: Dict[Tuple[int, int], Any] = {}
@@ -258,7 +259,7 @@ def test_a_key_whose_every_record_is_late_leaves_nothing_behind_in_the_session_i
     records = [{"k": "on time", "ts": t} for t in range(0, 5000, 10)] + [{"k": i, "ts": 1} for i in range(300)]
     strategy = pe.WatermarkStrategy.for_bounded_out_of_orderness(0).with_timestamp_assigner("ts")
     seen: List[Any] = []
-    from pyengine.windows import WindowOperator
+    from pyengine.runtime.windows import WindowOperator
 
     original = WindowOperator.process
 
@@ -285,7 +286,7 @@ def test_a_growing_session_keeps_one_pending_timer_per_key(lateness: int) -> Non
     deleted (Flink does so on merge), so a key has one pending timer, not one per record
     fired for nothing later. With allowed lateness a window has two timers, which may
     coincide with another window's: those stay and fire for nothing, as before."""
-    from pyengine.windows import WindowOperator
+    from pyengine.runtime.windows import WindowOperator
 
     env = pe.StreamEnvironment(parallelism=1, buffer_size=50, monitoring=None)
     # 20 keys, each record 20 ms after its key's last: one session per key, never closed

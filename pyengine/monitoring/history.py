@@ -23,8 +23,8 @@ MAX_STATS_BYTES = 16 * 1024 * 1024  # a history of ten checkpoints is a few KiB;
 
 def run_statistics(job: Any, status: str) -> Dict[str, Any]:
     """What a run leaves: its identity and end, and its checkpoints as ``/jobs/:id/checkpoints`` shows them."""
-    from . import rest
     from .monitor import vertices_of
+    from .rest import checkpointing_statistics
 
     coordinator = job.coordinator
     config = getattr(job.env, "checkpointing", None)
@@ -36,7 +36,7 @@ def run_statistics(job: Any, status: str) -> Dict[str, Any]:
             "state": status,
             "restarts": int(getattr(job, "restarts", 0) or 0),
         },
-        "checkpoints": rest.checkpointing_statistics(
+        "checkpoints": checkpointing_statistics(
             coordinator.stats,
             vertices_of(job.graph, job.env),
             unaligned_by_config=bool(config is not None and config.unaligned),

@@ -29,9 +29,17 @@ import time
 from typing import Any, Callable, Dict, Hashable, List, Optional, TextIO, Tuple
 
 from ..coordinator.stats import CheckpointStatsTracker
-from . import rest
 from .config import Monitoring
 from .metrics import JobSample, MetricsHistory, clean_counters
+from .rest import (
+    VertexInfo,
+    backpressure_level,
+    checkpoint_statistics,
+    checkpointing_statistics,
+    find_checkpoint,
+    task_checkpoint_details,
+)
+from .rest import checkpoint_config as rest_checkpoint_config
 
 __all__ = ["JSON_TYPE", "JobMonitor", "start_monitor", "vertices_of"]
 
@@ -47,14 +55,14 @@ Body = Tuple[int, bytes, str]  # status, payload, content type
 _SHIP_STRATEGY = {"forward": "FORWARD", "hash": "HASH", "rebalance": "REBALANCE", "broadcast": "BROADCAST"}
 
 
-def vertices_of(graph: Any, env: Any) -> List[rest.VertexInfo]:
+def vertices_of(graph: Any, env: Any) -> List[VertexInfo]:
     """The job graph's vertices as the REST API shows them."""
     out = []
     for v in graph.vertices:
         uids = v.uids()
         names = [s.name for s in v.steps]
         out.append(
-            rest.VertexInfo(
+            VertexInfo(
                 id=str(v.name),
                 name=" -> ".join(names),
                 parallelism=int(env.parallelism),
@@ -104,7 +112,7 @@ class JobMonitor:
         self._cpu_lock = threading.Lock()
         self._bodies: Dict[str, Tuple[Hashable, Body]] = {}
         self._bodies_lock = threading.Lock()
-        self._vertices: Optional[Tuple[Any, List[rest.VertexInfo]]] = None
+        self._vertices: Optional[Tuple[Any, List[VertexInfo]]] = None
 
     # -- life --------------------------------------------------------------------------------
 
@@ -335,7 +343,7 @@ class JobMonitor:
             return None
         return [m.checkpoint_id for m in store.checkpoints]
 
-    def vertices(self) -> List[rest.VertexInfo]:
+    def vertices(self) -> List[VertexInfo]:
         """The job graph's vertices, worked out once per graph (a job's graph does not
         change while it runs; answers ask for it several times each)."""
         graph = self.job.graph
@@ -345,7 +353,7 @@ class JobMonitor:
             self._vertices = kept
         return list(kept[1])
 
-    def vertex(self, vertex_id: str) -> Optional[rest.VertexInfo]:
+    def vertex(self, vertex_id: str) -> Optional[VertexInfo]:
         for v in self.vertices():
             if v.id == vertex_id:
                 return v
@@ -368,7 +376,7 @@ class JobMonitor:
 
     def checkpoints(self) -> Dict[str, Any]:
         config = self.checkpoint_config()
-        return rest.checkpointing_statistics(
+        return checkpointing_statistics(
             self.tracker(),
             self.vertices(),
             unaligned_by_config=bool(config is not None and config.unaligned),
@@ -376,11 +384,11 @@ class JobMonitor:
         )
 
     def checkpoint_details(self, checkpoint_id: int) -> Optional[Dict[str, Any]]:
-        stats = rest.find_checkpoint(self.tracker(), checkpoint_id)
+        stats = find_checkpoint(self.tracker(), checkpoint_id)
         if stats is None:
             return None
         config = self.checkpoint_config()
-        return rest.checkpoint_statistics(
+        return checkpoint_statistics(
             stats,
             self.vertices(),
             unaligned_by_config=bool(config is not None and config.unaligned),
@@ -388,17 +396,17 @@ class JobMonitor:
         )
 
     def subtask_details(self, checkpoint_id: int, vertex_id: str) -> Optional[Dict[str, Any]]:
-        stats = rest.find_checkpoint(self.tracker(), checkpoint_id)
+        stats = find_checkpoint(self.tracker(), checkpoint_id)
         vertex = self.vertex(vertex_id)
         if stats is None or vertex is None:
             return None
-        return rest.task_checkpoint_details(stats, vertex)
+        return task_checkpoint_details(stats, vertex)
 
     def config_info(self) -> Optional[Dict[str, Any]]:
         config = self.checkpoint_config()
         if config is None:
             return None
-        return rest.checkpoint_config(
+        return rest_checkpoint_config(
             config,
             state_backend=str(self.job.env.state_backend),
             checkpoint_storage=self.storage_uri(),
@@ -413,7 +421,7 @@ class JobMonitor:
         sample = self.latest()
         vertices: List[Dict[str, Any]] = []
         nodes: List[Dict[str, Any]] = []
-        previous: Optional[rest.VertexInfo] = None
+        previous: Optional[VertexInfo] = None
         for v in self.vertices():
             subs = [s for (vid, _), s in sample.subtasks.items() if vid == v.id]
             finished = sum(1 for s in subs if s.status == "FINISHED")
@@ -510,7 +518,7 @@ class JobMonitor:
                 {
                     "subtask": i,
                     "attempt-number": s.attempt if s is not None else 0,
-                    "backpressure-level": rest.backpressure_level(ratio),
+                    "backpressure-level": backpressure_level(ratio),
                     "ratio": round(ratio, 4),
                     "idleRatio": round((s.idle_ms_per_s if s else 0.0) / 1000, 4),
                     "busyRatio": round((s.busy_ms_per_s if s else 0.0) / 1000, 4),
@@ -523,7 +531,7 @@ class JobMonitor:
             )
         return {
             "status": "ok",
-            "backpressure-level": rest.backpressure_level(worst),
+            "backpressure-level": backpressure_level(worst),
             "end-timestamp": sample.timestamp_ms,
             "subtasks": subtasks,
         }

@@ -7,8 +7,8 @@ operators, each side keyed by its own selector into one key space.
   timer at its cleanup time drops it once no record of the other side could still
   pair with it. A record behind the watermark is late: dropped and counted (or sent to
   a side output), as in Flink.
-- ``pyengine.joins.WindowJoinOperator`` (there: it is a ``pyengine.windows.WindowOperator``,
-  a layer above the runtime): the window join with a ``JoinFunction``, per record.
+- ``WindowJoinOperator``: the window join with a ``JoinFunction``, per record, a
+  ``runtime.windows.WindowOperator`` whose elements are tagged with their side.
 - ``ArrowWindowJoinOperator`` and ``ArrowIntervalJoinOperator``: the same joins on
   Arrow batches with no Python call per row (``.project(...)``): rows wait as
   Arrow batches, probed with one hash join per input batch (interval join) or per
@@ -39,6 +39,7 @@ from .operators import (
     batch_of,
     rows_of,
 )
+from .windows import WindowOperator
 
 __all__ = [
     "ArrowIntervalJoinOperator",
@@ -46,6 +47,7 @@ __all__ = [
     "IntervalJoinOperator",
     "JoinContext",
     "ProcessJoinFunction",
+    "WindowJoinOperator",
     "check_key",
     "joined_schema",
 ]
@@ -266,6 +268,68 @@ class IntervalJoinOperator(_LateCounting):
 
 _TS = "__pe_ts"  # a buffered row's event time (int64), kept beside its columns
 _WINDOW = "__pe_w"  # a buffered row's window start (the window join)
+
+
+class WindowJoinOperator(WindowOperator):
+    """The window join with a ``JoinFunction``, per record: Flink's join is a co-group
+    of the two sides' windows, and so is this ``WindowOperator`` (each key's windows
+    and their elements in keyed state, a timer per window) whose elements are kept as
+    ``(side, record)``: at a window's end every pair of a left and a right element of
+    the key goes to the function, and a session window merges both sides' elements."""
+
+    def __init__(
+        self,
+        uid: str,
+        name: str,
+        key_selectors: Tuple[Callable[[Any], Any], Callable[[Any], Any]],
+        timestamps: Tuple[TimestampAssigner, TimestampAssigner],
+        assigner: Any,
+        fn: Callable[[Any, Any], Any],
+    ) -> None:
+        super().__init__(uid, name, key_selectors[0], "key", assigner, 0, timestamps[0], function=self._pairs)
+        self.key_selectors = key_selectors
+        self.side_timestamps = timestamps
+        self.join_fn = fn
+
+    def _pairs(self, key: Any, window: Any, elements: List[Any]) -> List[Any]:
+        lefts = [r for side, r in elements if side == 0]
+        rights = [r for side, r in elements if side == 1]
+        fn = self.join_fn
+        return [fn(left, right) for left in lefts for right in rights]
+
+    def open(self) -> None:
+        opener = getattr(self.join_fn, "open", None)
+        if opener is not None:
+            self._call(opener, self._wctx)
+
+    def close(self) -> None:
+        closer = getattr(self.join_fn, "close", None)
+        if closer is not None:
+            self._call(closer)
+
+    def process(self, records: Any) -> List[Any]:
+        return self._tagged(records, 0)
+
+    def process2(self, records: Any) -> List[Any]:
+        return self._tagged(records, 1)
+
+    def _tagged(self, records: Any, side: int) -> List[Any]:
+        out: List[Any] = []
+        if not len(records):
+            return out
+        stamps = self.side_timestamps[side].of_buffer(records, self.where()).tolist()
+        select, backend = self.key_selectors[side], self.backend
+        try:
+            for record, ts in zip(rows_of(records), stamps, strict=True):
+                key = select(record)
+                check_key(self, key, record)
+                backend.set_current_key(key)
+                self._add(key, (side, record), ts, out)
+        except (NonRetryableError, UserFunctionError):
+            raise
+        except Exception as exc:
+            raise UserFunctionError(f"{self.where()}: {type(exc).__name__}: {exc}") from exc
+        return out
 
 
 def joined_schema(

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, FrozenSet, Iterable, List, Opti
 
 import pyarrow as pa
 
-from .. import _native
+from .._native import KeyedContextCalls
 from ..errors import ColumnNotFoundError, NonRetryableError, OutputTypeError, not_records, refuse_non_records
 from ..io.events import MAX_WATERMARK, MIN_WATERMARK, WATERMARK_ACTIVE, WATERMARK_IDLE, Watermark
 from ..state import ListStateDescriptor, OperatorStateBackend, create_keyed_backend, key_group_range_for_subtask
@@ -436,7 +436,7 @@ def batch_of(records: Any) -> pa.RecordBatch:
         return pa.RecordBatch.from_pylist(plain)
 
 
-class _KeyedContextFields(_native.KeyedContextCalls):
+class _KeyedContextFields(KeyedContextCalls):
     """``KeyedContext``'s fields that firing timers set, once per timer, and the timer
     service that ``timer_service()`` returns: slots, which the native timer sets write
     and read at their place in the object (see ``bindings/_keycore.pxi``). A subclass
