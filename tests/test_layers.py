@@ -101,6 +101,7 @@ CYCLES = "No import cycles between the modules of a package"
 LAYERS = "Layers, top to bottom; nothing imports upward"
 PYSPARK = "Only the Spark runner and the Spark integrations import pyspark"
 PYSPARK_BELOW = "Nothing below the Spark runner reaches pyspark, even indirectly"
+STATE_KINDS = "State kinds never import the backends that store them"
 
 
 def lazy(statement: str) -> str:
@@ -115,6 +116,7 @@ INJECTIONS = [
     ("storage/handles.py", "from ..state import keygroups  # noqa\n", LAYERS),
     ("coordinator/stats.py", lazy("from ..runners import local"), LAYERS),
     ("state/heap.py", lazy("from .. import api"), LAYERS),
+    ("state/maps.py", lazy("from . import incremental"), STATE_KINDS),
     ("runtime/sources.py", lazy("import pyspark"), PYSPARK),
     ("sinks.py", lazy("from .spark import dataframe"), PYSPARK_BELOW),
 ]
