@@ -102,6 +102,7 @@ LAYERS = "Layers, top to bottom; nothing imports upward"
 PYSPARK = "Only the Spark runner and the Spark integrations import pyspark"
 PYSPARK_BELOW = "Nothing below the Spark runner reaches pyspark, even indirectly"
 STATE_KINDS = "State kinds never import the backends that store them"
+TWS_SHIMS = "The tws handle and schemas never import their driver"
 
 
 def lazy(statement: str) -> str:
@@ -117,6 +118,7 @@ INJECTIONS = [
     ("coordinator/stats.py", lazy("from ..runners import local"), LAYERS),
     ("state/heap.py", lazy("from .. import api"), LAYERS),
     ("state/maps.py", lazy("from . import incremental"), STATE_KINDS),
+    ("spark/tws_schema.py", lazy("from . import tws"), TWS_SHIMS),
     ("runtime/sources.py", lazy("import pyspark"), PYSPARK),
     ("sinks.py", lazy("from .spark import dataframe"), PYSPARK_BELOW),
 ]
