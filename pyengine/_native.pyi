@@ -86,7 +86,7 @@ class ColumnarValueCalls:
     def clear(self) -> None: ...
 
 class StateTableBase:
-    """The fields of ``state.heap.StateTable`` (its methods are Python's), read by the C state calls."""
+    """The fields of ``state.table.StateTable`` (its methods are Python's), read by the C state calls."""
 
     descriptor: Any
     groups: List[Dict[Any, Any]]
@@ -147,7 +147,7 @@ def route_int_keys(
 ) -> int: ...
 
 class ListViewBase:
-    """The fields of ``pyengine.state.heap.ListView``, made in C."""
+    """The fields of ``pyengine.state.lists.ListView``, made in C."""
 
     _list: Any
     _n: int

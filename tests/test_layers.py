@@ -104,6 +104,8 @@ PYSPARK = "Only the Spark runner and the Spark integrations import pyspark"
 PYSPARK_BELOW = "Nothing below the Spark runner reaches pyspark, even indirectly"
 RUNTIME_FACE = "The runtime never imports the face (the graph builders)"
 TOP_CYCLES = "No import cycles between pyengine's top-level modules and packages"
+STATE_KINDS = "State kinds never import the backends that store them"
+TWS_SHIMS = "The tws handle and schemas never import their driver"
 
 
 def lazy(statement: str) -> str:
@@ -118,6 +120,8 @@ INJECTIONS = [
     ("storage/handles.py", "from ..state import keygroups  # noqa\n", LAYERS),
     ("coordinator/stats.py", lazy("from ..runners import local"), LAYERS),
     ("state/heap.py", lazy("from .. import api"), LAYERS),
+    ("state/maps.py", lazy("from . import incremental"), STATE_KINDS),
+    ("spark/tws_schema.py", lazy("from . import tws"), TWS_SHIMS),
     ("runtime/sources.py", lazy("import pyspark"), PYSPARK),
     ("sinks.py", lazy("from .spark import dataframe"), PYSPARK_BELOW),
     ("runtime/windows.py", lazy("from .. import windows"), RUNTIME_FACE),

@@ -592,7 +592,7 @@ def test_a_socket_channel_pickles_a_buffer_when_pushed_and_gives_back_records_wh
     """Buffers wait in a socket channel's queue pickled (their records die at once); an
     unaligned barrier that overtakes them gets them back as the records they were, for
     the checkpoint, while events stay as they are."""
-    from pyengine.runners.processes import SocketChannel, _Pickled
+    from pyengine.runners.sockets import SocketChannel, _Pickled
 
     channel = SocketChannel.__new__(SocketChannel)  # the queue's side only: no socket, no sender thread
     channel.capacity, channel.error, channel._closed, channel._sending = 2, None, False, 0

@@ -29,9 +29,11 @@ from ..state.descriptors import (
     V,
     ValueStateDescriptor,
 )
-from ..state.heap import AggregatingState, ListState, MapState, ReducingState, ValueState
+from ..state.lists import ListState
+from ..state.maps import MapState
 from ..state.serializers import unviewed
 from ..state.timers import InvalidTimerError
+from ..state.values import AggregatingState, ReducingState, ValueState
 from ..storage.filesystem import CheckpointStorageLocation
 from ..storage.metadata import OperatorState, SubtaskState
 from ..time.domain import TimeDomain

@@ -262,7 +262,7 @@ def _with_tombstones(child: pa.Array, values: List[Any]) -> List[Any]:
 
 def _joined_buffers(live: List[Any], typecode: Optional[str], dtype: Any) -> Optional[np.ndarray]:
     """The elements of a typed list state whose lists are all array.arrays of
-    ``typecode`` (heap.ListState stores them so) as one array: their buffers
+    ``typecode`` (lists.ListState stores them so) as one array: their buffers
     joined, a copy of bytes with no element converted. None for any other lists."""
     if typecode is None:
         return None

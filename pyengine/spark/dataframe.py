@@ -118,7 +118,7 @@ def _scanned_parquet_files(df: Any) -> Optional[List[str]]:
 def _arrow_schema(df: Any) -> Optional[pa.Schema]:
     """The DataFrame's schema in Arrow terms, for checking columns when the job is built."""
     try:
-        from .tws import spark_arrow_schema
+        from .tws_schema import spark_arrow_schema
 
         return spark_arrow_schema(df.schema)
     except Exception:

@@ -269,7 +269,7 @@ def _arrow_schema(schema: Any) -> Optional[pa.Schema]:
         return schema
     from pyspark.sql.types import StructType, _parse_datatype_string
 
-    from .tws import spark_arrow_schema
+    from .tws_schema import spark_arrow_schema
 
     struct = _parse_datatype_string(schema) if isinstance(schema, str) else schema
     if not isinstance(struct, StructType):
@@ -370,7 +370,7 @@ class ForeachBatchHandler:
         return self._client is not None and not self._client.done()
 
     def _start(self, df: Any) -> None:
-        from .tws import spark_arrow_schema
+        from .tws_schema import spark_arrow_schema
 
         env = self._environment()
         source = _MicroBatchSource(spark_arrow_schema(df.schema, _session_time_zone(df)))

@@ -141,7 +141,7 @@ class _StateReader(DataSourceReader):
         return [InputPartition(0)]  # read_keyed_state reads a checkpoint whole (incremental chains)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        from .tws import spark_arrow_schema
+        from .tws_schema import spark_arrow_schema
 
         table = self.request.table()
         table = table.cast(spark_arrow_schema(self.schema))

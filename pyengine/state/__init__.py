@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from .columnar import NoCurrentKeyError
 from .descriptors import (
     AggregateFunction,
     AggregatingStateDescriptor,
@@ -20,16 +21,7 @@ from .descriptors import (
     TtlUpdateType,
     ValueStateDescriptor,
 )
-from .heap import (
-    AggregatingState,
-    HeapKeyedStateBackend,
-    ListState,
-    ListView,
-    MapState,
-    NoCurrentKeyError,
-    ReducingState,
-    ValueState,
-)
+from .heap import HeapKeyedStateBackend
 from .keygroups import (
     DEFAULT_MAX_PARALLELISM,
     KeyGroupRange,
@@ -39,9 +31,12 @@ from .keygroups import (
     stable_hash,
     subtask_for_key_group,
 )
+from .lists import ListState, ListView
+from .maps import MapState
 from .operator import BroadcastState, OperatorListState, OperatorStateBackend
 from .reader import read_keyed_state, read_operator_state
 from .serializers import PickleNotAllowedError, StateSerializationError
+from .values import AggregatingState, ReducingState, ValueState
 
 __all__ = [
     "DEFAULT_MAX_PARALLELISM",

@@ -59,7 +59,7 @@ def columnar_dtype(descriptor: StateDescriptor) -> Optional[np.dtype]:
 
 
 class ColumnarValueTable:
-    """Same role as ``heap.StateTable``, for one columnar value state."""
+    """Same role as ``table.StateTable``, for one columnar value state."""
 
     def __init__(self, descriptor: StateDescriptor, num_key_groups: int, dtype: np.dtype) -> None:
         self.descriptor = descriptor
@@ -141,7 +141,7 @@ class ColumnarValueTable:
 
 
 class ColumnarValueState(_native.ColumnarValueCalls):
-    """A value state in columns; the same interface as ``heap.ValueState``, plus
+    """A value state in columns; the same interface as ``values.ValueState``, plus
     ``update_many``/``get_many`` for many keys at once.
 
     ``value``, ``update`` and ``clear`` are ``_native.ColumnarValueCalls``'s: one C

@@ -55,8 +55,9 @@ from ..storage.filesystem import INLINE_THRESHOLD, CheckpointStorageLocation
 from ..storage.handles import KeyGroupsStateHandle, StreamStateHandle
 from ..storage.store import owns_path
 from .columnar import ColumnarValueTable
-from .heap import HeapKeyedStateBackend, _ExpiringGroups, _without_expired
+from .heap import HeapKeyedStateBackend
 from .timers import TIMERS_KIND
+from .ttl import _ExpiringGroups, _without_expired
 
 __all__ = ["IncrementalKeyedStateBackend", "IncrementalSnapshot"]
 

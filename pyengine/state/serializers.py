@@ -181,7 +181,7 @@ _PLAIN = frozenset(PLAIN_TYPES)
 
 def plain_check(what: str) -> Any:
     """The per-write check of a state without a declared type that the safe
-    serializer stores (``heap._validator``'s counterpart): a value of another type
+    serializer stores (``table._validator``'s counterpart): a value of another type
     than ``PLAIN_TYPES`` is encoded once, and refused here, naming the state
     (``what``) and the type, if the checkpoint would refuse it: a lock or a
     socket fails at ``update()``, not at the next checkpoint."""
