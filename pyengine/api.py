@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union, overload
 
 from .agg import Aggregation
+from .connectors.base import Sink, Source
+from .connectors.collection import CollectionSource, GeneratorSource
+from .connectors.files import FileSource, MonitoredFileSource
 from .coordinator import CheckpointConfig
 from .errors import suggest_keywords
 from .monitoring.config import Monitoring
@@ -47,16 +50,8 @@ from .runtime.operators import (
     overrides_co_on_timer,
     overrides_on_timer,
 )
-from .runtime.sources import (
-    CollectionSource,
-    FileSource,
-    GeneratorSource,
-    MonitoredFileSource,
-    Source,
-    SourceOperator,
-)
+from .runtime.sources import SourceOperator
 from .runtime.task import EventTimeStatistics, SinkOperator, event_time_statistics
-from .sinks import Sink
 from .state.descriptors import MapStateDescriptor
 from .state.keygroups import check_parallelism
 from .time.strategy import TimestampAssigner, WatermarkStrategy
@@ -726,7 +721,7 @@ def _check_strategy(strategy: Any, where: str) -> Optional[WatermarkStrategy]:
 
 def _check_timestamp_column(schema: Any, assigner: Any, where: str) -> None:
     if schema is not None and assigner is not None and isinstance(assigner.column, str):
-        from .runtime.sources import check_columns
+        from .connectors.base import check_columns
 
         check_columns(schema, [assigner.column], f"{where} (timestamp column)")
 
@@ -1132,7 +1127,7 @@ class DataStream:
 
     def key_by(self, key: Any) -> KeyedStream:
         if isinstance(key, str):
-            from .runtime.sources import check_columns
+            from .connectors.base import check_columns
 
             check_columns(self._schema, [key], f"key_by({key!r})")
         select = key_selector(key)

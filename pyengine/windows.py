@@ -1295,7 +1295,7 @@ class WindowedStream:
             )
         stream = self._keyed._stream
         if stream._schema is not None:
-            from .runtime.sources import check_columns
+            from .connectors.base import check_columns
 
             check_columns(stream._schema, [a.column for a in aggregations if a.column is not None], "aggregate")
         aggs, assigner, lateness, timestamps = list(aggregations), self._assigner, self._lateness, stream._timestamps

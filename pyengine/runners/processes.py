@@ -67,10 +67,11 @@ from typing import Any, Deque, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import pyarrow as pa
 
+from ..connectors.base import Sink
+from ..connectors.collection import CollectionSource
+from ..connectors.console import CollectSink, DiscardSink, PrintSink
 from ..errors import NonRetryableError
 from ..runtime.copies import narrow
-from ..runtime.sources import CollectionSource
-from ..sinks import CollectSink, DiscardSink, PrintSink, Sink
 from .flight import RemoteChannel, decode_event, encode_event
 from .result import JobResult
 from .spark import _describe_failure, _rebuild_failure, _SparkJob, _TaskSpec
