@@ -101,6 +101,7 @@ CYCLES = "No import cycles between the modules of a package"
 LAYERS = "Layers, top to bottom; nothing imports upward"
 PYSPARK = "Only the Spark runner and the Spark integrations import pyspark"
 PYSPARK_BELOW = "Nothing below the Spark runner reaches pyspark, even indirectly"
+CONNECTORS = "Connectors build on their protocol only: never on a runner, nor on the face"
 
 
 def lazy(statement: str) -> str:
@@ -116,7 +117,11 @@ INJECTIONS = [
     ("coordinator/stats.py", lazy("from ..runners import local"), LAYERS),
     ("state/heap.py", lazy("from .. import api"), LAYERS),
     ("runtime/sources.py", lazy("import pyspark"), PYSPARK),
-    ("sinks.py", lazy("from .spark import dataframe"), PYSPARK_BELOW),
+    ("sinks.py", lazy("from .spark import foreach_batch"), PYSPARK_BELOW),
+    ("connectors/files.py", lazy("from ..runners import local"), CONNECTORS),
+    ("connectors/base.py", lazy("from .. import sinks"), CONNECTORS),
+    ("connectors/records.py", lazy("from . import filesink"), CYCLES),
+    ("connectors/dataframe.py", lazy("import pyspark"), PYSPARK),
 ]
 
 
