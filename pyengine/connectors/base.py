@@ -14,12 +14,13 @@ new subtasks), calls ``restore_split_state`` and reads on from there. So ``read`
 must give the same records for the same position in every attempt; a source that
 cannot (a queue that forgets what it delivered) cannot be exactly-once.
 
-**A sink commits in two phases, tied to checkpoints.** Between two checkpoints a
-sink subtask *stages* what it was given (``stage(subtask, checkpoint_id, records)``:
-written, but invisible to readers). When the checkpoint completes, the coordinator
-tells every subtask to ``commit(subtask, checkpoint_id)``, which makes visible what
-it staged for that checkpoint and earlier ones (Flink's
-``TwoPhaseCommitSinkFunction``: staging is the pre-commit, taken with the barrier).
+**A sink commits in two phases, tied to checkpoints.** The sink task buffers what
+reaches it between two checkpoints; when checkpoint ``n``'s barrier comes, before the
+barrier goes on, it hands the buffer to ``stage(subtask, n, records)`` (the
+pre-commit: written, but invisible to readers). When checkpoint ``n`` completes, every
+sink subtask is told ``commit(subtask, n)``, which makes visible what it staged for
+``n`` and earlier checkpoints (Flink's ``TwoPhaseCommitSinkFunction``). A commit may
+be lost (a failure right after the checkpoint completed), hence ``recover``.
 A staged piece is named by the run that wrote it and the checkpoint of that run that
 covers it, so recovery needs no state of its own: restoring a checkpoint that
 covers ``[(run W, 5), (run X, 12)]`` commits every staged piece of W up to 5 and of
@@ -38,8 +39,9 @@ A runner drives a sink as follows:
 - ``end_run(status)`` once at the end, on the driver (``FINISHED``, ``FAILED`` or
   ``CANCELED``).
 
-A sink that is not transactional (``transactional = False``: print, discard) may
-write at ``stage``; its output is then at-least-once.
+A sink that is not transactional (``transactional = False``: print, discard) gets
+each batch at ``stage`` as it arrives (checkpoint id 0), nothing buffered; what it
+writes is at-least-once (a replay writes it again).
 
 Where a new connector goes: one module per system in ``pyengine/connectors/``, built
 on this module only (never on ``pyengine.sinks``, the user's names, nor on a runner),

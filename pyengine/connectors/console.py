@@ -106,6 +106,3 @@ class DiscardSink(Sink):
 
     def recover(self, covered: Covered) -> None:
         pass
-
-
-# part-<run tag>-<subtask>-<checkpoint>-<seq>.<format>: committed in the directory, staged in _staging/

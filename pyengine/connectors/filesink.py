@@ -40,6 +40,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+# part-<run tag>-<subtask>-<checkpoint>-<seq>.<format>: committed in the directory, staged in _staging/
 _PART = re.compile(r"^part-([0-9a-f]{12})-(\d+)-(\d+)-(\d+)\.(jsonl|csv|parquet)$")
 # what FileSink wrote before part names carried the run (an unknown writer's output now)
 _LEGACY_PART = re.compile(r"^part-(\d+)-(\d+)-(\d+)\.(jsonl|csv|parquet)$")
