@@ -23,7 +23,7 @@ import pytest
 from conftest import SUMMARY, baseline_failed, figure_clock, start_spark
 
 import pyengine as pe
-from pyengine.runtime.sources import Source
+from pyengine.connectors.base import Source
 
 pytest.importorskip("pyspark")
 

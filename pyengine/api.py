@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union, overload
 
 from .agg import Aggregation
+from .connectors.base import Sink, Source, check_columns
+from .connectors.collection import CollectionSource, GeneratorSource
+from .connectors.files import FileSource, MonitoredFileSource
 from .coordinator import CheckpointConfig
 from .errors import JobFailedError, KeySelectorError, NonRetryableError, UnhashableKeyError, suggest_keywords
 from .joins import IntervalJoin, JoinedStreams
@@ -50,17 +53,8 @@ from .runtime.operators import (
     overrides_co_on_timer,
     overrides_on_timer,
 )
-from .runtime.sources import (
-    CollectionSource,
-    FileSource,
-    GeneratorSource,
-    MonitoredFileSource,
-    Source,
-    SourceOperator,
-    check_columns,
-)
+from .runtime.sources import SourceOperator
 from .runtime.task import EventTimeStatistics, SinkOperator, event_time_statistics
-from .sinks import Sink
 from .state.descriptors import MapStateDescriptor
 from .state.keygroups import check_parallelism
 from .time.strategy import TimestampAssigner, WatermarkStrategy

@@ -282,7 +282,7 @@ def test_apply_to_keyed_state_visits_each_key_of_the_subtask_once_with_its_state
             ctx.apply_to_keyed_state(SEEN, lambda key, state: seen.append((ctx.subtask, key, state.value())))
             return None
 
-    from pyengine.runtime.sources import Source
+    from pyengine.connectors.base import Source
 
     class Rule(Source):
         def read(self, subtask: int, parallelism: int, position: int, n: int) -> Any:

@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import pyengine as pe
-from pyengine.errors import NonRetryableError, is_non_retryable
+from pyengine.connectors.base import check_columns
+from pyengine.errors import ColumnNotFoundError, NonRetryableError, is_non_retryable
 from pyengine.runtime.aggregate import AggregateInputError, check_aggregate
-from pyengine.runtime.sources import ColumnNotFoundError, check_columns
 
 TRIPS = pa.table({"zone": [1, 2, 1], "fare": [3.0, 4.5, 1.0], "driver": ["a", "b", "a"]})
 

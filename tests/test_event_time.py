@@ -13,6 +13,7 @@ import pyarrow as pa
 import pytest
 
 import pyengine as pe
+from pyengine.connectors.base import Source
 from pyengine.io import CheckpointedInputGate
 from pyengine.io.events import (
     MAX_WATERMARK,
@@ -23,7 +24,7 @@ from pyengine.io.events import (
     time_event_to_json,
 )
 from pyengine.runtime.operators import OperatorContext
-from pyengine.runtime.sources import Source, SourceOperator
+from pyengine.runtime.sources import SourceOperator
 from pyengine.testing import RecordingListener
 from pyengine.time import StatusWatermarkValve, TimestampAssigner, TimestampError, WatermarkStrategy
 

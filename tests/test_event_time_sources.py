@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import pyengine as pe
-from pyengine.runtime.sources import GeneratorSource, MonitoredFileSource
+from pyengine.connectors.collection import GeneratorSource
+from pyengine.connectors.files import MonitoredFileSource
 from pyengine.storage.jobs import list_jobs
 
 

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pyengine import sinks
+from pyengine.connectors import filesink
 from pyengine.errors import NonRetryableError, OutputInUseError
 from pyengine.sinks import FINAL, CollectSink, FileSink, RecordRejectedError, RunInfo, run_tag
 
@@ -58,7 +58,7 @@ def crash(sink: FileSink) -> None:
     place; the run that held the lock is gone from this process."""
     assert sink._heartbeat is not None and sink._token is not None
     sink._heartbeat.stop()
-    sinks._LIVE_TOKENS.discard(sink._token)
+    filesink._LIVE_TOKENS.discard(sink._token)
     sink._token = None
     sink._heartbeat = None
 
@@ -466,7 +466,7 @@ def test_on_a_pyarrow_filesystem_the_lock_is_checked_then_written(monkeypatch) -
 
 
 def test_heartbeat_refreshes_the_lock_and_stops_at_end_run(out, monkeypatch) -> None:
-    monkeypatch.setattr(sinks, "HEARTBEAT_S", 0.02)
+    monkeypatch.setattr(filesink, "HEARTBEAT_S", 0.02)
     s = FileSink(out)
     s.begin_run(new_run())
     path = os.path.join(out, "_pyengine", "lock.json")

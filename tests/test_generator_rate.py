@@ -10,7 +10,7 @@ import time
 from typing import Any, List, Set
 
 import pyengine as pe
-from pyengine.runtime.sources import GeneratorSource
+from pyengine.connectors.collection import GeneratorSource
 
 RATE, COUNT, STALL_S, WINDOW_S = 10_000, 12_000, 0.6, 0.2
 

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pytest
 
 import pyengine as pe
+from pyengine.connectors.collection import GeneratorSource
 from pyengine.coordinator import (
     CheckpointConfig,
     CheckpointCoordinator,
@@ -23,7 +24,6 @@ from pyengine.coordinator import (
 )
 from pyengine.coordinator.config import DEFAULT_MAX_RECOVERY_S
 from pyengine.coordinator.interval import FLOOR_FACTOR, HEADROOM, RecoveryGoalPolicy
-from pyengine.runtime.sources import GeneratorSource
 from pyengine.state import ValueStateDescriptor
 from pyengine.storage import checkpoint_storage
 

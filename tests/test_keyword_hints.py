@@ -13,8 +13,10 @@ from typing import Any, Callable, List
 import pytest
 
 import pyengine as pe
+from pyengine.connectors.base import Source
+from pyengine.connectors.collection import CollectionSource, GeneratorSource
+from pyengine.connectors.files import FileSource
 from pyengine.errors import suggest_keywords
-from pyengine.runtime.sources import CollectionSource, FileSource, GeneratorSource, Source
 from pyengine.sinks import Sink
 
 TYPOS: List[Any] = [

@@ -106,6 +106,7 @@ RUNTIME_FACE = "The runtime never imports the face (the graph builders)"
 TOP_CYCLES = "No import cycles between pyengine's top-level modules and packages"
 STATE_KINDS = "State kinds never import the backends that store them"
 TWS_SHIMS = "The tws handle and schemas never import their driver"
+CONNECTORS = "Connectors build on their protocol only: never on a runner, nor on the face"
 
 
 def lazy(statement: str) -> str:
@@ -123,13 +124,17 @@ INJECTIONS = [
     ("state/maps.py", lazy("from . import incremental"), STATE_KINDS),
     ("spark/tws_schema.py", lazy("from . import tws"), TWS_SHIMS),
     ("runtime/sources.py", lazy("import pyspark"), PYSPARK),
-    ("sinks.py", lazy("from .spark import dataframe"), PYSPARK_BELOW),
+    ("sinks.py", lazy("from .spark import foreach_batch"), PYSPARK_BELOW),
     ("runtime/windows.py", lazy("from .. import windows"), RUNTIME_FACE),
     ("runtime/joins.py", lazy("from ..joins import JoinedStreams"), RUNTIME_FACE),
     ("runtime/aligned_windows.py", lazy("from ..api import DataStream"), RUNTIME_FACE),
     # api imports joins and windows at the top: an import back, even in a function, is a circle
     ("joins.py", lazy("from .api import DataStream"), TOP_CYCLES),
     ("windows.py", lazy("from . import api"), TOP_CYCLES),
+    ("connectors/files.py", lazy("from ..runners import local"), CONNECTORS),
+    ("connectors/base.py", lazy("from .. import sinks"), CONNECTORS),
+    ("connectors/records.py", lazy("from . import filesink"), CYCLES),
+    ("connectors/dataframe.py", lazy("import pyspark"), PYSPARK),
 ]
 
 

@@ -1055,7 +1055,7 @@ def test_a_finished_runs_statistics_are_kept_beside_its_checkpoints(scenario: An
 # -- through a runner (needs the hooks: see the module docstring of pyengine.monitoring) -------
 
 import pyengine as pe  # noqa: E402
-from pyengine.runtime.sources import Source  # noqa: E402
+from pyengine.connectors.base import Source  # noqa: E402
 
 
 def _slow(i: int) -> Dict[str, int]:

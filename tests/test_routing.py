@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pyengine._native import route_int_keys
+from pyengine.errors import ColumnNotFoundError
 from pyengine.runtime import task as task_module
 from pyengine.runtime.operators import key_selector
-from pyengine.runtime.sources import ColumnNotFoundError
 from pyengine.runtime.task import Output
 from pyengine.state import assign_to_key_group, subtask_for_key_group
 

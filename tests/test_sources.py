@@ -14,9 +14,12 @@ import pyarrow.parquet as pq
 import pytest
 
 import pyengine as pe
+from pyengine.connectors.base import Source
+from pyengine.connectors.collection import CollectionSource, GeneratorSource
+from pyengine.connectors.files import FileSource
 from pyengine.errors import NonRetryableError
 from pyengine.runtime.operators import OperatorContext
-from pyengine.runtime.sources import CollectionSource, FileSource, GeneratorSource, Source, SourceOperator
+from pyengine.runtime.sources import SourceOperator
 from pyengine.state import ValueStateDescriptor
 
 LAST = ValueStateDescriptor("last", -1, pa.int64())

@@ -14,8 +14,8 @@ import pytest
 from chaos import FlakyFiles
 
 import pyengine as pe
+from pyengine.connectors.files import FileSource
 from pyengine.errors import JobFailedError, NonRetryableError
-from pyengine.runtime.sources import FileSource
 
 FILES, ROWS = 3, 1000
 
@@ -152,7 +152,7 @@ def test_a_watched_directory_reads_a_file_again_after_a_failed_read(tmp_path) ->
     """``read_files(..., monitor_interval_ms=...)``: a read that raised names the file,
     and the next read at the same position reads that file again instead of going on
     with the reader that failed, which would skip the rest of the file."""
-    from pyengine.runtime.sources import MonitoredFileSource
+    from pyengine.connectors.files import MonitoredFileSource
 
     root = write_files(tmp_path / "in", row_group_size=250)
     flaky = FlakyFiles(str(tmp_path / "fired"), 2)

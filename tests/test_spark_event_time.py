@@ -17,10 +17,10 @@ import pytest
 from spark_sessions import local_spark
 
 import pyengine as pe
+from pyengine.connectors.base import Source
 from pyengine.io import CheckpointBarrier, CheckpointOptions, EndOfPartition
 from pyengine.io.events import MAX_WATERMARK, MIN_WATERMARK, WATERMARK_ACTIVE, WATERMARK_IDLE, Watermark
 from pyengine.runners.flight import RemoteChannel, decode_event, encode_event, serve
-from pyengine.runtime.sources import Source
 from pyengine.state import ValueStateDescriptor
 from pyengine.testing import RecordingListener
 

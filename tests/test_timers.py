@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pyengine as pe
-from pyengine.runtime.sources import Source
+from pyengine.connectors.base import Source
 from pyengine.state import ValueStateDescriptor, create_keyed_backend, key_group_range_for_subtask, read_keyed_state
 from pyengine.state.timers import InternalTimerService
 from pyengine.storage import checkpoint_storage

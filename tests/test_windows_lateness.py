@@ -11,8 +11,8 @@ import pytest
 from test_windows import make_records, reference, rows
 
 import pyengine as pe
+from pyengine.connectors.base import Source
 from pyengine.io.events import MAX_WATERMARK
-from pyengine.runtime.sources import Source
 
 # -- lateness, step by step ----------------------------------------------------------------------
 

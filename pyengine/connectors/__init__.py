@@ -1,10 +1,22 @@
-"""Sources and sinks for outside systems, one module per system, on the
-two-phase-commit base of ``pyengine.sinks``.
+"""Every source and sink, one module per system, on the protocol of
+``pyengine.connectors.base`` (``Source``: replay by position; ``Sink``: two-phase
+commit tied to checkpoints; its module docstring is the contract a third-party
+connector implements).
 
-- ``pyengine.connectors.delta``: ``DeltaSink``, an exactly-once Delta Lake table
-  (also ``pe.sinks.DeltaSink``). Needs ``deltalake`` (``pip install deltalake``, the ``delta`` extra).
+- ``base``: the ``Source`` and ``Sink`` protocol, ``RunInfo``, ``RecordRejectedError``.
+- ``files``: ``FileSource`` and ``MonitoredFileSource`` (``env.read_files``).
+- ``filesink``: ``FileSink`` (``pe.sinks.FileSink``), with its writer's lock and run manifest.
+- ``records``: records as JSON lines or as an Arrow table that fits a schema (shared by the sinks).
+- ``collection``: ``CollectionSource`` and ``GeneratorSource`` (``env.from_collection``,
+  ``env.from_generator``).
+- ``console``: ``CollectSink``, ``PrintSink``, ``DiscardSink``.
+- ``dataframe``: ``DataFrameSource`` (``env.from_dataframe``, ``pe.spark.DataFrameSource``);
+  a Spark DataFrame is read through its own methods, so pyspark is not imported here.
+- ``delta``: ``DeltaSink``, an exactly-once Delta Lake table (also ``pe.sinks.DeltaSink``).
+  Needs ``deltalake`` (``pip install deltalake``, the ``delta`` extra).
 
-Nothing here is imported by ``import pyengine``: a connector's library is loaded
-when its connector is first used."""
+The user's names are elsewhere: ``pe.sinks.*`` re-exports the sinks, and the
+environment's builders make the sources. A connector's own library is loaded when
+the connector is first used, and ``import pyengine`` does not import ``delta``."""
 
 __all__: list = []

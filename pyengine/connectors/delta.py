@@ -63,8 +63,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ..errors import NonRetryableError, OutputInUseError
-from ..sinks import FINAL, Covered, RecordRejectedError, RunInfo, Sink, _table_of, run_tag
 from ..storage.filesystem import resolve
+from .base import FINAL, Covered, RecordRejectedError, RunInfo, Sink, run_tag
+from .records import _table_of
 
 __all__ = ["DeltaSink"]
 

@@ -17,6 +17,8 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+from ..connectors.base import RunInfo
+from ..connectors.console import CollectSink
 from ..coordinator import (
     CheckpointCoordinator,
     CheckpointException,
@@ -27,7 +29,6 @@ from ..errors import OutputInUseError, is_non_retryable
 from ..io import CheckpointedInputGate, CheckpointFailureReason, CheckpointOptions
 from ..runtime.operators import OperatorContext
 from ..runtime.task import Output, Outputs, StreamTask, event_time_statistics
-from ..sinks import CollectSink, RunInfo
 from ..storage import checkpoint_storage
 from ..storage.filesystem import CheckpointStorage
 from ..storage.jobs import JobLease, describe_jobs, list_jobs

@@ -63,10 +63,11 @@ from collections import ChainMap
 from multiprocessing.connection import Connection, wait
 from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
+from ..connectors.base import Sink
+from ..connectors.collection import CollectionSource
+from ..connectors.console import CollectSink, DiscardSink, PrintSink
 from ..errors import NonRetryableError
 from ..runtime.copies import narrow
-from ..runtime.sources import CollectionSource
-from ..sinks import CollectSink, DiscardSink, PrintSink, Sink
 from .result import JobResult
 from .sockets import _pickles, open_channel, serve_sockets
 from .spark import _describe_failure, _rebuild_failure, _SparkJob, _TaskSpec

@@ -33,11 +33,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from ..connectors.console import CollectSink
 from ..coordinator import ExecutionAttempt, ThreadTimerService
 from ..errors import KeySelectorError, NonRetryableError
 from ..io import CheckpointOptions, CheckpointType
 from ..runtime.task import EventTimeStatistics, Output, Outputs, event_time_statistics
-from ..sinks import CollectSink
 from ..storage import checkpoint_storage
 from ..storage.metadata import OperatorState
 from .control import ControlClient, ControlServer

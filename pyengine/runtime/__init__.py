@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from ..connectors.base import Source
+from ..connectors.collection import CollectionSource, GeneratorSource
 from .operators import KeyedProcessFunction, Operator, UserFunctionError
-from .sources import CollectionSource, GeneratorSource, Source
 from .task import StreamTask
 
 __all__ = [

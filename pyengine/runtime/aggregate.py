@@ -40,10 +40,10 @@ import numpy as np
 import pyarrow as pa
 
 from ..agg import Aggregation
-from ..errors import NonRetryableError
+from ..connectors.base import check_columns
+from ..errors import ColumnNotFoundError, NonRetryableError
 from ..state import ListStateDescriptor, ValueStateDescriptor
 from .operators import KeyedOperator, batch_of
-from .sources import ColumnNotFoundError, check_columns
 
 __all__ = ["EMIT_MODES", "SEQ_COLUMN", "AggregateInputError", "AggregateOperator", "check_aggregate"]
 

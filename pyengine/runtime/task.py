@@ -22,11 +22,11 @@ import numpy as np
 import pyarrow as pa
 
 from .._native import int_key_group, route_int_keys
+from ..connectors.base import FINAL, Sink
 from ..coordinator import ExecutionAttempt, SubtaskMetrics, TaskStateSnapshot
 from ..errors import ColumnNotFoundError, KeySelectorError, NonRetryableError, UnhashableKeyError, is_non_retryable
 from ..io import CheckpointBarrier, CheckpointedInputGate, CheckpointOptions, EndOfPartition
 from ..io.events import MAX_WATERMARK, MIN_WATERMARK, CheckpointType, Watermark, WatermarkStatus
-from ..sinks import FINAL, Sink
 from ..state import ListStateDescriptor, subtask_for_key_group
 from ..state.keygroups import assign_to_key_group, key_groups_of_int64
 from ..storage.filesystem import CheckpointStorage

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .dataframe import DataFrameSource
+from ..connectors.dataframe import DataFrameSource
 from .foreach_batch import ForeachBatchHandler
 from .tws import OutputSchemaError, StateNotFoundError, TransformWithStateOperator
 from .tws_dataframe import transform_with_state, transform_with_state_in_pandas

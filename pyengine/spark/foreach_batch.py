@@ -39,9 +39,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from ..connectors.base import Covered, RunInfo, Sink, Source, run_tag
 from ..errors import NonRetryableError
-from ..runtime.sources import Source
-from ..sinks import Covered, RunInfo, Sink, run_tag
 from ..storage.filesystem import resolve
 
 __all__ = ["ForeachBatchHandler"]

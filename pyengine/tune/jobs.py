@@ -14,8 +14,7 @@ from typing import Any, Callable, Dict, Optional
 import numpy as np
 import pyarrow as pa
 
-from ..runtime.sources import Source
-from ..sinks import Sink
+from ..connectors.base import Sink, Source
 
 __all__ = ["BUILTIN", "CommitDiscardSink", "StampedSource", "keyed_count"]
 

@@ -260,7 +260,7 @@ def _redirect_outputs(sinks: List[Any], directory: str, undo: List[Any]) -> None
     ``mode="error"``). What it changes goes into ``undo`` as (sink, attribute, value),
     for ``measure`` to put back: a sink made outside the build function is the job's own
     object, and must write where the job says once the trial is over."""
-    from ..sinks import FileSink
+    from ..connectors.filesink import FileSink
 
     for i, sink in enumerate(sinks):
         changes: Dict[str, Any]

@@ -14,8 +14,9 @@ from typing import Any, Dict, List, Optional
 
 import pyarrow as pa
 
-from ..runtime.sources import FileSource, Source
 from ..storage.filesystem import resolve
+from .base import Source
+from .files import FileSource
 
 __all__ = ["DataFrameSource"]
 
