@@ -166,8 +166,15 @@ def test_a_storage_root_with_two_jobs_is_refused_unless_the_name_picks_one(tmp_p
 
 def test_restoring_a_job_directory_falls_back_past_a_damaged_latest_checkpoint(tmp_path, caplog) -> None:
     root = tmp_path / "ckpt"
+
+    def paced(r: Any) -> Any:
+        # long enough for several checkpoints on a loaded machine: the final checkpoint is
+        # the job's last, so an unpaced run of 3,000 records may complete only that one
+        time.sleep(0.0001)
+        return r
+
     env = counting_env(root, checkpointing=pe.CheckpointConfig(interval_ms=5, retained=3))
-    counting_job(env, str(tmp_path / "out"))
+    counting_job(env, str(tmp_path / "out"), step=paced)
     first = env.execute("damaged")
     job_dir = first.checkpoint_dir
     ids = sorted(int(p[4:]) for p in os.listdir(job_dir) if p.startswith("chk-"))
@@ -175,7 +182,7 @@ def test_restoring_a_job_directory_falls_back_past_a_damaged_latest_checkpoint(t
     with open(os.path.join(job_dir, f"chk-{ids[-1]}", "_metadata"), "r+b") as f:
         f.write(b"garbage")
     env = counting_env(root, checkpointing=pe.CheckpointConfig(interval_ms=5, retained=3))
-    counting_job(env, str(tmp_path / "out"))
+    counting_job(env, str(tmp_path / "out"), step=paced)
     with caplog.at_level(logging.WARNING):
         result = env.execute("damaged", restore_from=job_dir)
     assert f"chk-{ids[-2]}" in result.checkpoints.latest_restored["external_path"]
