@@ -382,3 +382,49 @@ def test_a_rescaled_restore_of_int64_and_float64_halves_reads_one_float64_state(
     keys = np.arange(200, dtype=np.int64)
     found, values = state.get_many(keys)  # columnar again: get_many works
     assert found.all() and values.tolist() == [want[k] for k in range(200)]
+
+
+def test_a_part_file_deleted_while_it_is_rewritten_is_not_brought_back(tmp_path: Any, monkeypatch: Any) -> None:
+    """A widening rewrites a part file through a temp file moved over it; a ``recover()``
+    that deleted the part meanwhile (it came after the restore point) must win, or the
+    part's records would be there twice once the run replays them."""
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+
+    from pyengine.connectors import filesink
+
+    path = str(tmp_path / "part-x.parquet")
+    pq.write_table(pa.table({"price": pa.array([10, 11], pa.int64())}), path)
+    real_write = pq.write_table
+
+    def write_then_lose_the_part(table: Any, where: Any, **kwargs: Any) -> None:
+        real_write(table, where, **kwargs)
+        os.remove(path)  # what a concurrent recover() does
+
+    monkeypatch.setattr(filesink.pq, "write_table", write_then_lose_the_part)
+    with pytest.raises(FileNotFoundError):
+        filesink._rewrite_part(pafs.LocalFileSystem(), path, pa.schema([("price", pa.float64())]), "test")
+    assert os.listdir(tmp_path) == [], "neither the part nor its temp file is left"
+
+
+def test_recover_waits_for_a_widening_that_holds_the_schema_guard(tmp_path: Any) -> None:
+    """``recover()`` deletes part files under the guard a widening holds while it rewrites
+    them, so the two never interleave."""
+    import pyarrow.fs as pafs
+
+    from pyengine.connectors.base import RunInfo
+    from pyengine.connectors.filesink import META_DIR
+    from pyengine.storage.filesystem import guarded
+
+    out = tmp_path / "out"
+    sink = pe.sinks.FileSink(str(out), format="parquet")
+    sink.begin_run(RunInfo(job_name="j", run_id="r1", lineage_id="r1"))
+    recovered = threading.Event()
+    guard = str(out / META_DIR / ".schema-guard")
+    os.makedirs(os.path.dirname(guard), exist_ok=True)
+    with guarded(pafs.LocalFileSystem(), guard):
+        worker = threading.Thread(target=lambda: (sink.recover(()), recovered.set()), daemon=True)
+        worker.start()
+        assert not recovered.wait(0.3), "recover() ran while a widening held the guard"
+    assert recovered.wait(10)
+    sink.end_run("FINISHED")

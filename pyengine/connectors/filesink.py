@@ -533,7 +533,9 @@ class FileSink(Sink):
     def _conform_parts(self, fs: Any, root: str, schema: pa.Schema) -> None:
         """Rewrites every parquet part file (committed or staged, of any run) whose
         columns are narrower than ``schema``'s."""
-        for info in list(fs.get_file_info(FileSelector(root, allow_not_found=True))) + self._staging_infos(fs, root):
+        # staging first: a piece published (moved from staging to the root) between the two
+        # listings is then seen at least once, never in neither
+        for info in self._staging_infos(fs, root) + list(fs.get_file_info(FileSelector(root, allow_not_found=True))):
             name = info.base_name
             if not info.is_file or not name.endswith(".parquet") or not (_PART.match(name) or _LEGACY_PART.match(name)):
                 continue
@@ -623,6 +625,13 @@ class FileSink(Sink):
             self._mine = {}  # earlier attempts' pieces are this method's, published or deleted here
         fs, root = self._fs()
         fs.create_dir(f"{root}/_staging", recursive=True)
+        fs.create_dir(f"{root}/{META_DIR}", recursive=True)
+        # under the guard a widening holds while it rewrites part files: a rewrite must not
+        # move a part file back that this deletes (its records would then be there twice)
+        with guarded(fs, f"{root}/{META_DIR}/.schema-guard"):
+            self._recover_files(fs, root, run, covered)
+
+    def _recover_files(self, fs: Any, root: str, run: Any, covered: Covered) -> None:
         upto = _covered_map(covered)
         ours = _lineage_tags(self._read_runs(fs, root), run.lineage_id, covered) | {self._tag or ""}
 
@@ -864,6 +873,9 @@ def _rewrite_part(fs: Any, path: str, target: pa.Schema, where: str) -> bool:
     temp = f"{parent}/.{name}.{uuid.uuid4().hex[:12]}.tmp"
     with fs.open_output_stream(temp) as out:
         out.write(sink.getvalue())
+    if fs.get_file_info(path).type != pafs.FileType.File:  # deleted meanwhile (a recover): not brought back
+        fs.delete_file(temp)
+        raise FileNotFoundError(path)
     fs.move(temp, path)
     log.info("FileSink %s: rewrote %s with the directory's column types", where, name)
     return True
