@@ -876,6 +876,33 @@ def test_slow_clients_cannot_lock_out_the_monitoring_server(scenario: Any, token
     assert max(lived) < deadline_s + 1.0, max(lived)  # ... by its deadline, not by a per-read timeout
 
 
+def test_a_slow_route_does_not_hold_up_other_requests(scenario: Any, monkeypatch: Any) -> None:
+    """Answers are made off the server's event loop: a route that takes its time (a long
+    history, a job holding the GIL) leaves every other request answered at once."""
+    from pyengine.monitoring.server import MonitoringServer
+
+    real = MonitoringServer.respond
+    release = threading.Event()
+
+    def respond(self: Any, path: str) -> Any:
+        if path.endswith("/jobs/slow"):
+            release.wait(10)
+        return real(self, path)
+
+    monkeypatch.setattr(MonitoringServer, "respond", respond)
+    url = scenario.monitor.url
+    slow = threading.Thread(target=lambda: get(url, "jobs/slow"), daemon=True)
+    slow.start()
+    try:
+        time.sleep(0.2)  # the slow request is in its route
+        started = time.monotonic()
+        status, _, _ = get(url, "jobs")
+        assert status == 200 and time.monotonic() - started < 2.0
+    finally:
+        release.set()
+        slow.join(10)
+
+
 def test_a_query_with_too_many_parameters_is_a_bad_request_without_a_traceback(scenario: Any, capfd: Any) -> None:
     """Issue 37: 9 query parameters or more made the handler crash (no answer, a
     ``ValueError`` traceback on the job's stderr). Now: 400, said plainly."""

@@ -46,6 +46,7 @@ event loop thread (accepting, reading, building and sending answers) is charged 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import http.client
 import io
@@ -187,6 +188,8 @@ class MonitoringServer:
         self.expired = 0  # connections closed at their deadline
         self._cpu_mark = 0
         self._loop = asyncio.new_event_loop()
+        # answers are made here, off the loop (at most 4 at once: the server is for a few people)
+        self._workers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="pyengine-monitor-answer")
         self._stopped: Optional[asyncio.Future[None]] = None
         started = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(started,), name="pyengine-monitor", daemon=True)
@@ -206,6 +209,7 @@ class MonitoringServer:
         self._thread.join(5)
         if self._thread.is_alive():
             log.warning("the monitoring server on port %d did not stop within 5 s", self.port)
+        self._workers.shutdown(wait=False, cancel_futures=True)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -323,11 +327,18 @@ class MonitoringServer:
         try:
             method, target, headers = await self._read_head(reader)
             conn.reading = False
-            status, body, extra, head = self._handle(method, target, headers)
         except _Refusal as refused:
             conn.reading = False
-            status, body, extra, head = refused.status, {"errors": [refused.message]}, refused.extra, False
-        writer.write(self._answer(status, body, extra, head=head))
+            status, body, extra = refused.status, {"errors": [refused.message]}, refused.extra
+            writer.write(self._answer(status, body, extra))
+        else:
+            # the route and its encoding on a worker thread: a slow route (a long checkpoint
+            # history, a busy job holding the GIL) must not stall every other connection's
+            # reading and deadlines on the loop
+            status, answer = await asyncio.get_running_loop().run_in_executor(
+                self._workers, self._respond, method, target, headers
+            )
+            writer.write(answer)
         await writer.drain()
         log.debug("monitoring %s: %d", conn.client, status)
 
@@ -364,6 +375,19 @@ class MonitoringServer:
         except asyncio.LimitOverrunError:
             raise _Refusal(431, f"a request line or header longer than {MAX_HEAD} bytes") from None
         return line
+
+    def _respond(self, method: str, target: str, headers: Any) -> Tuple[int, bytes]:
+        """A request's status and whole answer (on a worker thread, whose CPU time is
+        charged to the monitor as the loop's is)."""
+        start = time.thread_time_ns()
+        try:
+            try:
+                status, body, extra, head = self._handle(method, target, headers)
+            except _Refusal as refused:
+                status, body, extra, head = refused.status, {"errors": [refused.message]}, refused.extra, False
+            return status, self._answer(status, body, extra, head=head)
+        finally:
+            self.monitor.charge(time.thread_time_ns() - start)
 
     def _handle(self, method: str, target: str, headers: Any) -> Tuple[int, Any, Dict[str, str], bool]:
         """(status, body, extra headers, HEAD) for a request whose head is in: the checks
