@@ -438,9 +438,9 @@ def test_a_collections_records_go_only_to_the_worker_that_reads_them(tmp_path) -
 
 
 def test_a_collection_source_without_its_records_refuses_to_be_read() -> None:
-    from pyengine.runners import processes
+    from pyengine.runners import shipping
 
-    source = processes._collection_source(0, None)  # in a worker that was not sent the records
+    source = shipping._collection_source(0, None)  # in a worker that was not sent the records
     assert source.read(1, 2, 0, 10) is None  # the other subtasks read nothing anyway
     with pytest.raises(RuntimeError, match="only to the worker process of the source's first subtask"):
         source.read(0, 2, 0, 10)
