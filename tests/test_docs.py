@@ -69,9 +69,9 @@ def test_every_block_is_known(page: Path) -> None:
         assert lang in RUN or lang in NOT_CODE or lang == "bash", f"{page.name}:{line}: unknown fence {lang!r}"
 
 
-# Pages whose code starts a local Spark or runs a tune search (20-45 s each on two cores):
+# Pages whose code starts a local Spark or runs a tune search (12-45 s each on two cores):
 # the slow tier runs them (python -m pytest --full, CI).
-SLOW_PAGES = {"docs/guide/spark.md", "docs/guide/coming-from-spark.md", "docs/guide/tuning.md"}
+SLOW_PAGES = {"docs/guide/spark.md", "docs/guide/coming-from-spark.md", "docs/guide/tuning.md", "docs/guide/cli.md"}
 
 
 @pytest.mark.parametrize(

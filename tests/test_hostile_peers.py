@@ -437,6 +437,7 @@ for line in sys.stdin:  # one line asked, one answered: the resident memory now
 """
 
 
+@pytest.mark.slow  # a server process and 64-128 MiB calls: about 3 s each
 @pytest.mark.parametrize(
     "kind, call, token, size",
     [
