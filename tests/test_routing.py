@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from pyengine._native import route_int_keys
 from pyengine.errors import ColumnNotFoundError
 from pyengine.runtime import task as task_module
-from pyengine.runtime.operators import key_selector
+from pyengine.runtime.keyed import key_selector
 from pyengine.runtime.task import Output
 from pyengine.state import assign_to_key_group, subtask_for_key_group
 
@@ -129,7 +129,7 @@ def test_key_by_a_name_on_records_with_attributes_says_how_to_key_them() -> None
     that the record lacked the field)."""
     from dataclasses import dataclass
 
-    from pyengine.runtime.operators import key_selector
+    from pyengine.runtime.keyed import key_selector
 
     @dataclass
     class Click:

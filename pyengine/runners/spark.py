@@ -1032,7 +1032,7 @@ def _describe_failure(exc: BaseException) -> str:
     import traceback
 
     from ..errors import is_non_retryable
-    from ..runtime.operators import UserFunctionError
+    from ..runtime.base import UserFunctionError
 
     wrapped = isinstance(exc, (UserFunctionError, KeySelectorError))  # the engine's wrappers: where, then the cause
     user = exc.__cause__ if wrapped and exc.__cause__ is not None else exc
@@ -1054,7 +1054,7 @@ def _rebuild_failure(attempt: ExecutionAttempt, message: str, where: str = "a Sp
     import json
 
     from ..errors import NonRetryableError
-    from ..runtime.operators import UserFunctionError
+    from ..runtime.base import UserFunctionError
 
     if not message.startswith(_FAILURE_TAG):
         return RuntimeError(f"{attempt}: {message}")

@@ -31,8 +31,8 @@ from ..state import ListStateDescriptor, subtask_for_key_group
 from ..state.keygroups import assign_to_key_group, key_groups_of_int64
 from ..storage.filesystem import CheckpointStorage
 from ..storage.metadata import OperatorState, SubtaskState
+from .base import Operator, OperatorContext, rows_of
 from .debloat import MIN_BATCH_BYTES, MIN_RECORDS, ChannelDebloater, summarize
-from .operators import Operator, OperatorContext, rows_of
 from .sources import SourceOperator
 
 __all__ = [
@@ -991,7 +991,7 @@ class StreamTask:
         """Event time is on when the job has a watermark strategy, a window or a
         function with timers (``Vertex.create_chain`` marks every operator): then
         every task takes part, so watermarks reach each time-aware operator."""
-        from .operators import Operator
+        from .base import Operator
 
         interval = getattr(self.chain[0], "event_time_interval_ms", None)
         self._timer_ops = [
