@@ -46,7 +46,7 @@ import pytest
 from conftest import SUMMARY, best_seconds, per_unit
 
 import pyengine as pe
-from pyengine.runtime.operators import KeyedContext, KeyedProcessFunction
+from pyengine.runtime.keyed import KeyedContext, KeyedProcessFunction
 from pyengine.state import (
     ListStateDescriptor,
     MapStateDescriptor,

@@ -46,7 +46,8 @@ from conftest import SUMMARY
 from test_bench_state_calls import EVENTS, PAGES, TTL_MS, USERS, Sessionizer
 
 import pyengine as pe
-from pyengine.runtime.operators import KeyedProcessOperator, OperatorContext, key_selector
+from pyengine.runtime.base import OperatorContext
+from pyengine.runtime.keyed import KeyedProcessOperator, key_selector
 
 ROUNDS = 5
 BUFFER = 1024

@@ -387,7 +387,8 @@ def test_running_count_with_a_timer_per_key_against_a_keyed_process_function(
 @pytest.fixture(scope="module")
 def adapter_state() -> Any:
     """A processor's ValueState through the adapter, on key 7, holding (1,)."""
-    from pyengine.runtime.operators import OperatorContext, key_selector
+    from pyengine.runtime.base import OperatorContext
+    from pyengine.runtime.keyed import key_selector
     from pyengine.spark.tws import TransformWithStateOperator
 
     class Holder(StatefulProcessor):

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time these load on 
     from .errors import JobFailedError
     from .joins import JoinContext, JoinFunction, ProcessJoinFunction
     from .monitoring.config import Monitoring
+    from .runtime.base import OutputTag
     from .runtime.broadcast import (
         BroadcastContext,
         BroadcastProcessFunction,
@@ -33,15 +34,8 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time these load on 
         ReadOnlyBroadcastContext,
         ReadOnlyBroadcastState,
     )
-    from .runtime.operators import (
-        CoProcessFunction,
-        KeyedContext,
-        KeyedCoProcessFunction,
-        KeyedProcessFunction,
-        OutputTag,
-        ProcessContext,
-        ProcessFunction,
-    )
+    from .runtime.keyed import KeyedContext, KeyedCoProcessFunction, KeyedProcessFunction
+    from .runtime.process import CoProcessFunction, ProcessContext, ProcessFunction
     from .state import (
         AggregatingState,
         AggregatingStateDescriptor,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple
 
+from .runtime.base import Operator, OutputTag
 from .runtime.copies import per_subtask
 from .runtime.joins import (
     ArrowIntervalJoinOperator,
@@ -32,7 +33,6 @@ from .runtime.joins import (
     WindowJoinOperator,
     joined_schema,
 )
-from .runtime.operators import Operator, OutputTag
 from .runtime.windows import WindowAssigner
 from .time.strategy import TimestampAssigner
 

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 from .agg import Aggregation
 from .connectors.base import check_columns
 from .runtime.aligned_windows import AlignedWindowAggregateOperator
+from .runtime.base import OutputTag
 from .runtime.copies import per_subtask
-from .runtime.operators import OutputTag
 from .runtime.windows import ProcessWindowFunction, TimeWindow, WindowAssigner, WindowOperator
 from .time.strategy import TimestampAssigner
 

@@ -19,7 +19,7 @@ import pyengine.runtime.debloat as debloat_module
 from pyengine.io import CheckpointedInputGate, EndOfPartition
 from pyengine.monitoring.metrics import MetricsHistory, clean_counters
 from pyengine.runtime.debloat import MIN_IN_FLIGHT, MIN_RECORDS, ChannelDebloater, Plan, plan
-from pyengine.runtime.task import Output
+from pyengine.runtime.outputs import Output
 from pyengine.state import ValueStateDescriptor
 
 # -- the sizing rule ------------------------------------------------------------------------

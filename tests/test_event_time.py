@@ -23,7 +23,7 @@ from pyengine.io.events import (
     time_event_from_json,
     time_event_to_json,
 )
-from pyengine.runtime.operators import OperatorContext
+from pyengine.runtime.base import OperatorContext
 from pyengine.runtime.sources import SourceOperator
 from pyengine.testing import RecordingListener
 from pyengine.time import StatusWatermarkValve, TimestampAssigner, TimestampError, WatermarkStrategy

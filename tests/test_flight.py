@@ -31,7 +31,7 @@ from pyengine.runners.flight import (
     listening_server,
     serve,
 )
-from pyengine.runtime.task import END_OF_DATA
+from pyengine.runtime.outputs import END_OF_DATA
 from pyengine.testing import RecordingListener
 
 TOKEN = "s3cr3t-job-token"

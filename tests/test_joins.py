@@ -23,8 +23,8 @@ from spark_sessions import local_spark
 import pyengine as pe
 from pyengine.errors import ColumnNotFoundError
 from pyengine.joins import JoinFunction, ProcessJoinFunction
+from pyengine.runtime.base import OperatorContext
 from pyengine.runtime.joins import ArrowIntervalJoinOperator, IntervalJoinOperator
-from pyengine.runtime.operators import OperatorContext
 from pyengine.time.strategy import TimestampAssigner
 
 Record = Dict[str, Any]

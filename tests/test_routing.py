@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from pyengine._native import route_int_keys
 from pyengine.errors import ColumnNotFoundError
-from pyengine.runtime import task as task_module
-from pyengine.runtime.operators import key_selector
-from pyengine.runtime.task import Output
+from pyengine.runtime import outputs as outputs_module
+from pyengine.runtime.keyed import key_selector
+from pyengine.runtime.outputs import Output
 from pyengine.state import assign_to_key_group, subtask_for_key_group
 
 MAX_P = 128
@@ -96,7 +96,7 @@ def test_a_record_without_the_key_field_after_routed_ones_is_refused_by_name(mon
         calls.append(n)
         return n
 
-    monkeypatch.setattr(task_module, "route_int_keys", counting)
+    monkeypatch.setattr(outputs_module, "route_int_keys", counting)
     records = [{"user": 1}, {"user": 2}, {"name": "no user"}, {"user": 3}]
     with pytest.raises(ColumnNotFoundError, match=r"key_by\('user'\)"):
         _routed(records, "user", 2)
@@ -129,7 +129,7 @@ def test_key_by_a_name_on_records_with_attributes_says_how_to_key_them() -> None
     that the record lacked the field)."""
     from dataclasses import dataclass
 
-    from pyengine.runtime.operators import key_selector
+    from pyengine.runtime.keyed import key_selector
 
     @dataclass
     class Click:

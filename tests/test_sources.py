@@ -18,7 +18,7 @@ from pyengine.connectors.base import Source
 from pyengine.connectors.collection import CollectionSource, GeneratorSource
 from pyengine.connectors.files import FileSource
 from pyengine.errors import NonRetryableError
-from pyengine.runtime.operators import OperatorContext
+from pyengine.runtime.base import OperatorContext
 from pyengine.runtime.sources import SourceOperator
 from pyengine.state import ValueStateDescriptor
 

@@ -416,7 +416,7 @@ def test_timers_firing_read_the_clock_afresh() -> None:
     domain, set as a batch of timers starts and ends, makes TTL read the clock again."""
     from types import SimpleNamespace
 
-    from pyengine.runtime.operators import KeyedContext
+    from pyengine.runtime.keyed import KeyedContext
     from pyengine.time import TimeDomain
 
     backend = create_keyed_backend("heap", max_parallelism=8)
@@ -1022,8 +1022,9 @@ def test_a_buffer_of_slow_records_reads_the_ttl_clock_every_64_records(monkeypat
     start), so it is still alive for a read just after. Per buffer, a 500 ms TTL
     expired it at once (a new-user trial's finding)."""
     import pyengine.state.heap as heap
-    from pyengine.runtime.operators import TTL_STEP_RECORDS, KeyedProcessOperator, OperatorContext, key_selector
-    from pyengine.runtime.operators import KeyedProcessFunction as KPF
+    from pyengine.runtime.base import OperatorContext
+    from pyengine.runtime.keyed import TTL_STEP_RECORDS, KeyedProcessOperator, key_selector
+    from pyengine.runtime.keyed import KeyedProcessFunction as KPF
 
     wall = [10_000]
     monkeypatch.setattr(heap, "_time_ns", lambda: wall[0] * 1_000_000)

@@ -15,7 +15,7 @@ mypy_api = pytest.importorskip("mypy.api", reason="needs mypy (pip install -e '.
 HEADER = """
 from typing import Iterator, Optional
 import pyengine as pe
-from pyengine.runtime.operators import KeyedContext, KeyedProcessFunction
+from pyengine.runtime.keyed import KeyedContext, KeyedProcessFunction
 from pyengine.state import (
     ListState, ListStateDescriptor, ListView, MapState, MapStateDescriptor, ValueState,
     ValueStateDescriptor,

@@ -199,7 +199,7 @@ def test_the_current_key_is_written_in_place_only_into_the_slots_of_a_real_insta
     from unittest import mock
 
     from pyengine import _native
-    from pyengine.runtime.operators import KeyedContext
+    from pyengine.runtime.keyed import KeyedContext
     from pyengine.state.heap import HeapKeyedStateBackend
 
     fake = mock.MagicMock(spec=HeapKeyedStateBackend)
@@ -309,7 +309,7 @@ def test_a_copied_context_keeps_its_fields_and_a_copied_service_is_refused() -> 
     service, bound to its operator's queues, is refused."""
     import copy
 
-    from pyengine.runtime.operators import KeyedContext
+    from pyengine.runtime.keyed import KeyedContext
     from pyengine.time.service import TimerService
 
     ctx = KeyedContext(None)  # type: ignore[arg-type]
@@ -939,7 +939,7 @@ def test_moving_to_python_while_firing_fires_each_timer_once_and_frees_the_nativ
     Python's storage in the middle of the native firing loop: the rest fire from Python,
     once each, and the native sets and order are emptied (TimerService still holds
     their register; they held every timer pending at the switch)."""
-    from pyengine.runtime.operators import KeyedContext
+    from pyengine.runtime.keyed import KeyedContext
 
     backend = create_keyed_backend("heap")
     service = InternalTimerService(backend, MIN_WATERMARK)

@@ -30,7 +30,8 @@ from pyspark.sql.streaming.tws_tester import TwsTester
 
 import pyengine as pe
 from pyengine.errors import JobFailedError
-from pyengine.runtime.operators import OperatorContext, key_selector
+from pyengine.runtime.base import OperatorContext
+from pyengine.runtime.keyed import key_selector
 from pyengine.spark.tws import (
     OutputSchemaError,
     StateNotFoundError,

@@ -11,9 +11,7 @@ from typing import Any, Dict, List, Optional
 from ..errors import JobFailedError, KeySelectorError, NonRetryableError, UnhashableKeyError
 from ..monitoring.console import checkpoint_summary_html
 from ..runners.result import JobResult
-from ..runtime.operators import (
-    UserFunctionError,
-)
+from ..runtime.base import UserFunctionError
 from ..runtime.task import EventTimeStatistics, event_time_statistics
 
 

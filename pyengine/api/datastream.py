@@ -11,6 +11,7 @@ from ..agg import Aggregation
 from ..connectors.base import Sink, check_columns
 from ..joins import IntervalJoin, JoinedStreams
 from ..runtime.aggregate import AggregateOperator, check_aggregate
+from ..runtime.base import Operator, OutputTag
 from ..runtime.broadcast import (
     BroadcastProcessFunction,
     BroadcastProcessOperator,
@@ -20,24 +21,22 @@ from ..runtime.broadcast import (
     overrides_broadcast_on_timer,
 )
 from ..runtime.copies import per_subtask
-from ..runtime.operators import (
-    CoProcessFunction,
-    FilterOperator,
-    FlatMapOperator,
+from ..runtime.keyed import (
     KeyedCoProcessFunction,
     KeyedCoProcessOperator,
     KeyedProcessFunction,
     KeyedProcessOperator,
-    MapBatchesOperator,
-    MapOperator,
-    Operator,
-    OutputTag,
-    ProcessFunction,
-    ProcessOperator,
-    TimestampsAndWatermarksOperator,
     key_selector,
     overrides_co_on_timer,
     overrides_on_timer,
+)
+from ..runtime.process import CoProcessFunction, ProcessFunction, ProcessOperator
+from ..runtime.stateless import (
+    FilterOperator,
+    FlatMapOperator,
+    MapBatchesOperator,
+    MapOperator,
+    TimestampsAndWatermarksOperator,
 )
 from ..runtime.task import SinkOperator
 from ..state.descriptors import MapStateDescriptor

@@ -13,10 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..connectors.base import Sink, Source
-from ..runtime.operators import (
-    Operator,
-    OutputTag,
-)
+from ..runtime.base import Operator, OutputTag
 from ..time.strategy import TimestampAssigner
 
 

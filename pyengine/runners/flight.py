@@ -126,7 +126,7 @@ def encode_event(event: Any) -> bytes:
 
     Watermarks and watermark status use ``time_event_to_json``'s shape, the one
     place that says how a time event looks outside a process."""
-    from ..runtime.task import END_OF_DATA
+    from ..runtime.outputs import END_OF_DATA
 
     body: Dict[str, Any]
     if type(event) is Watermark or type(event) is WatermarkStatus:
@@ -170,7 +170,7 @@ def decode_event(raw: bytes) -> Any:
     fields have the right types and ranges (a watermark's ``ts`` an int of 64 bits,
     never a float, bool or string) — a corrupt or hostile event is refused, never
     turned into a plausible one."""
-    from ..runtime.task import END_OF_DATA
+    from ..runtime.outputs import END_OF_DATA
 
     if len(raw) > MAX_EVENT_BYTES:  # refused before parsing: events are tiny
         raise ValueError(f"a channel event of {len(raw)} bytes (at most {MAX_EVENT_BYTES})")

@@ -27,8 +27,9 @@ from ..coordinator import (
 )
 from ..errors import OutputInUseError, is_non_retryable
 from ..io import CheckpointedInputGate, CheckpointFailureReason, CheckpointOptions
-from ..runtime.operators import OperatorContext
-from ..runtime.task import Output, Outputs, StreamTask, event_time_statistics
+from ..runtime.base import OperatorContext
+from ..runtime.outputs import Output, Outputs
+from ..runtime.task import StreamTask, event_time_statistics
 from ..storage import checkpoint_storage
 from ..storage.filesystem import CheckpointStorage
 from ..storage.jobs import JobLease, describe_jobs, list_jobs

@@ -37,7 +37,8 @@ from ..connectors.console import CollectSink
 from ..coordinator import ExecutionAttempt, ThreadTimerService
 from ..errors import KeySelectorError, NonRetryableError
 from ..io import CheckpointOptions, CheckpointType
-from ..runtime.task import EventTimeStatistics, Output, Outputs, event_time_statistics
+from ..runtime.outputs import Output, Outputs
+from ..runtime.task import EventTimeStatistics, event_time_statistics
 from ..storage import checkpoint_storage
 from ..storage.metadata import OperatorState
 from .control import ControlClient, ControlServer
@@ -1032,7 +1033,7 @@ def _describe_failure(exc: BaseException) -> str:
     import traceback
 
     from ..errors import is_non_retryable
-    from ..runtime.operators import UserFunctionError
+    from ..runtime.base import UserFunctionError
 
     wrapped = isinstance(exc, (UserFunctionError, KeySelectorError))  # the engine's wrappers: where, then the cause
     user = exc.__cause__ if wrapped and exc.__cause__ is not None else exc
@@ -1054,7 +1055,7 @@ def _rebuild_failure(attempt: ExecutionAttempt, message: str, where: str = "a Sp
     import json
 
     from ..errors import NonRetryableError
-    from ..runtime.operators import UserFunctionError
+    from ..runtime.base import UserFunctionError
 
     if not message.startswith(_FAILURE_TAG):
         return RuntimeError(f"{attempt}: {message}")

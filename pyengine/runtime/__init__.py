@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ..connectors.base import Source
 from ..connectors.collection import CollectionSource, GeneratorSource
-from .operators import KeyedProcessFunction, Operator, UserFunctionError
+from .base import Operator, UserFunctionError
+from .keyed import KeyedProcessFunction
 from .task import StreamTask
 
 __all__ = [

@@ -43,7 +43,8 @@ from ..agg import Aggregation
 from ..connectors.base import check_columns
 from ..errors import ColumnNotFoundError, NonRetryableError
 from ..state import ListStateDescriptor, ValueStateDescriptor
-from .operators import KeyedOperator, batch_of
+from .base import batch_of
+from .keyed import KeyedOperator
 
 __all__ = ["EMIT_MODES", "SEQ_COLUMN", "AggregateInputError", "AggregateOperator", "check_aggregate"]
 

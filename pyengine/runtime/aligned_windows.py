@@ -30,7 +30,8 @@ from .aggregate import (
     unified_schema,
     value_state,
 )
-from .operators import EventTimeOperatorMixin, KeyedOperator, batch_of
+from .base import EventTimeOperatorMixin, batch_of
+from .keyed import KeyedOperator
 from .windows import _LATE, WindowAssigner, _acc_name, _PyAccumulators
 
 __all__ = ["AlignedWindowAggregateOperator"]

@@ -24,15 +24,9 @@ from ..errors import NonRetryableError, not_records, refuse_non_records
 from ..state.columnar import NoCurrentKeyError
 from ..state.descriptors import K, MapStateDescriptor, StateDescriptor, V
 from ..state.operator import BroadcastState
-from .operators import (
-    KeyedContext,
-    KeyedProcessOperator,
-    Operator,
-    OperatorContext,
-    OutputTag,
-    ProcessContext,
-    rows_of,
-)
+from .base import Operator, OperatorContext, OutputTag, rows_of
+from .keyed import KeyedContext, KeyedProcessOperator
+from .process import ProcessContext
 
 __all__ = [
     "BroadcastContext",
@@ -286,7 +280,7 @@ class BroadcastProcessOperator(Operator):
 
 
 def _user_error(op: Operator, exc: Exception) -> Exception:
-    from .operators import UserFunctionError
+    from .base import UserFunctionError
 
     return UserFunctionError(f"{op.where()}: {type(exc).__name__}: {exc}")
 

@@ -29,16 +29,8 @@ from ..io.events import MIN_WATERMARK
 from ..state import ListStateDescriptor, ValueStateDescriptor
 from ..state.keygroups import assign_to_key_group, key_groups_of_int64
 from ..time.strategy import TimestampAssigner
-from .operators import (
-    EventTimeOperatorMixin,
-    KeyedOperator,
-    NaNKeyError,
-    OperatorContext,
-    OutputTag,
-    UserFunctionError,
-    batch_of,
-    rows_of,
-)
+from .base import EventTimeOperatorMixin, OperatorContext, OutputTag, UserFunctionError, batch_of, rows_of
+from .keyed import KeyedOperator, NaNKeyError
 from .windows import WindowOperator
 
 __all__ = [

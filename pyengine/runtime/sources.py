@@ -13,7 +13,7 @@ from ..errors import NonRetryableError
 from ..io.events import MIN_WATERMARK, WATERMARK_ACTIVE, WATERMARK_IDLE, Watermark
 from ..state import ListStateDescriptor
 from ..storage.metadata import OperatorState
-from .operators import Operator, OperatorContext, UserFunctionError, _mono_ms
+from .base import Operator, OperatorContext, UserFunctionError, _mono_ms
 
 __all__ = ["SourceOperator"]
 

@@ -26,13 +26,8 @@ from ..state import ListStateDescriptor, ValueStateDescriptor
 from ..time.domain import now_ms
 from ..time.strategy import TimestampAssigner, TimestampError, _short
 from .aggregate import AggregateInputError, needed_accumulators
-from .operators import (
-    EventTimeOperatorMixin,
-    KeyedOperator,
-    NaNKeyError,
-    UserFunctionError,
-    rows_of,
-)
+from .base import EventTimeOperatorMixin, UserFunctionError, rows_of
+from .keyed import KeyedOperator, NaNKeyError
 
 __all__ = [
     "ProcessWindowFunction",

@@ -54,13 +54,8 @@ import pyarrow as pa
 
 from ..errors import ColumnNotFoundError, NonRetryableError
 from ..io.events import MAX_WATERMARK, MIN_WATERMARK
-from ..runtime.operators import (
-    EventTimeOperatorMixin,
-    KeyedOperator,
-    NaNKeyError,
-    OperatorContext,
-    UserFunctionError,
-)
+from ..runtime.base import EventTimeOperatorMixin, OperatorContext, UserFunctionError
+from ..runtime.keyed import KeyedOperator, NaNKeyError
 from ..state import (
     assign_to_key_group,
     create_keyed_backend,
@@ -193,7 +188,7 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
     def setup(self, ctx: OperatorContext, restored: Optional[OperatorState]) -> None:
         # As KeyedOperator.setup, with TTL measured on the batch timestamp (Spark's
         # TTL clock), not on the wall clock at the moment of each call.
-        from ..runtime.operators import Operator
+        from ..runtime.base import Operator
 
         Operator.setup(self, ctx, restored)
         self.backend = create_keyed_backend(
