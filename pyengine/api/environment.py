@@ -234,6 +234,43 @@ class StreamEnvironment:
         return self.from_source(source, name, watermark_strategy=watermark_strategy)
 
     @suggest_keywords
+    def read_delta(
+        self,
+        table_uri: str,
+        starting_version: Optional[int] = None,
+        columns: Optional[List[str]] = None,
+        name: str = "delta",
+        *,
+        watermark_strategy: Optional[WatermarkStrategy] = None,
+        monitor_interval_ms: Optional[int] = None,
+        ignore_deletes: bool = False,
+        ignore_changes: bool = False,
+        skip_change_commits: bool = False,
+        storage_options: Optional[Dict[str, str]] = None,
+    ) -> DataStream:
+        """A Delta Lake table as Arrow batches, exactly once (Spark's
+        ``readStream.format("delta")``; ``pyengine.connectors.delta_source.DeltaSource``):
+        its snapshot at the latest version (or, with ``starting_version``, the changes
+        from that version on); with ``monitor_interval_ms``, every version committed
+        after, without end. The position (version, file, row) is checkpointed; a
+        compaction is skipped (``dataChange``), and a version that deletes or rewrites
+        rows is refused unless ``ignore_deletes``, ``skip_change_commits`` or
+        ``ignore_changes`` says how to read it. Needs ``deltalake``."""
+        from ..connectors.delta_source import DeltaSource
+
+        source = DeltaSource(
+            table_uri,
+            starting_version,
+            columns,
+            monitor_interval_ms,
+            ignore_deletes,
+            ignore_changes,
+            skip_change_commits,
+            storage_options,
+        )
+        return self.from_source(source, name, watermark_strategy=watermark_strategy)
+
+    @suggest_keywords
     def from_dataframe(self, df: Any, name: str = "dataframe", path: Optional[str] = None) -> DataStream:
         """A batch Spark DataFrame as a replayable source (``pyengine.spark.DataFrameSource``):
         a plain scan of parquet files is read in place; anything else is written once,
