@@ -215,3 +215,32 @@ def test_event_time_through_a_watermark_strategy(tmp_path: Any) -> None:
     env.execute("windows")
     counts = [r["count"] for r in sink.records]
     assert sum(counts) == n and len(counts) == 4 * (n * 10 // 1000)
+
+
+@pytest.mark.parametrize("n", [7, 64, 1000])
+def test_a_restored_split_reads_on_from_its_row_whatever_the_batch_size(tmp_path: Any, n: int) -> None:
+    """Split state and position taken after every read, restored into a new source (a
+    new process's), read on: the rows are exactly the uninterrupted read's."""
+    path = str(tmp_path / "t")
+    _table(path, versions=4, rows=700)
+    whole: List[int] = []
+    source, position = DeltaSource(path), 0
+    while (batch := source.read(0, 2, position, n)) is not None:
+        position += len(batch)
+        whole += batch.column("id").to_pylist()
+    for stop in (1, 3, 40, 90):
+        source, position, got = DeltaSource(path), 0, []
+        for _ in range(stop):
+            batch = source.read(0, 2, position, n)
+            if batch is None:
+                break
+            assert len(batch), "a bounded split with rows left returns some"
+            position += len(batch)
+            got += batch.column("id").to_pylist()
+        state = source.split_state(0, 2)
+        restored = DeltaSource(path)
+        restored.restore_split_state(0, 2, state)
+        while (batch := restored.read(0, 2, position, n)) is not None:
+            position += len(batch)
+            got += batch.column("id").to_pylist()
+        assert got == whole, f"restored after {stop} reads of {n}"

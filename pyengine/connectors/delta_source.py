@@ -386,7 +386,6 @@ class DeltaSource(Source):
                 files = self._snapshot(table)
             split.files.extend(f for f in files if mine(f[0]))
             split.snapshot = None
-            return True
         bounded = self.interval_s is None
         while not split.files:  # one version with files at a time: its rows go out before a later version is judged
             if bounded and split.next_version > self.latest:
@@ -474,11 +473,10 @@ class DeltaSource(Source):
                 skip -= rows
             else:
                 groups.append(g)
-        first = True
         for batch in reader.iter_batches(batch_size=n, row_groups=groups, columns=present, use_threads=False):
-            if first and skip:
-                batch = batch.slice(skip)
-            first = False
+            if skip:  # rows of the first row group before the offset, over as many batches as they fill
+                cut = min(skip, batch.num_rows)
+                batch, skip = batch.slice(cut), skip - cut
             if batch.num_rows:
                 yield self._conform(batch, file)
 

@@ -1,0 +1,251 @@
+"""PostgresSink: exactly once into a real PostgreSQL (start one with ``sudo bash
+.ci/postgres``; the DSN is ``PYENGINE_TEST_PG_DSN``, by default the role and database
+that script makes). Without a server these tests skip, saying so; CI starts one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections import Counter
+from typing import Any, Iterator, List
+
+import pyarrow as pa
+import pytest
+
+import pyengine as pe
+from pyengine.errors import NonRetryableError
+from pyengine.sinks import RecordRejectedError, RunInfo
+
+psycopg = pytest.importorskip("psycopg", reason="PostgresSink needs psycopg: pip install 'psycopg[binary]'")
+
+DSN = os.environ.get("PYENGINE_TEST_PG_DSN", "postgresql://pyengine:pyengine@127.0.0.1:5432/pyengine_test")
+
+
+def _server() -> str:
+    try:
+        with psycopg.connect(DSN, connect_timeout=3) as conn:
+            conn.execute("SELECT 1")
+        return ""
+    except Exception as exc:
+        return f"no PostgreSQL at {DSN} ({str(exc).strip()[:120]}); start one with: sudo bash .ci/postgres"
+
+
+_DOWN = _server()
+if _DOWN and os.environ.get("CI") == "true":
+    raise RuntimeError(f"CI runs the PostgreSQL tests, and {_DOWN}")
+pytestmark = pytest.mark.skipif(bool(_DOWN), reason=_DOWN)
+
+
+def sql(statement: str, *args: Any) -> List[Any]:
+    with psycopg.connect(DSN, autocommit=True) as conn:
+        cur = conn.execute(statement, args or None)
+        return cur.fetchall() if cur.description else []
+
+
+@pytest.fixture
+def table() -> Iterator[str]:
+    """A fresh table (id, user, v), dropped afterwards."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    sql(f'CREATE TABLE public.{name} (id bigint NOT NULL, "user" int, v double precision CHECK (v >= 0), note text)')
+    yield name
+    sql(f"DROP TABLE IF EXISTS public.{name}")
+
+
+def _records(n: int) -> List[dict]:
+    return [{"id": i, "user": i % 7, "v": float(i), "note": f"n{i}" if i % 5 else ""} for i in range(n)]
+
+
+class FailOnce:
+    def __init__(self, at: int) -> None:
+        self.at, self.seen, self.fired, self.lock = at, 0, False, threading.Lock()
+
+    def __call__(self, record: Any) -> Any:
+        with self.lock:
+            self.seen += 1
+            if not self.fired and self.seen >= self.at:
+                self.fired = True
+                raise RuntimeError("injected failure")
+        if record["id"] % 64 == 0:
+            time.sleep(0.002)  # long enough for a few checkpoints
+        return record
+
+
+def _env(tmp_path: Any, parallelism: int = 2, **kwargs: Any) -> pe.StreamEnvironment:
+    settings: dict = dict(
+        parallelism=parallelism,
+        checkpointing=pe.CheckpointConfig(interval_ms=15),
+        checkpoint_storage=str(tmp_path / "ckpt"),
+        restart_attempts=2,
+        buffer_size=32,
+        buffer_timeout_ms=1,
+    )
+    settings.update(kwargs)
+    return pe.StreamEnvironment(**settings)
+
+
+def _ids(name: str) -> Counter:
+    return Counter(r[0] for r in sql(f"SELECT id FROM {name}"))
+
+
+@pytest.mark.parametrize("parallelism", [1, 2])
+def test_appends_exactly_once_across_a_failure(tmp_path: Any, table: str, parallelism: int) -> None:
+    n = 3000
+    env = _env(tmp_path, parallelism)
+    sink = pe.sinks.PostgresSink(DSN, table)
+    env.from_collection(_records(n)).rebalance().map(FailOnce(n // 2)).sink_to(sink)
+    result = env.execute("pg-append")
+    assert result.restarts == 1
+    assert _ids(table) == Counter(range(n))
+    rows = sql(f'SELECT id, "user", v, note FROM {table} WHERE id IN (5, 6) ORDER BY id')
+    assert rows == [(5, 5, 5.0, ""), (6, 6, 6.0, "n6")]  # an empty string stays one, not NULL
+    commits = sql("SELECT count(*), sum(rows) FROM pyengine.commits WHERE target = %s", f"public.{table}")
+    assert commits[0][1] >= n  # every committed checkpoint recorded, with its rows
+    assert sql("SELECT count(*) FROM pyengine.staged WHERE target = %s", f"public.{table}") == [(0,)]
+
+
+def test_an_update_stream_upserts_the_latest_value_per_key(tmp_path: Any) -> None:
+    name = f"u_{uuid.uuid4().hex[:12]}"
+    sql(f"CREATE TABLE {name} (user_id bigint PRIMARY KEY, total bigint, n bigint, _seq bigint)")
+    try:
+        rows = pa.table({"user_id": [i % 13 for i in range(4000)], "amount": list(range(4000))})
+        env = _env(tmp_path, 2)
+        sink = pe.sinks.PostgresSink(DSN, name, key="user_id")
+        stream = env.from_collection(rows).key_by("user_id")
+        stream.aggregate(pe.agg.sum("amount", alias="total"), pe.agg.count(alias="n")).sink_to(sink)
+        env.execute("pg-upsert")
+        got = {r[0]: (r[1], r[2]) for r in sql(f"SELECT user_id, total, n FROM {name}")}
+        want = {k: (sum(a for a in range(4000) if a % 13 == k), len(range(k, 4000, 13))) for k in range(13)}
+        assert got == want
+    finally:
+        sql(f"DROP TABLE IF EXISTS {name}")
+
+
+def test_a_row_the_table_cannot_take_fails_the_job_naming_row_and_column(tmp_path: Any, table: str) -> None:
+    records = _records(50)
+    records[37] = {"id": 37, "user": "not a number", "v": 1.0, "note": "x"}
+    env = _env(tmp_path, 1, checkpointing=None)
+    env.from_collection(records).sink_to(pe.sinks.PostgresSink(DSN, table))
+    with pytest.raises(pe.JobFailedError) as info:
+        env.execute("pg-bad")
+    text = str(info.value)
+    assert "RecordRejectedError" in text and "row {'id': 37, 'user': 'not a number'" in text, text
+    assert "column 'user'" in text and "nothing of this checkpoint is committed" in text, text
+    assert _ids(table) == Counter(), "a part of the failed checkpoint was committed"
+
+    records = _records(20)
+    records[4]["v"] = -1.0  # the CHECK constraint
+    sink = pe.sinks.PostgresSink(DSN, table)
+    sink.begin_run(RunInfo("j", "r1", "r1"))
+    sink.recover(())
+    with pytest.raises(RecordRejectedError, match=r"row \{'id': 4.*'v': -1.0.*check constraint"):
+        sink.stage(0, 1, records)
+    with pytest.raises(RecordRejectedError, match=r"column\(s\) \['extra'\]"):
+        sink.stage(0, 1, [{"id": 1, "extra": 2}])
+    assert _ids(table) == Counter()
+
+
+def test_a_replayed_commit_is_skipped_and_recovery_commits_what_the_checkpoint_covers(table: str) -> None:
+    sink = pe.sinks.PostgresSink(DSN, table)
+    run = RunInfo("j", "run-a", "run-a")
+    sink.begin_run(run)
+    sink.recover(())
+    sink.stage(0, 1, _records(10))
+    sink.stage(1, 1, pa.table({"id": [100, 101], "v": [1.0, 2.0]}))
+    sink.commit(0, 1)
+    sink.commit(0, 1)  # replayed: nothing moves
+    assert _ids(table) == Counter(range(10))
+    sink.stage(0, 2, [{"id": 10}])  # checkpoint 2 completed, its notification lost
+    sink.stage(0, 3, [{"id": 11}])  # checkpoint 3 never completed
+    # the restart restores checkpoint 2: its rows are committed, 3's dropped (they replay)
+    again = pe.sinks.PostgresSink(DSN, table)
+    again.begin_run(RunInfo("j", "run-a", "run-a", (("run-a", 2),)))
+    again.recover([("run-a", 2)])
+    assert _ids(table) == Counter([*range(10), 100, 101, 10])
+    again.recover([("run-a", 2)])  # again: nothing more
+    assert _ids(table) == Counter([*range(10), 100, 101, 10])
+    assert sql("SELECT count(*) FROM pyengine.staged WHERE target = %s", f"public.{table}") == [(0,)]
+    # a zombie of the failed attempt stages after recover: the new attempt's commit drops it
+    sink.stage(0, 4, [{"id": 12}])
+    again.stage(0, 5, [{"id": 13}])
+    again.commit(0, 5)
+    assert _ids(table) == Counter([*range(10), 100, 101, 10, 13])
+    # restoring an older checkpoint than one already committed: refused, rows cannot be taken back
+    with pytest.raises(pe.errors.OutputInUseError, match="does not cover"):
+        again.recover([("run-a", 1)])
+
+
+def test_a_lost_connection_is_opened_again_and_an_unreachable_server_fails_clearly(table: str) -> None:
+    sink = pe.sinks.PostgresSink(DSN, table)
+    sink.begin_run(RunInfo("j", "run-b", "run-b"))
+    sink.recover(())
+    sink.stage(0, 1, _records(5))
+    pid = sink._conns[0].info.backend_pid
+    sql("SELECT pg_terminate_backend(%s)", pid)
+    sink.commit(0, 1)
+    assert _ids(table) == Counter(range(5))
+
+    down = pe.sinks.PostgresSink("postgresql://pyengine:pyengine@127.0.0.1:1/none", table, retries=1)
+    with pytest.raises(ConnectionError, match=r"failed 2 times.*server is up") as info:
+        down.begin_run(RunInfo("j", "run-c", "run-c"))
+    assert "pyengine:pyengine" not in str(info.value), "the password is not in messages"
+
+
+def test_a_missing_table_or_key_index_is_refused_when_the_run_begins(table: str) -> None:
+    with pytest.raises(NonRetryableError, match="there is no table 'nope' on the search_path"):
+        pe.sinks.PostgresSink(DSN, "nope").begin_run(RunInfo("j", "r", "r"))
+    with pytest.raises(NonRetryableError, match="needs a primary key or unique index"):
+        pe.sinks.PostgresSink(DSN, table, key="id").begin_run(RunInfo("j", "r", "r"))
+    with pytest.raises(NonRetryableError, match=r"key column\(s\) \['nokey'\]"):
+        pe.sinks.PostgresSink(DSN, table, key=["nokey"]).begin_run(RunInfo("j", "r", "r"))
+
+
+KILLED = textwrap.dedent(
+    """
+    import os, sys, time
+    import pyengine as pe
+    seen = [0]
+
+    def step(r):
+        seen[0] += 1
+        if {kill} and seen[0] >= {at} and any("_metadata" in f for _, _, f in os.walk({storage!r})):
+            os._exit(9)
+        if seen[0] % 50 == 0:
+            time.sleep(0.002)
+        return r
+
+    env = pe.StreamEnvironment(
+        parallelism=2, checkpointing=pe.CheckpointConfig(interval_ms=20), checkpoint_storage={storage!r},
+        restart_attempts=0, buffer_size=64, buffer_timeout_ms=1,
+    )
+    sink = pe.sinks.PostgresSink({dsn!r}, {table!r})
+    env.read_delta({delta!r}).map(step).map(lambda r: {{"id": r["id"], "v": float(r["id"])}}).sink_to(sink)
+    env.execute("killed")
+    """
+)
+
+
+def test_killed_and_run_again_the_table_holds_each_row_of_the_delta_versions_once(tmp_path: Any, table: str) -> None:
+    """kill -9 mid-run, then the same job again: it resumes from its checkpoint, and the
+    table's rows are those of a batch read of the Delta table, each once."""
+    deltalake = pytest.importorskip("deltalake")
+    delta = str(tmp_path / "delta")
+    for v in range(4):
+        deltalake.write_deltalake(delta, pa.table({"id": list(range(v * 1500, (v + 1) * 1500))}), mode="append")
+    args = dict(storage=str(tmp_path / "ckpt"), dsn=DSN, table=table, delta=delta, at=2500)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED.format(kill=True, **args)], capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    partial = sum(_ids(table).values())
+    assert partial < 6000
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED.format(kill=False, **args)], capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    batch = Counter(deltalake.DeltaTable(delta).to_pyarrow_table().column("id").to_pylist())
+    assert _ids(table) == batch
