@@ -174,6 +174,12 @@ def test_a_replayed_commit_is_skipped_and_recovery_commits_what_the_checkpoint_c
     again.stage(0, 5, [{"id": 13}])
     again.commit(0, 5)
     assert _ids(table) == Counter([*range(10), 100, 101, 10, 13])
+    # and a late task of the older attempt, committing, leaves the newer attempt's staging alone
+    again.stage(0, 6, [{"id": 14}])
+    sink.commit(0, 6)
+    assert _ids(table) == Counter([*range(10), 100, 101, 10, 13])
+    again.commit(0, 6)
+    assert _ids(table) == Counter([*range(10), 100, 101, 10, 13, 14])
     # restoring an older checkpoint than one already committed: refused, rows cannot be taken back
     with pytest.raises(pe.errors.OutputInUseError, match="does not cover"):
         again.recover([("run-a", 1)])

@@ -26,7 +26,8 @@ raised, and whose row locks would block a later checkpoint's upsert of the same 
 Each attempt stages under an **epoch** drawn by ``recover`` (as ``DeltaSink`` does): a
 task of a failed attempt that stages after the restart is neither covered nor the
 new attempt's, and the new attempt's commit drops it instead of committing records
-that are replayed. A lost connection is opened again and the transaction retried
+that are replayed. Epochs grow with time, so such a late task, committing, leaves the
+newer attempt's staging tables alone. A lost connection is opened again and the transaction retried
 (``retries`` times, with back-off); what a transaction did is all or nothing, so a
 retry never doubles a row, and a commit whose outcome was unknown finds its record."""
 
@@ -420,9 +421,10 @@ class PostgresSink(Sink):
             for name, epoch, checkpoint, columns, count in staged:
                 if epoch == self._epoch:
                     self._move(conn, run, self._tag, subtask, name, int(checkpoint), list(columns), int(count))
-                else:  # staged by a failed attempt's task after recover() ran: its records replay in this one
+                elif epoch < self._epoch:  # staged by a failed attempt's task after recover() ran: it replays
                     log.warning("PostgresSink %s: dropping %s, staged by a failed attempt", self.table, name)
                     self._drop(conn, name)
+                # a newer epoch's: this object is the late task of an older attempt, and leaves it be
 
         self._transaction(subtask, f"committing checkpoint {checkpoint_id}", committed)
 
@@ -487,7 +489,9 @@ class PostgresSink(Sink):
         """Makes the table what ``covered`` covers for this lineage: covered staged
         tables are committed, the others dropped; commits it does not cover are refused."""
         run = self._require_run("recover")
-        self._epoch = uuid.uuid4().hex[:16]  # the attempt about to start stages and commits under it
+        # the attempt about to start stages and commits under it; epochs order as attempts do
+        # (the clock first), so a late task of an older attempt never drops a newer one's tables
+        self._epoch = f"{time.time_ns():016x}{uuid.uuid4().hex[:8]}"
         upto: Dict[str, int] = {}
         for run_id, checkpoint_id in covered:
             tag = run_tag(str(run_id))
