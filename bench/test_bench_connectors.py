@@ -121,7 +121,10 @@ def _pg() -> Any:
     try:
         conn = psycopg.connect(DSN, autocommit=True, connect_timeout=3)
     except Exception as exc:
-        pytest.skip(f"no PostgreSQL at {DSN} ({str(exc).strip()[:100]}); start one with: sudo bash .ci/postgres")
+        from pyengine.connectors.postgres import _safe_dsn
+
+        why = " ".join(str(exc).split())[:160]
+        pytest.skip(f"no PostgreSQL at {_safe_dsn(DSN)} ({why}); start one with: sudo bash .ci/postgres")
     return conn
 
 
