@@ -11,7 +11,9 @@ settings, checkpoints on (``CheckpointConfig()``: every 500 ms), parallelism 2.
   the same rows as Python dicts (``map`` to dicts first), reported.
 - **PostgreSQL sink, one checkpoint**: ``stage`` + ``commit`` of ``COMMIT_ROWS`` rows
   against a plain ``COPY`` of the same rows (the same CSV) into a table like the target,
-  alternately, best of ``ROUNDS``. Target: stage + commit <= ``COMMIT_TARGET`` x COPY.
+  alternately, best of ``ROUNDS`` + 2. Target: stage + commit <= ``COMMIT_TARGET`` x COPY
+  (the rows are written twice, into the staging table and then the target, so ~1.5x is
+  the floor; the commit alone, on notify-complete, is reported: ~0.6x).
 
 Needs a PostgreSQL (``sudo bash .ci/postgres``; ``PYENGINE_TEST_PG_DSN``): the sink rows
 skip without one. Sizes: ``PYENGINE_BENCH_CONNECTOR_ROWS`` (default 1,000,000 rows per run)."""
@@ -172,6 +174,7 @@ def test_postgres_checkpoint_commit_against_a_plain_copy(benchmark: Any, pg_tabl
     sink.recover(())
     copies: List[float] = []
     commits: List[float] = []
+    commit_only: List[float] = []
     checkpoint = [0]
 
     def plain_copy() -> None:
@@ -187,8 +190,10 @@ def test_postgres_checkpoint_commit_against_a_plain_copy(benchmark: Any, pg_tabl
         checkpoint[0] += 1
         start = time.perf_counter()
         sink.stage(0, checkpoint[0], rows)
+        middle = time.perf_counter()
         sink.commit(0, checkpoint[0])
         commits.append(time.perf_counter() - start)
+        commit_only.append(time.perf_counter() - middle)
 
     benchmark.pedantic(checkpoint_, setup=plain_copy, rounds=ROUNDS + 2, iterations=1)
 
@@ -197,12 +202,15 @@ def test_postgres_checkpoint_commit_against_a_plain_copy(benchmark: Any, pg_tabl
         checkpoint_()
         return min(copies) / min(commits)
 
-    inverse, n = measured_again(min(copies) / min(commits), 1 / COMMIT_TARGET, again)
+    inverse, n = measured_again(min(copies) / min(commits), 1 / COMMIT_TARGET, again, times=3)
     ratio = 1 / inverse
     sink.close()
-    benchmark.extra_info.update(commit_s=min(commits), copy_s=min(copies), ratio=ratio, measured_again=n)
+    benchmark.extra_info.update(
+        stage_commit_s=min(commits), commit_s=min(commit_only), copy_s=min(copies), ratio=ratio, measured_again=n
+    )
     SUMMARY.append(
         f"PostgresSink stage+commit of {COMMIT_ROWS:,} rows {min(commits) * 1e3:.0f} ms, a plain COPY "
-        f"{min(copies) * 1e3:.0f} ms: {ratio:.2f}x (target <= {COMMIT_TARGET}x)"
+        f"{min(copies) * 1e3:.0f} ms: {ratio:.2f}x (target <= {COMMIT_TARGET}x); the commit alone (on notify) "
+        f"{min(commit_only) * 1e3:.0f} ms, {min(commit_only) / min(copies):.2f}x"
     )
     assert ratio <= COMMIT_TARGET, f"a checkpoint's stage+commit takes {ratio:.2f}x a plain COPY"

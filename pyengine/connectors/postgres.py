@@ -366,13 +366,13 @@ class PostgresSink(Sink):
 
                     buf = io.BytesIO()
                     pacsv.write_csv(table, buf, pacsv.WriteOptions(include_header=False, batch_size=65536))
-                    with cur.copy(f"COPY {self._meta(name)} ({listed}) FROM STDIN (FORMAT csv)") as copy:
+                    with cur.copy(f"COPY {self._meta(name)} ({listed}) FROM STDIN (FORMAT csv, FREEZE)") as copy:
                         copy.write(buf.getbuffer())
                 else:
                     from psycopg.types.json import Jsonb
 
                     source = rows if table is None else table.to_pylist()
-                    with cur.copy(f"COPY {self._meta(name)} ({listed}) FROM STDIN") as copy:
+                    with cur.copy(f"COPY {self._meta(name)} ({listed}) FROM STDIN (FREEZE)") as copy:
                         for r in source:
                             copy.write_row(
                                 [Jsonb(v) if isinstance(v, (dict, list)) else v for v in (r.get(c) for c in columns)]
