@@ -262,3 +262,16 @@ def test_killed_and_run_again_the_table_holds_each_row_of_the_delta_versions_onc
     assert proc.returncode == 0, proc.stderr[-2000:]
     batch = Counter(deltalake.DeltaTable(delta).to_pyarrow_table().column("id").to_pylist())
     assert _ids(table) == batch
+
+
+def test_worker_processes_read_delta_and_write_postgres(tmp_path: Any, table: str) -> None:
+    """Both connectors travel to worker processes (pickled without their connections,
+    readers or locks) and work there."""
+    deltalake = pytest.importorskip("deltalake")
+    delta = str(tmp_path / "delta")
+    for v in range(3):
+        deltalake.write_deltalake(delta, pa.table({"id": list(range(v * 400, (v + 1) * 400))}), mode="append")
+    env = _env(tmp_path, 2, executor="processes")
+    env.read_delta(delta).map(lambda r: {"id": r["id"], "v": 1.0}).sink_to(pe.sinks.PostgresSink(DSN, table))
+    env.execute("processes")
+    assert _ids(table) == Counter(range(1200))
