@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional
 
 from ..connectors.base import Source
 from ..connectors.collection import CollectionSource, GeneratorSource
+from ..connectors.delta_source import DeltaSource
 from ..connectors.files import FileSource, MonitoredFileSource
 from ..coordinator import CheckpointConfig
 from ..errors import suggest_keywords
@@ -256,8 +257,6 @@ class StreamEnvironment:
         compaction is skipped (``dataChange``), and a version that deletes or rewrites
         rows is refused unless ``ignore_deletes``, ``skip_change_commits`` or
         ``ignore_changes`` says how to read it. Needs ``deltalake``."""
-        from ..connectors.delta_source import DeltaSource
-
         source = DeltaSource(
             table_uri,
             starting_version,

@@ -45,17 +45,19 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 
 from ..errors import NonRetryableError
 from ..state.keygroups import stable_hash
 from ..storage.filesystem import resolve
 from .base import Source, check_columns
+
+if TYPE_CHECKING:
+    import pyarrow.parquet as pq
 
 __all__ = ["DeltaSource", "DeltaChangeError"]
 
@@ -453,6 +455,8 @@ class DeltaSource(Source):
             skip = 0
 
     def _open(self, file: _File) -> pq.ParquetFile:
+        import pyarrow.parquet as pq  # on first read, so building a job does not load it
+
         path = unquote(file[0])
         try:
             if "://" in path:
