@@ -275,3 +275,47 @@ def test_worker_processes_read_delta_and_write_postgres(tmp_path: Any, table: st
     env.read_delta(delta).map(lambda r: {"id": r["id"], "v": 1.0}).sink_to(pe.sinks.PostgresSink(DSN, table))
     env.execute("processes")
     assert _ids(table) == Counter(range(1200))
+
+
+def test_records_of_every_shape_go_in_as_they_are(monkeypatch: Any) -> None:
+    """Dicts whose keys differ from row to row (every column kept, not the first row's),
+    mixed and nested values (row by row: JSON into jsonb, lists into arrays), Arrow
+    batches of temporal and decimal types; and the commit table keeps only the newest."""
+    import datetime
+    import decimal
+
+    from pyengine.connectors import postgres
+
+    name = f"s_{uuid.uuid4().hex[:12]}"
+    sql(
+        f"CREATE TABLE public.{name} (id bigint, a text, b double precision, doc jsonb, tags int[], "
+        "at timestamptz, day date, price numeric(10, 2))"
+    )
+    try:
+        monkeypatch.setattr(postgres, "KEPT_COMMITS", 2)
+        sink = pe.sinks.PostgresSink(DSN, f"public.{name}")
+        sink.begin_run(RunInfo("j", "run-s", "run-s"))
+        sink.recover(())
+        sink.stage(0, 1, [{"id": 1, "a": "x"}, {"id": 2, "b": 2.5}, {"b": 3, "id": 3, "a": None}])
+        sink.stage(0, 2, [{"id": 4, "doc": {"k": [1, "two"]}, "tags": [1, 2]}, {"id": 5, "a": 7}])
+        at = datetime.datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=datetime.timezone.utc)
+        batch = pa.record_batch(
+            {
+                "id": pa.array([6], pa.int64()),
+                "at": pa.array([at], pa.timestamp("us", tz="UTC")),
+                "day": pa.array([datetime.date(2026, 1, 2)], pa.date32()),
+                "price": pa.array([decimal.Decimal("12.34")], pa.decimal128(10, 2)),
+            }
+        )
+        sink.stage(0, 3, batch)
+        for c in range(4, 8):
+            sink.stage(0, c, [{"id": 100 + c}])
+        sink.commit(0, 7)
+        rows = {r[0]: r[1:] for r in sql(f"SELECT id, a, b, doc, tags, at, day, price FROM public.{name}")}
+        assert rows[1][:2] == ("x", None) and rows[2][:2] == (None, 2.5) and rows[3][:2] == (None, 3.0)
+        assert rows[4][2:4] == ({"k": [1, "two"]}, [1, 2]) and rows[5][0] == "7"
+        assert rows[6][4:] == (at, datetime.date(2026, 1, 2), decimal.Decimal("12.34"))
+        kept = sql("SELECT checkpoint FROM pyengine.commits WHERE target = %s ORDER BY 1", f"public.{name}")
+        assert [k[0] for k in kept] == [5, 6, 7]
+    finally:
+        sql(f"DROP TABLE IF EXISTS public.{name}")

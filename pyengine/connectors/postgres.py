@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]*$")
 _LINE = re.compile(r"line (\d+)(?:, column ([^:]+))?")
+KEPT_COMMITS = 1000  # commit records kept per (table, run, subtask): the newest
 SEQ_COLUMN = "_seq"  # aggregate(emit="updates"): grows per key; the row with the largest is the latest
 
 
@@ -343,18 +344,22 @@ class PostgresSink(Sink):
                 f"{bad!r:.200}"
             )
         names = list(rows[0])
-        if any(list(r) != names for r in rows):  # the columns differ from row to row: name them all
+        uniform = all(len(r) == len(names) and list(r) == names for r in rows)
+        if not uniform:  # the columns differ from row to row: every one named, None where a row lacks it
             seen: Dict[str, None] = {}
             for r in rows:
                 seen.update(dict.fromkeys(r))
             names = list(seen)
         try:
-            table = pa.Table.from_pylist(rows, schema=None)
+            if uniform:
+                table = pa.Table.from_pylist(rows)
+            else:  # from_pylist would take the first row's keys only
+                table = pa.table({n: pa.array([r.get(n) for r in rows]) for n in names})
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
             return None, [{n: r.get(n) for n in names} for r in rows]
         if not _csv_types(table.schema):
             return None, [{n: r.get(n) for n in names} for r in rows]
-        return table.select(names), []
+        return table, []
 
     def _copy(self, conn: Any, name: str, columns: List[str], table: Optional[pa.Table], rows: List[Any]) -> None:
         psycopg = _require_psycopg()
@@ -372,12 +377,17 @@ class PostgresSink(Sink):
                     from psycopg.types.json import Jsonb
 
                     source = rows if table is None else table.to_pylist()
+                    # a dict, or a list bound for a json column, goes as JSON; other lists as arrays
+                    json = [c in self._columns and "json" in self._columns[c] for c in columns]
                     with cur.copy(f"COPY {self._meta(name)} ({listed}) FROM STDIN (FREEZE)") as copy:
                         for r in source:
                             copy.write_row(
-                                [Jsonb(v) if isinstance(v, (dict, list)) else v for v in (r.get(c) for c in columns)]
+                                [
+                                    Jsonb(v) if isinstance(v, dict) or (j and isinstance(v, list)) else v
+                                    for v, j in zip((r.get(c) for c in columns), json, strict=True)
+                                ]
                             )
-        except (psycopg.DataError, psycopg.IntegrityError, psycopg.ProgrammingError) as exc:
+        except (psycopg.DataError, psycopg.IntegrityError) as exc:
             raise self._rejected(exc, table, rows) from None
 
     def _rejected(self, exc: Any, table: Optional[pa.Table], rows: List[Any]) -> RecordRejectedError:
@@ -447,6 +457,13 @@ class PostgresSink(Sink):
             (self.table, run.lineage_id, tag, subtask, checkpoint, run.job_name, run.run_id, count),
         ).fetchone()
         if fresh is not None:
+            # Only the newest records matter (a replay finds its staged table gone with the commit that
+            # made its record; recover() looks for commits past the restored checkpoint): the table stays small.
+            conn.execute(
+                f"DELETE FROM {self._meta('commits')} WHERE target = %s AND lineage = %s AND run = %s AND "
+                "subtask = %s AND checkpoint < %s",
+                (self.table, run.lineage_id, tag, subtask, checkpoint - KEPT_COMMITS),
+            )
             listed = ", ".join(_quote(c) for c in columns)
             try:
                 conn.execute(self._insert(name, columns, listed))
