@@ -163,9 +163,13 @@ def test_a_replayed_commit_is_skipped_and_recovery_commits_what_the_checkpoint_c
     sink.recover(())
     sink.stage(0, 1, _records(10))
     sink.stage(1, 1, pa.table({"id": [100, 101], "v": [1.0, 2.0]}))
-    sink.commit(0, 1)
+    sink.commit(1, 1)  # sink subtask 0 commits for all: the others have nothing to do
+    assert _ids(table) == Counter()
+    sink.commit(0, 1)  # both subtasks' rows, in one transaction
     sink.commit(0, 1)  # replayed: nothing moves
-    assert _ids(table) == Counter(range(10))
+    assert _ids(table) == Counter([*range(10), 100, 101])
+    records = sql("SELECT subtask, checkpoint, rows FROM pyengine.commits WHERE target = %s", f"public.{table}")
+    assert sorted(records) == [(0, 1, 10), (1, 1, 2)]
     sink.stage(0, 2, [{"id": 10}])  # checkpoint 2 completed, its notification lost
     sink.stage(0, 3, [{"id": 11}])  # checkpoint 3 never completed
     # the restart restores checkpoint 2: its rows are committed, 3's dropped (they replay)
@@ -190,6 +194,24 @@ def test_a_replayed_commit_is_skipped_and_recovery_commits_what_the_checkpoint_c
     # restoring an older checkpoint than one already committed: refused, rows cannot be taken back
     with pytest.raises(pe.errors.OutputInUseError, match="does not cover"):
         again.recover([("run-a", 1)])
+
+
+def test_a_row_that_fails_at_the_commit_fails_the_whole_checkpoint() -> None:
+    """Two subtasks' rows of one checkpoint commit together: a key one of them repeats
+    (a unique index the staging tables do not have) leaves none of them in the table."""
+    name = f"q_{uuid.uuid4().hex[:12]}"
+    sql(f"CREATE TABLE public.{name} (id bigint PRIMARY KEY, v double precision)")
+    try:
+        sink = pe.sinks.PostgresSink(DSN, f"public.{name}")
+        sink.begin_run(RunInfo("j", "run-q", "run-q"))
+        sink.recover(())
+        sink.stage(0, 1, [{"id": 1, "v": 1.0}, {"id": 2, "v": 1.0}])
+        sink.stage(1, 1, [{"id": 3, "v": 1.0}, {"id": 1, "v": 2.0}])
+        with pytest.raises(RecordRejectedError, match=r"checkpoint 1's rows.*Key \(id\)=\(1\) already exists"):
+            sink.commit(0, 1)
+        assert _ids(f"public.{name}") == Counter(), "a part of the checkpoint was committed"
+    finally:
+        sql(f"DROP TABLE IF EXISTS public.{name}")
 
 
 def test_a_lost_connection_is_opened_again_and_an_unreachable_server_fails_clearly(table: str) -> None:

@@ -11,12 +11,13 @@ raised, and whose row locks would block a later checkpoint's upsert of the same 
   constraints, so a value the target cannot take is refused here, naming its row
   and column), recorded in ``<meta_schema>.staged`` in the same transaction. Readers
   of the target see nothing of it.
-- **commit** (on notify-complete of checkpoint ``n``): **one** transaction per
-  subtask moves every staged table of this subtask up to ``n`` into the target
-  (``INSERT ... SELECT``; with ``key``, an upsert: ``ON CONFLICT (key) DO UPDATE``,
-  the last row of a key in a checkpoint winning) and records
-  ``(table, lineage, run, subtask, checkpoint)`` in ``<meta_schema>.commits``. A
-  replayed commit finds its row there and moves nothing.
+- **commit** (on notify-complete of checkpoint ``n``, by sink subtask 0 for all, as
+  ``DeltaSink`` does): **one** transaction moves every subtask's staged tables up to
+  ``n`` into the target (``INSERT ... SELECT``; with ``key``, an upsert:
+  ``ON CONFLICT (key) DO UPDATE``, the last row of a key in a checkpoint winning) and
+  records ``(table, lineage, run, subtask, checkpoint)`` in ``<meta_schema>.commits``.
+  Readers see a checkpoint whole or not at all. A replayed commit finds its staged
+  tables gone (dropped in that transaction) and its records there, and moves nothing.
 - **recover** (the driver, before each attempt): staged tables the restored
   checkpoint covers are committed as above (their checkpoint completed; only its
   commit never ran); the others are dropped (their records replay). Commits of this
@@ -304,6 +305,12 @@ class PostgresSink(Sink):
         table, rows = self._arrow(records)
         columns = list(table.schema.names) if table is not None else list(rows[0]) if rows else []
         unknown = [c for c in columns if c not in self._columns]
+        lacking = [k for k in self.key if k not in columns]
+        if lacking:
+            raise RecordRejectedError(
+                f"PostgresSink {self.table}: an upsert by key {self.key} needs the key in every record, and these "
+                f"records lack {lacking} (columns: {', '.join(columns)})"
+            )
         if unknown:
             raise RecordRejectedError(
                 f"PostgresSink {self.table}: the records have column(s) {unknown}, which the table lacks (columns: "
@@ -417,20 +424,29 @@ class PostgresSink(Sink):
     # -- committing --------------------------------------------------------------------------------------------------
 
     def commit(self, subtask: int, checkpoint_id: int) -> None:
-        """One transaction: every table this subtask staged in this run up to
-        ``checkpoint_id`` moves into the target, with its record in the commit table."""
+        """Sink subtask 0 moves every subtask's staged tables of this run up to
+        ``checkpoint_id`` into the target in **one** transaction, with a record per
+        (subtask, checkpoint) in the commit table: a reader never sees part of a
+        checkpoint, and a row that fails there fails all of it. (The checkpoint
+        completed, so every subtask has staged; the others have nothing to do.)
+        Without checkpoints (``FINAL``, at each subtask's end of input) each subtask
+        commits its own."""
         run = self._require_run("commit")
+        final = checkpoint_id >= FINAL
+        if subtask != 0 and not final:
+            return
+        mine = "AND subtask = %s " if final else ""
 
         def committed(conn: Any) -> None:
             staged = conn.execute(
-                f"SELECT name, epoch, checkpoint, columns, rows FROM {self._meta('staged')} WHERE target = %s AND "
-                "lineage = %s AND run = %s AND subtask = %s AND checkpoint <= %s ORDER BY checkpoint, staged_at "
-                "FOR UPDATE",
-                (self.table, run.lineage_id, self._tag, subtask, checkpoint_id),
+                f"SELECT name, epoch, subtask, checkpoint, columns, rows FROM {self._meta('staged')} WHERE "
+                f"target = %s AND lineage = %s AND run = %s {mine}AND checkpoint <= %s "
+                "ORDER BY checkpoint, subtask, staged_at FOR UPDATE",
+                (self.table, run.lineage_id, self._tag, *([subtask] if final else []), checkpoint_id),
             ).fetchall()
-            for name, epoch, checkpoint, columns, count in staged:
+            for name, epoch, owner, checkpoint, columns, count in staged:
                 if epoch == self._epoch:
-                    self._move(conn, run, self._tag, subtask, name, int(checkpoint), list(columns), int(count))
+                    self._move(conn, run, self._tag, int(owner), name, int(checkpoint), list(columns), int(count))
                 elif epoch < self._epoch:  # staged by a failed attempt's task after recover() ran: it replays
                     log.warning("PostgresSink %s: dropping %s, staged by a failed attempt", self.table, name)
                     self._drop(conn, name)
