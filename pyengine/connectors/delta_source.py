@@ -317,6 +317,8 @@ class DeltaSource(Source):
             return
         schema = _plain(pa.schema(deltalake.Schema.from_json(text).to_arrow()))
         for f in schema:
+            if self.columns is not None and f.name not in self.columns:
+                continue  # not read: whatever it becomes
             if f.name not in self.table_schema.names:
                 raise DeltaChangeError(
                     f"{self._where()}: version {version} adds column {f.name!r} ({f.type}), which the stream's "
