@@ -547,8 +547,9 @@ class PostgresSink(Sink):
                 raise OutputInUseError(
                     f"PostgresSink {self.table}: job {run.job_name!r} committed checkpoint(s) "
                     f"{sorted(beyond)[:5]} (run, id) that the checkpoint it restores does not cover (restored from "
-                    "an older checkpoint?); rows in a table cannot be taken back. Restore from the latest "
-                    "checkpoint, or run the job fresh into an emptied table"
+                    "an older checkpoint, or a savepoint the job ran past?); rows in a table cannot be taken back. "
+                    "Restore from the latest checkpoint (resume='auto'), or a savepoint taken with "
+                    "stop_with_savepoint, or run the job fresh into an emptied table"
                 )
             staged = conn.execute(
                 f"SELECT name, run, subtask, checkpoint, columns, rows FROM {self._meta('staged')} WHERE target = %s "
