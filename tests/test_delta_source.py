@@ -250,3 +250,17 @@ def test_a_restored_split_reads_on_from_its_row_whatever_the_batch_size(tmp_path
             position += len(batch)
             got += batch.column("id").to_pylist()
         assert got == whole, f"restored after {stop} reads of {n}"
+
+
+def test_a_snapshot_is_read_oldest_file_first(tmp_path: Any) -> None:
+    """As Spark's Delta source: by modification time, so event time comes about in the
+    order it was written (a path order would be the random one of the file names)."""
+    path = str(tmp_path / "t")
+    for v in range(6):
+        write_deltalake(path, _rows(v * 10, 10), mode="append")
+        time.sleep(0.01)
+    source, position, got = DeltaSource(path), 0, []
+    while (batch := source.read(0, 1, position, 1000)) is not None:
+        position += len(batch)
+        got += batch.column("id").to_pylist()
+    assert got == list(range(60))

@@ -13,7 +13,9 @@ row once, across failures.
 - **Splits.** Split ``i`` of ``p`` takes the files of each version whose path hashes
   to ``i`` (``stable_hash(path) % p``), so a version's files are read by every
   subtask at once; a restore at another parallelism deals the splits round-robin,
-  as for every source (``SourceOperator``).
+  as for every source (``SourceOperator``). A snapshot's files are read oldest first
+  (by modification time, then path, as Spark's Delta source orders them), a version's
+  in the order of its log entry.
 - **Position.** A split's position is the rows it has read; its split state is the
   next version to look at, the files it has taken and not finished (in order), and
   the rows it read before the first of them. So a checkpoint holds (table version,
@@ -96,6 +98,15 @@ def _widens(old: pa.DataType, new: pa.DataType) -> bool:
         return (old.tz is None) == (new.tz is None) or new.tz == "UTC"
     strings = (pa.string(), pa.large_string(), pa.string_view())
     return any(old.equals(s) for s in strings) and any(new.equals(s) for s in strings)
+
+
+def _ms(value: Any) -> int:
+    """A file's modification time as ms (deltalake gives an int or a datetime)."""
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value
+    return int(value.timestamp() * 1000)
 
 
 def _plain(schema: pa.Schema) -> pa.Schema:
@@ -235,12 +246,14 @@ class DeltaSource(Source):
                     "does not apply; purge them (REORG TABLE ... APPLY (PURGE)) or read the table through Spark"
                 )
         paths = [str(p) for p in actions.column("path").to_pylist()] if actions.num_rows else []
+        times = actions.column("modification_time").to_pylist() if actions.num_rows else []
         parts = {c: actions.column(f"partition.{c}").to_pylist() for c in self.partition_columns}
         out = []
         for i, path in enumerate(paths):
             values = {c: (None if parts[c][i] is None else str(parts[c][i])) for c in self.partition_columns}
-            out.append((path, values))
-        return sorted(out, key=lambda f: f[0])
+            out.append((_ms(times[i]), path, values))
+        # oldest first, as Spark's Delta source orders a snapshot: event time read in about the order it was written
+        return [(path, values) for _, path, values in sorted(out, key=lambda f: (f[0], f[1]))]
 
     def _log_path(self, version: int) -> str:
         return f"{self._root}/_delta_log/{version:020d}.json"
