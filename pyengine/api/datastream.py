@@ -632,9 +632,10 @@ class KeyedStream:
         readable with ``pe.state.read_keyed_state``). ``output_schema`` is a
         ``StructType`` or DDL string; the output goes on as Arrow batches of it.
         ``time_mode`` is ``"None"``, ``"ProcessingTime"`` or ``"EventTime"`` (which
-        needs the stream's timestamps and watermarks upstream; ``event_time_column``
-        names the column to drop late rows by, else the stream's timestamps are
-        used). ``initial_state`` (records, a pyarrow Table or a pandas DataFrame,
+        needs the stream's timestamps and watermarks upstream, by which late rows are
+        dropped; ``event_time_column`` is Spark's ``eventTimeColumnName``: the output
+        column whose values are the output rows' event time downstream).
+        ``initial_state`` (records, a pyarrow Table or a pandas DataFrame,
         keyed like the stream) goes to ``handleInitialState`` on a job's first run
         only. Needs pyspark; see ``pyengine.spark.tws``."""
         from ..spark.tws import build

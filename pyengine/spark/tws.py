@@ -45,7 +45,6 @@ importable from here as before."""
 from __future__ import annotations
 
 import copy
-import datetime as _dt
 from itertools import repeat
 from operator import itemgetter
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
@@ -57,6 +56,7 @@ from ..io.events import MAX_WATERMARK, MIN_WATERMARK
 from ..runtime.base import EventTimeOperatorMixin, OperatorContext, UserFunctionError
 from ..runtime.keyed import KeyedOperator, NaNKeyError
 from ..state import (
+    ListStateDescriptor,
     assign_to_key_group,
     create_keyed_backend,
     key_group_range_for_subtask,
@@ -86,6 +86,10 @@ __all__ = [
 ]
 
 TIME_MODES = ("None", "ProcessingTime", "EventTime")
+
+_SCHEMAS_STATE = ListStateDescriptor("_tws_schemas")
+"""Operator state: ``[state name, Spark schema JSON]`` per state the processor
+declared, so a restore can evolve a state whose schema changed (``tws_schema.evolution``)."""
 
 
 class OutputSchemaError(NonRetryableError, ValueError):
@@ -119,20 +123,6 @@ def time_mode_of(time_mode: Any) -> str:
             if mode.lower() == time_mode.lower():
                 return mode
     raise ValueError(f"time_mode must be one of {', '.join(TIME_MODES)} (case-insensitive), got {time_mode!r}")
-
-
-def _ms(value: Any) -> int:
-    """An event time as epoch milliseconds: ints are milliseconds; datetimes (Spark's
-    timestamp columns) are converted."""
-    if value.__class__ is int:
-        return value  # type: ignore[no-any-return]
-    if isinstance(value, _dt.datetime):
-        if value.tzinfo is None:
-            value = value.replace(tzinfo=_dt.timezone.utc)
-        return int(value.timestamp() * 1000)
-    if hasattr(value, "value") and hasattr(value, "to_pydatetime"):  # pandas.Timestamp
-        return int(value.value // 1_000_000)
-    return int(value)
 
 
 class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
@@ -182,6 +172,8 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         self._opened = False
         self._row_classes: Dict[Tuple[str, ...], Any] = {}
         self._final_watermark = MIN_WATERMARK  # what Spark's processors see once the input ended
+        self.state_schemas: Dict[str, str] = {}  # state name -> its Spark schema (JSON), checkpointed
+        self.restored_schemas: Dict[str, str] = {}  # what the restored checkpoint recorded
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -202,6 +194,9 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
             self.backend.restore(restored.keyed_handles())
         self._first_run = restored is None
         self._restore_watermark(restored)
+        schemas = self.operator_state.get_union_list_state(_SCHEMAS_STATE)  # type: ignore[union-attr]
+        if restored is not None:
+            self.restored_schemas = {str(name): str(schema) for name, schema in schemas.get()}
         if any(n.startswith("_timer_state/") for n in self.backend.state_names):
             self.timers()  # restored timers: rebuild the index now, so due ones fire
 
@@ -220,13 +215,18 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         return self._timers
 
     def spark_watermark(self) -> int:
-        """The watermark as Spark shows it: 0 before the first one (Spark starts at 0);
-        at the end of a bounded input (pyengine's maximum watermark, which Spark never
-        shows) the final one the firing uses (``process_watermark``)."""
+        """The watermark as Spark shows it. pyengine's watermark W is Flink's (every
+        timestamp up to W has been seen: a bounded-out-of-orderness generator emits
+        ``max - delay - 1``), Spark's is ``max - delay`` (a row at or before it is
+        late): Spark's is W + 1, so ``for_bounded_out_of_orderness(d)`` shows what
+        ``withWatermark(col, d)`` shows. 0 before the first one (Spark starts at 0 and
+        never goes below); at the end of a bounded input (pyengine's maximum
+        watermark, which Spark never shows) the final one the firing uses
+        (``process_watermark``)."""
         wm = self.current_watermark
         if wm >= MAX_WATERMARK:
-            wm = self._final_watermark
-        return 0 if wm <= MIN_WATERMARK else int(wm)
+            return self._final_watermark
+        return 0 if wm <= MIN_WATERMARK else max(0, int(wm) + 1)
 
     def _timer_values(self) -> Any:
         from pyspark.sql.streaming.stateful_processor import TimerValues
@@ -291,8 +291,13 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
                 self._input_rows(records, out)
             else:
                 self._input_frames(records, out)
-        if self.time_mode == "ProcessingTime" and self._timers is not None:
-            self._fire(self._timers.processing, self.batch_ts, out)
+        if self._timers is not None:
+            if self.time_mode == "ProcessingTime":
+                self._fire(self._timers.processing, self.batch_ts, out)
+            elif self.time_mode == "EventTime":
+                # A timer at or before the watermark, set while the rows were handled,
+                # fires now, after them, as Spark fires it in the same micro-batch.
+                self._fire(self._timers.event, self.spark_watermark(), out)
         return self._output(out)
 
     def _input_rows(self, records: Any, out: List[Any]) -> None:
@@ -522,7 +527,6 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
     def process_watermark(self, watermark: int) -> Any:
         if watermark <= self.current_watermark:
             return []
-        upto = watermark
         if watermark >= MAX_WATERMARK and self.time_mode == "EventTime":
             # The end of a bounded input: every timer still pending fires, but Spark never
             # shows a watermark of Long.MAX (a processor re-arming a timer at the watermark
@@ -530,8 +534,8 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
             # timer's time: the ones pending fire, a timer set later while they fire stays
             # pending, as on Spark when a query ends, and nothing fires without end.
             last = self._timers.event.last_time() if self._timers is not None else None
-            upto = self.current_watermark if last is None else max(last, self.current_watermark)
-            self._final_watermark = upto
+            current = self.spark_watermark()
+            self._final_watermark = current if last is None else max(last, current)
         self.current_watermark = watermark
         if self._timers is None:
             return []
@@ -540,7 +544,7 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
             return []
         self.batch_ts = self.clock()
         out: List[Any] = []
-        self._fire(self._timers.event, upto, out)
+        self._fire(self._timers.event, self.spark_watermark(), out)
         return self._output(out)
 
     def next_processing_time(self) -> Optional[int]:
@@ -558,6 +562,11 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
 
     def snapshot(self, checkpoint_id: int, location: Any) -> Any:
         self._save_watermark()
+        # Every subtask records the same names (its processor declared them): a union
+        # list state, so each subtask restores them whatever the new parallelism.
+        schemas = self.operator_state.get_union_list_state(_SCHEMAS_STATE)  # type: ignore[union-attr]
+        recorded = {**self.restored_schemas, **self.state_schemas}
+        schemas.update([[name, recorded[name]] for name in sorted(recorded)])
         return super().snapshot(checkpoint_id, location)
 
     # -- output --------------------------------------------------------------------------------
@@ -650,7 +659,14 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
 
     def _pandas_column(self, field: pa.Field, series: Any) -> pa.Array:
         try:
-            array = pa.Array.from_pandas(series, type=field.type)
+            try:
+                array = pa.Array.from_pandas(series, type=field.type)
+            except (pa.ArrowException, TypeError, ValueError) as first:
+                if not (pa.types.is_decimal(field.type) and series.dtype.kind in "iu"):
+                    raise first
+                # Spark coerces an int column to a decimal one (intToDecimalCoercion);
+                # Arrow takes ints as decimals value by value, not as an int64 array.
+                array = pa.array([None if v is None else int(v) for v in series.astype(object)], type=field.type)
         except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
             raise self._fail(
                 f"output column {field.name!r} ({field.type}) cannot hold the values given: {exc}"
@@ -729,20 +745,31 @@ def _initial_entries(
     return make
 
 
-def _event_time_of(column: Optional[str], timestamps: Any) -> Callable[[Any], int]:
-    if column is not None:
+def _output_event_time(column: str, struct: Any) -> Any:
+    """Spark's ``eventTimeColumnName``: the OUTPUT column whose values are the output
+    rows' event time, for the operators after this one (their timestamps; the
+    watermark goes on as it came). Refused unless the output schema has it as a
+    timestamp or a whole number of milliseconds."""
+    from pyspark.sql.types import ByteType, IntegerType, LongType, ShortType, TimestampNTZType, TimestampType
 
-        def of(record: Any) -> int:
-            try:
-                value = record[column]
-            except (KeyError, IndexError, TypeError, ValueError):
-                raise ColumnNotFoundError(
-                    f"event_time_column {column!r}: record {record!r} has no such field"
-                ) from None
-            return _ms(value)
+    from ..time import TimestampAssigner
 
-        return of
-    return lambda record: int(timestamps.of_record(record))
+    fields = {f.name: f for f in struct.fields}
+    field = fields.get(column)
+    if field is None:
+        raise ColumnNotFoundError(
+            f"event_time_column {column!r} names an output column, as Spark's eventTimeColumnName does (the "
+            f"event time of the rows this operator emits, carried downstream), and the output schema has none: "
+            f"{struct.simpleString()}. Add it to the output schema and to the rows the processor yields; late "
+            "input rows are dropped by the stream's own timestamps (assign_timestamps_and_watermarks)"
+        )
+    kinds = (TimestampType, TimestampNTZType, LongType, IntegerType, ShortType, ByteType)
+    if not isinstance(field.dataType, kinds):
+        raise ValueError(
+            f"event_time_column {column!r} is {field.dataType.simpleString()} in the output schema: an event time "
+            "is a timestamp (or a bigint of epoch milliseconds)"
+        )
+    return TimestampAssigner(column=column)
 
 
 def build(
@@ -760,10 +787,11 @@ def build(
     per subtask and attempt, as for a ``KeyedProcessFunction``)."""
     check_processor(processor)
     mode = time_mode_of(time_mode)
-    parse_schema(output_schema, "output schema")  # refused now, not in a subtask
+    struct = parse_schema(output_schema, "output schema")  # refused now, not in a subtask
     stream = keyed._stream
     select = keyed._select
     event_time = None
+    output_time = None
     if mode == "EventTime":
         timestamps = stream._timestamps
         if timestamps is None:
@@ -771,7 +799,9 @@ def build(
                 "time_mode='EventTime' needs watermarks: give the stream timestamps first "
                 "(assign_timestamps_and_watermarks(pe.WatermarkStrategy...), or a source's watermark_strategy)"
             )
-        event_time = _event_time_of(event_time_column, timestamps)
+        event_time = timestamps.of_record
+        if event_time_column is not None:
+            output_time = _output_event_time(event_time_column, struct)
     elif event_time_column is not None:
         raise ValueError(f"event_time_column is for time_mode='EventTime', not {mode!r}")
     initial = _initial_entries(initial_state, flavour, select) if initial_state is not None else None
@@ -792,4 +822,6 @@ def build(
 
     out = stream._op(name, factory)
     out._steps[-1].event_time = mode == "EventTime"
+    if output_time is not None:
+        out._timestamps = output_time
     return out
