@@ -194,7 +194,7 @@ def make_operator(
     clock: Optional[Clock] = None,
     backend: str = "heap",
 ) -> TransformWithStateOperator:
-    from pyengine.spark.tws import _initial_entries
+    from pyengine.spark.tws_build import _initial_entries
 
     select = key_selector("user")
     op = TransformWithStateOperator(
@@ -757,8 +757,9 @@ class SlowCountWithTimers(CountWithTimers):
         return SlowCountWithTimers()
 
     def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Iterator[Any]:
-        time.sleep(0.001)
-        yield from super().handleInputRows(key, rows, timerValues)
+        rows = list(rows)
+        time.sleep(0.001 * len(rows))  # per row: a micro-batch's call takes as long as its rows
+        yield from super().handleInputRows(key, iter(rows), timerValues)
 
 
 def _rescaled_job(env: Any, out: str) -> Any:

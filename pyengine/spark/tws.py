@@ -44,14 +44,13 @@ importable from here as before."""
 
 from __future__ import annotations
 
-import copy
 from itertools import repeat
 from operator import itemgetter
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import pyarrow as pa
 
-from ..errors import ColumnNotFoundError, NonRetryableError
+from ..errors import NonRetryableError
 from ..io.events import MAX_WATERMARK, MIN_WATERMARK
 from ..runtime.base import EventTimeOperatorMixin, OperatorContext, UserFunctionError
 from ..runtime.keyed import KeyedOperator, NaNKeyError
@@ -68,7 +67,6 @@ from .tws_handle import (
     StateNotFoundError,
     StateValueError,
     _Handle,
-    _plain,
 )
 from .tws_schema import parse_schema, spark_arrow_schema
 
@@ -86,6 +84,23 @@ __all__ = [
 ]
 
 TIME_MODES = ("None", "ProcessingTime", "EventTime")
+
+MICRO_BATCH_MAX_DELAY_MS = 1000
+"""With ``micro_batch``: how long gathered rows may wait for a boundary (a checkpoint,
+a watermark, a timer, the end of input) before they are a micro-batch of their own,
+as a Spark trigger's interval would make them (a stream without checkpoints or
+watermarks still moves)."""
+
+ORDER_COLUMN = "__pyengine_row_order"
+"""whole_input: the column giving the rows' order in the DataFrame (the DataFrame
+path adds it; the processor never sees it)."""
+
+_INPUT_STATE = "_tws_input"
+_WHOLE_INPUT_CHUNK = 1 << 16
+
+MICRO_BATCH_MAX_ROWS = 1 << 20
+"""With ``micro_batch``: the rows one micro-batch gathers at most in memory (Spark's
+``maxRecordsPerTrigger``-like bound; a stream never holds more than this in flight)."""
 
 _SCHEMAS_STATE = ListStateDescriptor("_tws_schemas")
 """Operator state: ``[state name, Spark schema JSON]`` per state the processor
@@ -146,6 +161,9 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         event_time: Optional[Callable[[Any], int]] = None,
         initial_state: Optional[Callable[[], Iterable[Tuple[Any, Any]]]] = None,
         clock: Optional[Callable[[], int]] = None,
+        micro_batch: bool = False,
+        micro_batch_max_delay_ms: Optional[int] = MICRO_BATCH_MAX_DELAY_MS,
+        whole_input: bool = False,
     ) -> None:
         super().__init__(uid, name)
         check_processor(processor)
@@ -173,6 +191,13 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         self._row_classes: Dict[Tuple[str, ...], Any] = {}
         self._final_watermark = MIN_WATERMARK  # what Spark's processors see once the input ended
         self.state_schemas: Dict[str, str] = {}  # state name -> its Spark schema (JSON), checkpointed
+        self.micro_batch = micro_batch
+        self.micro_batch_max_delay_ms = micro_batch_max_delay_ms
+        self._pending: List[Any] = []  # the buffers of the micro-batch being gathered
+        self._pending_rows = 0
+        self._pending_due: Optional[int] = None  # wall-clock ms by which they are handled
+        self.whole_input = whole_input
+        self._input_state: Any = None  # whole_input: the rows so far, per key (keyed list state)
         self.restored_schemas: Dict[str, str] = {}  # what the restored checkpoint recorded
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -284,8 +309,29 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
     # -- data ----------------------------------------------------------------------------------
 
     def process(self, records: Any) -> Any:
+        if self.whole_input:
+            if len(records):
+                self._keep_input(records)
+            return []
+        if not self.micro_batch:
+            out: List[Any] = []
+            self._batch(records, out)
+            return self._output(out)
+        if not len(records):
+            return []
+        if not self._pending and self.micro_batch_max_delay_ms is not None:
+            self._pending_due = now_ms() + self.micro_batch_max_delay_ms
+        self._pending.append(records)
+        self._pending_rows += len(records)
+        if self._pending_rows >= MICRO_BATCH_MAX_ROWS:
+            return self._flush()
+        return []
+
+    def _batch(self, records: Any, out: List[Any]) -> None:
+        """One micro-batch, as Spark runs one: ``handleInputRows`` once per key with all
+        its rows (in arrival order), then the timers it makes due (processing time: at
+        the batch's timestamp; event time: at or before the watermark)."""
         self.batch_ts = self.clock()
-        out: List[Any] = []
         if len(records):
             if self.flavour == "row":
                 self._input_rows(records, out)
@@ -298,6 +344,85 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
                 # A timer at or before the watermark, set while the rows were handled,
                 # fires now, after them, as Spark fires it in the same micro-batch.
                 self._fire(self._timers.event, self.spark_watermark(), out)
+
+    def _flush_into(self, out: List[Any]) -> None:
+        """The micro-batch gathered so far, handled now (a boundary: a checkpoint
+        barrier, a watermark, a processing-time timer, the end of input, or the
+        gathered rows' deadline); nothing when none is gathered."""
+        if not self._pending:
+            return
+        buffers = self._pending
+        self._pending, self._pending_rows, self._pending_due = [], 0, None
+        self._batch(_concat(buffers), out)
+
+    def _flush(self) -> Any:
+        out: List[Any] = []
+        self._flush_into(out)
+        return self._output(out)
+
+    def prepare_snapshot_pre_barrier(self, checkpoint_id: int) -> Any:
+        # A checkpoint ends a micro-batch: its rows are handled (and their output goes
+        # out) before the barrier, so the snapshot holds no row in flight.
+        return self._flush()
+
+    def end_input(self) -> Any:
+        if self.whole_input:
+            return self._whole_input()
+        return self._flush()
+
+    def _keep_input(self, records: Any) -> None:
+        """whole_input: a buffer's rows appended to their keys' lists in keyed state."""
+        if isinstance(records, (pa.RecordBatch, pa.Table)):
+            if self._input_state is None:
+                self._input_state = self.backend.get_state(
+                    ListStateDescriptor(_INPUT_STATE, pa.struct(list(records.schema)))
+                )
+            rows = records.to_pylist()
+        else:
+            if self._input_state is None:
+                self._input_state = self.backend.get_state(ListStateDescriptor(_INPUT_STATE, None))
+            rows = [r if isinstance(r, dict) else r.asDict() for r in records]
+        groups: Dict[Any, List[Any]] = {}
+        select = self.key_selector
+        for r in rows:
+            key = select(r)
+            bucket = groups.get(key)
+            if bucket is None:
+                self._check_key(key)
+                groups[key] = [r]
+            else:
+                bucket.append(r)
+        set_key, state = self.backend.set_current_key, self._input_state
+        for key, bucket in groups.items():
+            set_key(key)
+            state.add_all(bucket)
+
+    def _whole_input(self) -> Any:
+        """whole_input, at the end of input: each key's rows (in the DataFrame's order)
+        in one call, keys taken in batches of about ``_WHOLE_INPUT_CHUNK`` rows."""
+        backend = self.backend
+        if self._input_state is None:
+            table = backend._tables.get(_INPUT_STATE)
+            if table is None:
+                return []
+            self._input_state = backend.get_state(ListStateDescriptor(_INPUT_STATE, table.descriptor.type))
+        state = self._input_state
+        out: List[Any] = []
+        chunk: List[Any] = []
+        for key in list(backend.keys(_INPUT_STATE)):
+            backend.set_current_key(key)
+            rows = list(state.get())
+            state.clear()
+            if rows and ORDER_COLUMN in rows[0]:
+                rows.sort(key=itemgetter(ORDER_COLUMN))
+                for r in rows:
+                    del r[ORDER_COLUMN]
+            chunk.extend(rows)
+            if len(chunk) >= _WHOLE_INPUT_CHUNK:
+                self._batch(chunk, out)
+                chunk = []
+        if chunk:
+            self._batch(chunk, out)
         return self._output(out)
 
     def _input_rows(self, records: Any, out: List[Any]) -> None:
@@ -527,6 +652,10 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
     def process_watermark(self, watermark: int) -> Any:
         if watermark <= self.current_watermark:
             return []
+        out: List[Any] = []
+        # Spark moves its watermark between micro-batches: the rows gathered so far are
+        # a batch under the watermark they came with, then the new one fires timers.
+        self._flush_into(out)
         if watermark >= MAX_WATERMARK and self.time_mode == "EventTime":
             # The end of a bounded input: every timer still pending fires, but Spark never
             # shows a watermark of Long.MAX (a processor re-arming a timer at the watermark
@@ -537,27 +666,28 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
             current = self.spark_watermark()
             self._final_watermark = current if last is None else max(last, current)
         self.current_watermark = watermark
-        if self._timers is None:
-            return []
-        self._timers.current_watermark = watermark
-        if self.time_mode != "EventTime":
-            return []
-        self.batch_ts = self.clock()
-        out: List[Any] = []
-        self._fire(self._timers.event, self.spark_watermark(), out)
+        if self._timers is not None:
+            self._timers.current_watermark = watermark
+            if self.time_mode == "EventTime":
+                self.batch_ts = self.clock()
+                self._fire(self._timers.event, self.spark_watermark(), out)
         return self._output(out)
 
     def next_processing_time(self) -> Optional[int]:
-        if self._timers is None or self.time_mode != "ProcessingTime":
-            return None
-        return self._timers.next_processing_time()  # type: ignore[no-any-return]
+        due = self._pending_due
+        if self._timers is not None and self.time_mode == "ProcessingTime":
+            timer = self._timers.next_processing_time()
+            if timer is not None and (due is None or timer < due):
+                due = timer
+        return due
 
     def on_processing_time(self, now_ms: int) -> Any:
-        if self._timers is None or self.time_mode != "ProcessingTime":
-            return []
-        self.batch_ts = self.clock()
         out: List[Any] = []
-        self._fire(self._timers.processing, max(now_ms, self.batch_ts), out)
+        if self._pending:  # a timer or the rows' deadline is due: the batch so far, then its timers
+            self._flush_into(out)
+        if self._timers is not None and self.time_mode == "ProcessingTime":
+            self.batch_ts = self.clock()  # with no rows gathered: Spark's no-data batch
+            self._fire(self._timers.processing, max(now_ms, self.batch_ts), out)
         return self._output(out)
 
     def snapshot(self, checkpoint_id: int, location: Any) -> Any:
@@ -679,6 +809,21 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
 _shape = tuple  # a dict record's fields, in order
 
 
+def _concat(buffers: List[Any]) -> Any:
+    """The buffers of one micro-batch as one: Arrow batches of one schema as a Table
+    (no copy), lists of records as one list, anything mixed as records."""
+    if len(buffers) == 1:
+        return buffers[0]
+    if all(isinstance(b, pa.RecordBatch) for b in buffers):
+        schema = buffers[0].schema
+        if all(b.schema.equals(schema) for b in buffers):
+            return pa.Table.from_batches(buffers, schema=schema)
+    rows: List[Any] = []
+    for b in buffers:
+        rows.extend(b.to_pylist() if isinstance(b, (pa.RecordBatch, pa.Table)) else b)
+    return rows
+
+
 def _extend(produced: Iterable[Any], out: List[Any]) -> None:
     out.extend(produced)
 
@@ -700,128 +845,3 @@ def _fits(value: Any, arrow_type: pa.DataType) -> bool:
         return True
     except (pa.ArrowException, TypeError, ValueError, OverflowError):
         return False
-
-
-# -- building it into a job --------------------------------------------------------------------
-
-
-def _initial_entries(
-    initial_state: Any, flavour: str, select: Callable[[Any], Any]
-) -> Callable[[], List[Tuple[Any, Any]]]:
-    """The initial state as (key, value) pairs, made when a subtask opens: Rows (one
-    call per row, as Spark's ``transformWithState``) or one DataFrame per key (as
-    ``transformWithStateInPandas``). Takes records (dicts or Rows), a pyarrow Table
-    or a pandas DataFrame; keys are taken with the stream's key selector."""
-
-    def rows() -> List[Any]:
-        if isinstance(initial_state, (pa.Table, pa.RecordBatch)):
-            return list(initial_state.to_pylist())
-        if hasattr(initial_state, "to_dict") and hasattr(initial_state, "columns"):  # pandas
-            return list(initial_state.to_dict("records"))
-        return list(initial_state)
-
-    def make() -> List[Tuple[Any, Any]]:
-        from pyspark.sql.types import Row
-
-        records = rows()
-        if flavour == "row":
-            out = []
-            for r in records:
-                if isinstance(r, dict):
-                    row = tuple.__new__(Row, [_plain(v) for v in r.values()])
-                    row.__fields__ = list(r)
-                else:
-                    row = r
-                out.append((select(r), row))
-            return out
-        import pandas as pd
-
-        grouped: Dict[Any, List[Any]] = {}
-        for r in records:
-            grouped.setdefault(select(r), []).append(r if isinstance(r, dict) else r.asDict())
-        return [(k, pd.DataFrame.from_records(v)) for k, v in grouped.items()]
-
-    rows()  # refuses a wrong type now, not on a subtask
-    return make
-
-
-def _output_event_time(column: str, struct: Any) -> Any:
-    """Spark's ``eventTimeColumnName``: the OUTPUT column whose values are the output
-    rows' event time, for the operators after this one (their timestamps; the
-    watermark goes on as it came). Refused unless the output schema has it as a
-    timestamp or a whole number of milliseconds."""
-    from pyspark.sql.types import ByteType, IntegerType, LongType, ShortType, TimestampNTZType, TimestampType
-
-    from ..time import TimestampAssigner
-
-    fields = {f.name: f for f in struct.fields}
-    field = fields.get(column)
-    if field is None:
-        raise ColumnNotFoundError(
-            f"event_time_column {column!r} names an output column, as Spark's eventTimeColumnName does (the "
-            f"event time of the rows this operator emits, carried downstream), and the output schema has none: "
-            f"{struct.simpleString()}. Add it to the output schema and to the rows the processor yields; late "
-            "input rows are dropped by the stream's own timestamps (assign_timestamps_and_watermarks)"
-        )
-    kinds = (TimestampType, TimestampNTZType, LongType, IntegerType, ShortType, ByteType)
-    if not isinstance(field.dataType, kinds):
-        raise ValueError(
-            f"event_time_column {column!r} is {field.dataType.simpleString()} in the output schema: an event time "
-            "is a timestamp (or a bigint of epoch milliseconds)"
-        )
-    return TimestampAssigner(column=column)
-
-
-def build(
-    keyed: Any,
-    processor: Any,
-    output_schema: Any,
-    *,
-    flavour: str,
-    time_mode: str,
-    event_time_column: Optional[str],
-    initial_state: Any,
-) -> Any:
-    """What ``KeyedStream.transform_with_state[_in_pandas]`` does: checks everything
-    it can before the job runs, and adds the operator (a deep copy of ``processor``
-    per subtask and attempt, as for a ``KeyedProcessFunction``)."""
-    check_processor(processor)
-    mode = time_mode_of(time_mode)
-    struct = parse_schema(output_schema, "output schema")  # refused now, not in a subtask
-    stream = keyed._stream
-    select = keyed._select
-    event_time = None
-    output_time = None
-    if mode == "EventTime":
-        timestamps = stream._timestamps
-        if timestamps is None:
-            raise ValueError(
-                "time_mode='EventTime' needs watermarks: give the stream timestamps first "
-                "(assign_timestamps_and_watermarks(pe.WatermarkStrategy...), or a source's watermark_strategy)"
-            )
-        event_time = timestamps.of_record
-        if event_time_column is not None:
-            output_time = _output_event_time(event_time_column, struct)
-    elif event_time_column is not None:
-        raise ValueError(f"event_time_column is for time_mode='EventTime', not {mode!r}")
-    initial = _initial_entries(initial_state, flavour, select) if initial_state is not None else None
-    name = "transform_with_state" if flavour == "row" else "transform_with_state_in_pandas"
-
-    def factory(uid: str, n: str, _checkpointing: bool) -> TransformWithStateOperator:
-        return TransformWithStateOperator(
-            uid,
-            n,
-            select,
-            copy.deepcopy(processor),
-            output_schema,
-            flavour=flavour,
-            time_mode=mode,
-            event_time=event_time,
-            initial_state=initial,
-        )
-
-    out = stream._op(name, factory)
-    out._steps[-1].event_time = mode == "EventTime"
-    if output_time is not None:
-        out._timestamps = output_time
-    return out
