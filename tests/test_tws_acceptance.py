@@ -423,3 +423,118 @@ def test_a_checkpoint_without_recorded_schemas_restores_as_before() -> None:
     op.state_schemas.clear()  # as main wrote it
     op = restart(op, remove_fields(), OUT)
     assert json.loads(rows_of(op.process([{"user": "0"}]))[0]["value"]) == {"id": 0, "name": "name-0"}
+
+
+# -- micro-batches kept: one call per key per batch, processing-time timers between batches --------
+
+
+def micro_operator(processor: Any, schema: str, **kw: Any) -> TransformWithStateOperator:
+    op = make_operator(processor, schema, **kw)
+    op.micro_batch = True
+    op.micro_batch_max_delay_ms = None
+    return op
+
+
+def end_batch(op: TransformWithStateOperator, n: int) -> List[Dict[str, Any]]:
+    """A checkpoint barrier: the micro-batch ends, its output goes out before it."""
+    return rows_of(op.prepare_snapshot_pre_barrier(n))
+
+
+class ChunkCount(StatefulProcessor):
+    """Spark's ChunkCountProcessor: how many chunks (DataFrames) and rows a call got."""
+
+    def init(self, handle: Any) -> None:
+        pass
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Iterator[Any]:
+        chunks = list(rows)
+        n = sum(len(c) for c in chunks)
+        yield pd.DataFrame(
+            {"user": [key[0]], "chunks": [len(chunks)], "n": [n], "first": [int(chunks[0]["v"].iloc[0])]}
+        )
+
+
+def test_a_micro_batch_is_one_call_per_key_whatever_the_buffers() -> None:
+    op = micro_operator(ChunkCount(), "user bigint, chunks bigint, n bigint, first bigint", flavour="pandas")
+    for i in range(10):  # ten buffers of one micro-batch
+        assert rows_of(op.process([{"user": u, "v": 10 * i + u} for u in range(3)])) == []
+    out = sorted(end_batch(op, 1), key=lambda r: r["user"])
+    assert out == [{"user": u, "chunks": 1, "n": 10, "first": u} for u in range(3)]
+    assert end_batch(op, 2) == []  # nothing gathered since
+    op.process([{"user": 1, "v": 5}])
+    assert rows_of(op.end_input()) == [{"user": 1, "chunks": 1, "n": 1, "first": 5}]
+
+
+class ProcTimeCount(StatefulProcessor):
+    """Spark's ProcTimeStatefulProcessor's behaviour: a running count per key; key "0"
+    registers a timer 1 ms after each batch's time; when it fires, the key has two
+    timers listed (the firing one, and the one its batch just set), and the count resets."""
+
+    def init(self, handle: Any) -> None:
+        self.handle = handle
+        self.count = handle.getValueState("count", "value string")
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Iterator[Any]:
+        old = self.count.get()
+        count = (int(old[0]) if old else 0) + len(list(rows))
+        if key == ("0",):
+            self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs() + 1)
+        self.count.update((str(count),))
+        yield Row(id=key[0], countAsString=str(count), timeValues=str(timerValues.getCurrentProcessingTimeInMs()))
+
+    def handleExpiredTimer(self, key: Any, timerValues: Any, info: Any) -> Iterator[Any]:
+        first = list(self.handle.listTimers())
+        assert first == list(self.handle.listTimers())  # two iterations agree
+        assert len(first) == 2, first
+        self.count.clear()
+        self.handle.deleteTimer(info.getExpiryTimeInMs())
+        yield Row(id=key[0], countAsString="-1", timeValues=str(info.getExpiryTimeInMs()))
+
+
+@pytest.mark.parametrize("micro_batch", [True, False])
+def test_processing_time_timers_fire_between_micro_batches(micro_batch: bool) -> None:
+    clock = Clock()
+    clock.now = 1_000
+    op = make_operator(ProcTimeCount(), "id string, countAsString string, timeValues string", clock=clock,
+                       time_mode="ProcessingTime")  # fmt: skip
+    op.micro_batch, op.micro_batch_max_delay_ms = micro_batch, None
+    batch = [{"user": u} for u in ("0", "1", "0", "1", "1")]
+    out = rows_of(op.process(batch[:2])) + rows_of(op.process(batch[2:])) + end_batch(op, 1)
+    clock.now = 2_000
+    out += rows_of(op.process(batch[:2])) + rows_of(op.process(batch[2:])) + end_batch(op, 2)
+    got = sorted((r["id"], r["countAsString"], r["timeValues"]) for r in out)
+    if micro_batch:  # Spark's answer: a batch's rows in one call; the timer set at 1001 fires in batch 2
+        assert got == [
+            ("0", "-1", "1001"),
+            ("0", "2", "1000"),
+            ("0", "4", "2000"),
+            ("1", "3", "1000"),
+            ("1", "6", "2000"),
+        ]
+    else:  # a call per buffer: two calls per key per batch, the timer fires with one listed
+        assert len(got) > 5
+
+
+def test_a_stream_keeps_its_micro_batches_end_to_end() -> None:
+    """A bounded stream, no checkpoints, tiny buffers: the end of input is the only
+    boundary, so each key gets one call with all its rows (in order); with
+    micro_batch=False a call per key per buffer, as before."""
+
+    class Gather(StatefulProcessor):
+        def init(self, handle: Any) -> None:
+            pass
+
+        def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Iterator[Any]:
+            vs = [r.v for r in rows]
+            yield Row(user=key[0], n=len(vs), ordered=vs == sorted(vs))
+
+    records = [{"user": i % 4, "v": i} for i in range(400)]
+    results = {}
+    for micro in (True, False):
+        env = pe.StreamEnvironment(parallelism=2, buffer_size=5)
+        env.from_collection(records).key_by("user").transform_with_state(
+            Gather(), "user bigint, n bigint, ordered boolean", micro_batch=micro
+        ).sink_to(pe.sinks.CollectSink())
+        results[micro] = env.execute(f"micro-{micro}").records
+    assert sorted((r["user"], r["n"], r["ordered"]) for r in results[True]) == [(u, 100, True) for u in range(4)]
+    assert len(results[False]) > 4
