@@ -536,7 +536,7 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
             fields = tuple(first)
             # Every record a dict of exactly these fields, in this order (a Row's
             # values are taken in dict order, so the order must be the same too).
-            if list(map(_shape, records)).count(fields) == len(records):
+            if all(map(fields.__eq__, map(_shape, records))):  # lazily: no tuple per record kept
                 keys = list(map(itemgetter(column), records))
                 return self._bucket(keys, records), self._row_class(fields), dict.values
         return self._group_any(records), None, None
