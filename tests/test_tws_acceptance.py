@@ -538,3 +538,31 @@ def test_a_stream_keeps_its_micro_batches_end_to_end() -> None:
         results[micro] = env.execute(f"micro-{micro}").records
     assert sorted((r["user"], r["n"], r["ordered"]) for r in results[True]) == [(u, 100, True) for u in range(4)]
     assert len(results[False]) > 4
+
+
+@pytest.mark.parametrize("keys", ["int", "str", "bool"])
+def test_a_large_pandas_batch_gives_each_key_its_rows_in_order_indexed_from_0(keys: str) -> None:
+    """Past 64 rows of int or str keys the frames are cut from one sorted frame (not a
+    take per key): each key's rows in arrival order, index 0..n-1, keys by first arrival."""
+
+    class Frames(StatefulProcessor):
+        def init(self, handle: Any) -> None:
+            pass
+
+        def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Iterator[Any]:
+            (df,) = list(rows)
+            assert list(df.index) == list(range(len(df)))
+            yield pd.DataFrame(
+                {"user": [str(key[0])], "vs": [",".join(map(str, df["v"]))], "at0": [int(df.at[0, "v"])]}
+            )
+
+    make = {"int": lambda i: i % 7, "str": lambda i: f"k{i % 7}", "bool": lambda i: i % 2 == 0}[keys]
+    records = [{"user": make(i), "v": i} for i in range(300)]
+    op = make_operator(Frames(), "user string, vs string, at0 bigint", flavour="pandas")
+    out = rows_of(op.process(records))
+    expected: Dict[str, List[int]] = {}
+    for r in records:
+        expected.setdefault(str(r["user"]), []).append(r["v"])
+    assert [r["user"] for r in out] == list(expected)  # first-arrival order
+    assert {r["user"]: r["vs"] for r in out} == {k: ",".join(map(str, v)) for k, v in expected.items()}
+    assert all(r["at0"] == expected[r["user"]][0] for r in out)

@@ -48,6 +48,7 @@ from itertools import repeat
 from operator import itemgetter
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
+import numpy as np
 import pyarrow as pa
 
 from ..errors import NonRetryableError
@@ -612,6 +613,8 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
                 return []
             keys = [self.key_selector(r) for r in rows]
             df = pd.DataFrame.from_records([r if isinstance(r, dict) else r.asDict() for r in rows])
+        if len(keys) >= 64 and set(map(type, keys)) <= _FACTORIZABLE:
+            return _frames_by_key(df, keys)
         positions: Dict[Any, List[int]] = {}
         for i, key in enumerate(keys):
             bucket = positions.get(key)
@@ -691,6 +694,11 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         return self._output(out)
 
     def snapshot(self, checkpoint_id: int, location: Any) -> Any:
+        if self._pending:  # never silently: a row gathered here would be in no checkpoint
+            raise RuntimeError(
+                f"{self.where()}: a snapshot with {self._pending_rows} rows of a micro-batch gathered; "
+                "prepare_snapshot_pre_barrier hands them to the processor before every checkpoint"
+            )
         self._save_watermark()
         # Every subtask records the same names (its processor declared them): a union
         # list state, so each subtask restores them whatever the new parallelism.
@@ -764,28 +772,33 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         return array
 
     def _frames_batch(self, frames: List[Any]) -> Any:
+        """The DataFrames the processor yielded as one batch: each checked (the
+        message names a missing or extra column), then concatenated once and
+        converted column by column (a conversion per frame cost twice as much)."""
         import pandas as pd
 
         names = self.output_names
-        batches = []
+        expected = tuple(names)
+        kept = []
         for df in frames:
             if not isinstance(df, pd.DataFrame):
                 raise self._fail(f"handleInputRows must yield pandas DataFrames, got {type(df).__name__}")
             if df.empty and len(df.columns) == 0:
                 continue
-            missing = [n for n in names if n not in df.columns]
-            if missing:
-                raise self._fail(f"output DataFrame has no column {missing[0]!r}; it has {list(df.columns)}")
-            extra = [c for c in df.columns if c not in names]
-            if extra:
-                raise self._fail(f"output DataFrame has column {extra[0]!r}, which the output schema does not")
-            arrays = [self._pandas_column(field, df[field.name]) for field in self.output_schema]
-            batches.append(pa.RecordBatch.from_arrays(arrays, schema=self.output_schema))
-        if not batches:
+            if tuple(df.columns) != expected:
+                missing = [n for n in names if n not in df.columns]
+                if missing:
+                    raise self._fail(f"output DataFrame has no column {missing[0]!r}; it has {list(df.columns)}")
+                extra = [c for c in df.columns if c not in names]
+                if extra:
+                    raise self._fail(f"output DataFrame has column {extra[0]!r}, which the output schema does not")
+                df = df[names]  # the schema's order
+            kept.append(df)
+        if not kept:
             return []
-        if len(batches) == 1:
-            return batches[0]
-        return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
+        whole = kept[0] if len(kept) == 1 else pd.concat(kept, ignore_index=True)
+        arrays = [self._pandas_column(field, whole[field.name]) for field in self.output_schema]
+        return pa.RecordBatch.from_arrays(arrays, schema=self.output_schema)
 
     def _pandas_column(self, field: pa.Field, series: Any) -> pa.Array:
         try:
@@ -807,6 +820,26 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
 
 
 _shape = tuple  # a dict record's fields, in order
+
+
+_FACTORIZABLE = {int, str}
+
+
+def _frames_by_key(df: Any, keys: List[Any]) -> List[Tuple[Any, List[Any]]]:
+    """One DataFrame per key (its rows in arrival order, keys in order of first
+    arrival, each indexed 0..n-1 as Spark's): the frame sorted once by key (a stable
+    sort keeps arrival order) and cut in slices, not a ``take`` per key (half the cost)."""
+    import pandas as pd
+
+    codes, uniques = pd.factorize(pd.Series(keys, dtype=object))
+    order = np.argsort(codes, kind="stable")
+    ordered = df.take(order).reset_index(drop=True)
+    counts = np.bincount(codes)
+    ends = np.cumsum(counts).tolist()
+    starts = [0, *ends[:-1]]
+    return [
+        (key, [ordered.iloc[a:b].reset_index(drop=True)]) for key, a, b in zip(list(uniques), starts, ends, strict=True)
+    ]
 
 
 def _concat(buffers: List[Any]) -> Any:
