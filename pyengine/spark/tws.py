@@ -9,8 +9,10 @@ come in Spark's order:
 * ``init(handle)`` once per subtask (and attempt);
 * on a job's first run (nothing restored), ``handleInitialState(key, row_or_df,
   timerValues)`` per key of the initial state this subtask owns, before any data;
-* per input buffer (pyengine's micro-batch), ``handleInputRows(key, rows,
-  timerValues)`` once per key in it, that key's rows in arrival order;
+* per micro-batch, ``handleInputRows(key, rows, timerValues)`` once per key in it,
+  that key's rows in arrival order (``micro_batch``: the rows up to a checkpoint, a
+  watermark, a due timer or the end of input; off, each input buffer; a DataFrame's
+  whole input with ``whole_input``);
 * expired timers after the data: ``handleExpiredTimer(key, timerValues,
   expiredTimerInfo)``, each timer deleted once it has fired (while it fires,
   ``listTimers`` still lists it and deleting or re-registering it changes
@@ -21,10 +23,13 @@ Spark's semantics kept: values are tuples of the state's schema; keys are
 tuples; TTL is processing time, measured at the batch's timestamp, restarted by
 every write, and an expired value is never returned (Spark's ``StateTTL``:
 expired once ``batch_ts >= written_ts + ttl``); timers outside a time mode raise
-``PySparkValueError`` (``UNSUPPORTED_OPERATION``), an event-time timer not later
-than the watermark raises ``IllegalArgumentException``, and in ``EventTime`` mode
-rows whose event time is not later than the watermark are dropped before the
-processor sees them (the types Spark's own ``TwsTester`` raises).
+``PySparkValueError`` (``UNSUPPORTED_OPERATION``, the type Spark's own ``TwsTester``
+raises); an event-time timer at or before the watermark is taken and fires after the
+batch's rows (as a Spark run does; ``TwsTester`` refuses it); the watermark shown is
+Spark's (``spark_watermark``), and in ``EventTime`` mode rows whose event time is
+not later than it are dropped before the processor sees them. A deleted state's
+handle raises ``PySparkRuntimeError``; a state's schema is checkpointed and evolved
+on restore as Spark evolves it (``tws_schema.evolution``).
 
 Why the state classes are thin: on Spark every state call is a round trip to a
 JVM state server; here it is one call into the keyed backend plus a tuple. A
@@ -39,8 +44,8 @@ pyspark is imported only when an operator is made or a schema parsed, so
 
 This module is the driver (``TransformWithStateOperator``: grouping rows by key,
 firing timers, shaping the output); the handle with its state and timer shims is
-in ``tws_handle``, schema parsing in ``tws_schema``. Their public names are
-importable from here as before."""
+in ``tws_handle``, schema parsing in ``tws_schema``, building it into a job in
+``tws_build``. Their public names are importable from here as before."""
 
 from __future__ import annotations
 
