@@ -603,3 +603,34 @@ def test_a_checkpoint_written_before_schemas_were_recorded_restores(tmp_path: An
     assert sorted(final) == list(range(5))
     assert all(12 < c == listed == mapped <= 18 for c, listed, mapped in final.values()), final
     assert "keeper" in load_metadata(result.latest_checkpoint).operators
+
+
+# -- the state reader: a list state one row per element, as Spark's ----------------------------
+
+
+def test_the_state_reader_gives_a_list_state_one_row_per_element(tmp_path: Any) -> None:
+    from pyengine.spark.state_source import _Request
+
+    class Lists(StatefulProcessor):
+        def init(self, handle: Any) -> None:
+            self.seen = handle.getListState("seen", "v bigint")
+
+        def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Iterator[Any]:
+            self.seen.appendList([(r.v,) for r in rows])
+            yield Row(user=key[0])
+
+    env = pe.StreamEnvironment(
+        parallelism=1, checkpointing=pe.CheckpointConfig(interval_ms=50), checkpoint_storage=str(tmp_path)
+    )
+    records = [{"user": u, "v": 10 * u + i} for u in range(3) for i in range(u + 1)]
+    env.from_collection(records).key_by("user").transform_with_state(Lists(), "user bigint").uid("lists").sink_to(
+        pe.sinks.DiscardSink()
+    )
+    result = env.execute("lists")
+    options = {"path": result.latest_checkpoint, "operator": "lists", "stateName": "seen"}
+    table = _Request(options).table()
+    assert sorted(zip(table.column("key").to_pylist(), table.column("value").to_pylist(), strict=True)) == [
+        (0, 0), (1, 10), (1, 11), (2, 20), (2, 21), (2, 22)
+    ]  # fmt: skip
+    whole = _Request({**options, "flattenCollectionTypes": "false"}).table()
+    assert sorted(whole.column("key").to_pylist()) == [0, 1, 2]
