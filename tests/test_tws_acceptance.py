@@ -634,3 +634,16 @@ def test_the_state_reader_gives_a_list_state_one_row_per_element(tmp_path: Any) 
     ]  # fmt: skip
     whole = _Request({**options, "flattenCollectionTypes": "false"}).table()
     assert sorted(whole.column("key").to_pylist()) == [0, 1, 2]
+
+
+def test_a_watermark_ends_a_micro_batch_its_rows_handled_under_the_watermark_they_came_with() -> None:
+    op = micro_operator(MaxEventTime(), "id string, timestamp string, wm bigint", time_mode="EventTime")
+    op.event_time = lambda r: int(r["eventTime"].timestamp() * 1000)
+    op.process([{"user": "a", "eventTime": _at(s)} for s in (10, 15)])
+    op.process([{"user": "a", "eventTime": _at(20)}])
+    out = rows_of(op.process_watermark(9_999))  # Spark's 10 s: the batch first (at 0), then its timers
+    assert [(r["id"], r["timestamp"], r["wm"]) for r in out] == [("a", "20", 0), ("a-expired", "0", 0)]
+    op.process([{"user": "a", "eventTime": _at(s)} for s in (5, 12)])  # 5 s is late now
+    out = rows_of(op.process_watermark(11_999))
+    assert [(r["id"], r["timestamp"], r["wm"]) for r in out] == [("a", "12", 10_000), ("a-expired", "10000", 10_000)]
+    assert op.late_records_dropped == 1
