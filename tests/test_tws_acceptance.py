@@ -647,3 +647,46 @@ def test_a_watermark_ends_a_micro_batch_its_rows_handled_under_the_watermark_the
     out = rows_of(op.process_watermark(11_999))
     assert [(r["id"], r["timestamp"], r["wm"]) for r in out] == [("a", "12", 10_000), ("a-expired", "10000", 10_000)]
     assert op.late_records_dropped == 1
+
+
+# -- eventTimeColumnName: an output column, its values the output's event time downstream -------
+
+
+class FirstTimestamp(StatefulProcessor):
+    """Spark's StatefulProcessorChainingOps: the first row's event time as ``outputTimestamp``."""
+
+    def init(self, handle: Any) -> None:
+        pass
+
+    def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Iterator[Any]:
+        first = next(iter(rows))
+        yield Row(id=key[0], outputTimestamp=_at(first.ts // 1000 + 3600))  # an hour later: not the input's
+
+
+def test_event_time_column_names_an_output_column_whose_values_are_the_event_time_downstream() -> None:
+    class Stamps(pe.KeyedProcessFunction):
+        def process_element(self, value: Any, ctx: Any) -> Any:
+            yield {"id": value["id"], "ts": ctx.timestamp(), "out": value["outputTimestamp"]}
+
+    records = [{"user": u, "ts": 1_000 * (i + 1)} for i, u in enumerate([1, 2, 1, 3])]
+    env = pe.StreamEnvironment(parallelism=1)
+    strategy = pe.WatermarkStrategy.for_monotonous_timestamps().with_timestamp_assigner("ts")
+    stream = env.from_collection(records, watermark_strategy=strategy).key_by("user")
+    out = stream.transform_with_state(
+        FirstTimestamp(), "id bigint, outputTimestamp timestamp", time_mode="EventTime",
+        event_time_column="outputTimestamp",
+    )  # fmt: skip
+    out.key_by("id").process(Stamps()).sink_to(pe.sinks.CollectSink())
+    result = env.execute("chaining")
+    assert result.records, result
+    for r in result.records:
+        assert r["ts"] == int(r["out"].timestamp() * 1000)  # the output column's time, not the input's
+    with pytest.raises(pe.errors.ColumnNotFoundError, match="names an output column"):
+        env.from_collection(records, watermark_strategy=strategy).key_by("user").transform_with_state(
+            FirstTimestamp(), "id bigint, outputTimestamp timestamp", time_mode="EventTime", event_time_column="ts"
+        )
+    with pytest.raises(ValueError, match="is string in the output schema"):
+        env.from_collection(records, watermark_strategy=strategy).key_by("user").transform_with_state(
+            FirstTimestamp(), "id bigint, outputTimestamp string", time_mode="EventTime",
+            event_time_column="outputTimestamp",
+        )  # fmt: skip
