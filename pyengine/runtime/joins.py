@@ -2,11 +2,13 @@
 operators, each side keyed by its own selector into one key space.
 
 - ``IntervalJoinOperator``: Flink's ``IntervalJoinOperator``, per record. Each key's
-  records of both sides wait in keyed state (``{timestamp: [records]}`` per side); a
-  record is probed against the other side's buffer of its key, and a keyed event-time
-  timer at its cleanup time drops it once no record of the other side could still
-  pair with it. A record behind the watermark is late: dropped and counted (or sent to
-  a side output), as in Flink.
+  records of both sides wait in keyed state, in time order (``join_buffers``: a list
+  state of segments per side, each record encoded once by the checkpoint after it
+  came); a record is probed against the other side's entries of its key by
+  bisection, and a keyed event-time timer at the key's earliest cleanup time drops,
+  in one go, every entry no record of the other side could still pair with. A
+  record behind the watermark is late: dropped and counted (or sent to a side
+  output), as in Flink.
 - ``WindowJoinOperator``: the window join with a ``JoinFunction``, per record, a
   ``runtime.windows.WindowOperator`` whose elements are tagged with their side.
 - ``ArrowWindowJoinOperator`` and ``ArrowIntervalJoinOperator``: the same joins on
@@ -18,6 +20,7 @@ operators, each side keyed by its own selector into one key space.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeAlias
 
 import numpy as np
@@ -28,8 +31,10 @@ from ..errors import ColumnNotFoundError, NonRetryableError, not_records, refuse
 from ..io.events import MIN_WATERMARK
 from ..state import ListStateDescriptor, ValueStateDescriptor
 from ..state.keygroups import assign_to_key_group, key_groups_of_int64
+from ..state.serializers import StateSerializationError, serializer_for
 from ..time.strategy import TimestampAssigner
 from .base import EventTimeOperatorMixin, OperatorContext, OutputTag, UserFunctionError, batch_of, rows_of
+from .join_buffers import SideBuffer
 from .keyed import KeyedOperator, NaNKeyError
 from .windows import WindowOperator
 
@@ -44,8 +49,15 @@ __all__ = [
     "joined_schema",
 ]
 
-_LEFT = ValueStateDescriptor("interval-join/left")  # key -> {timestamp: [records]}
+# the layout before segments, read on a restore: key -> {timestamp: [records]}
+_LEFT = ValueStateDescriptor("interval-join/left")
 _RIGHT = ValueStateDescriptor("interval-join/right")
+# key -> the side's segments (``join_buffers``): Arrow binary, written as one column
+_SEGMENTS = (
+    ListStateDescriptor("interval-join/left-segments", pa.binary()),
+    ListStateDescriptor("interval-join/right-segments", pa.binary()),
+)
+_Pair: TypeAlias = List[Optional[SideBuffer]]  # a key's left and right side (None: no entry yet)
 _LATE = ListStateDescriptor("join-late-records")  # [count]: split on rescaling, the sum stays
 _ARROW_BUFFERS = ListStateDescriptor("join-buffers")  # union: [bucket, side, Arrow IPC stream bytes]
 
@@ -139,9 +151,15 @@ class IntervalJoinOperator(_LateCounting):
     ``lower`` and ``upper`` are inclusive here (the builder moved an exclusive bound
     by 1 ms): a left record at ``t`` pairs with the right records of its key at
     ``t + lower <= t' <= t + upper``. A left record can pair with no right record
-    later than ``t + upper``, so its cleanup timer is at ``t + max(upper, 0)``; a
-    right record's at ``t' + max(-lower, 0)``. One timer per key and time cleans
-    every bucket of both sides that is due by then."""
+    later than ``t + upper``, so its cleanup time is ``t + max(upper, 0)``; a right
+    record's ``t' + max(-lower, 0)``.
+
+    Each side of a key is a ``join_buffers.SideBuffer`` (its entries in time order),
+    kept in the keyed backend as a list state of encoded segments, one per
+    checkpoint that found new entries (see ``join_buffers``). A key has one cleanup
+    timer, at the earliest cleanup time of its entries: when the watermark passes
+    it, every entry of the key due by the watermark goes at once (a prefix of each
+    side) and the timer moves to the next earliest."""
 
     def __init__(
         self,
@@ -160,15 +178,68 @@ class IntervalJoinOperator(_LateCounting):
         self.lower, self.upper = lower, upper
         self.fn = fn
         self._jctx = JoinContext(self)
-        self._buffers: List[Any] = []
+        self._reach = (max(upper, 0), max(-lower, 0))  # cleanup time - timestamp, per side
+        self._segments: List[Any] = []
+        self._views: Dict[Any, _Pair] = {}  # key -> its two sides
+        self._unwritten: Dict[Any, _Pair] = {}  # keys with entries no checkpoint wrote
+        self._restored = False
         self._timers: Any = None
+        serializer = serializer_for("safe")
+        self._dumps, self._loads = serializer.dumps, serializer.loads
 
     def setup(self, ctx: OperatorContext, restored: Any) -> None:
         super().setup(ctx, restored)
         from ..state.timers import InternalTimerService
 
-        self._buffers = [self.backend.get_state(_LEFT), self.backend.get_state(_RIGHT)]
+        self._segments = [self.backend.get_state(_SEGMENTS[0]), self.backend.get_state(_SEGMENTS[1])]
         self._timers = InternalTimerService(self.backend, self.current_watermark)
+        self._views = {}
+        self._unwritten = {}
+        self._restored = restored is not None
+        if self._restored:
+            self._migrate()
+
+    def _migrate(self) -> None:
+        """Buffers of the layout before segments (one value per key and side,
+        ``{timestamp: [records]}``; a timer per timestamp, which fire as cleanups
+        do) become entries of the new one, written by the next checkpoint."""
+        backend = self.backend
+        names = backend.restored_state_names
+        for side, descriptor in enumerate((_LEFT, _RIGHT)):
+            if descriptor.name not in names:
+                continue
+            old = backend.get_state(descriptor)
+            for key in list(backend.keys(descriptor.name)):
+                backend.set_current_key(key)
+                buffer = old.value()
+                old.clear()
+                if not buffer:
+                    continue
+                pair = self._views.get(key) or self._open(key)
+                ours = pair[side]
+                if ours is None:
+                    ours = pair[side] = SideBuffer()
+                last = self.current_watermark - self._reach[side]
+                for ts in sorted(buffer):
+                    if ts > last:
+                        for record in buffer[ts]:
+                            ours.add(ts, record)
+                if ours.new_times:
+                    self._unwritten[key] = pair
+                    self._timers.event.register(ours.times[0] + self._reach[side])
+
+    def _open(self, key: Any) -> _Pair:
+        """The key's two sides (None: nothing yet); after a restore, read from its
+        segments (the backend's current key must be ``key``)."""
+        pair: _Pair = [None, None]
+        if self._restored:
+            for side in (0, 1):
+                segments = list(self._segments[side].get())
+                if segments:
+                    buffer = pair[side] = SideBuffer()
+                    buffer.load(segments, self._loads, self.current_watermark - self._reach[side])
+        self._views[key] = pair
+        return pair
 
     def open(self) -> None:
         self._call(self.fn.open, self._jctx)
@@ -182,11 +253,6 @@ class IntervalJoinOperator(_LateCounting):
     def process2(self, records: Any) -> List[Any]:
         return self._process(records, 1)
 
-    def _cleanup_time(self, side: int, ts: int) -> int:
-        if side == 0:
-            return ts + self.upper if self.upper > 0 else ts
-        return ts - self.lower if self.lower < 0 else ts
-
     def _process(self, records: Any, side: int) -> List[Any]:
         out: List[Any] = []
         if not len(records):
@@ -195,7 +261,8 @@ class IntervalJoinOperator(_LateCounting):
         rows = rows_of(records)
         select = self.key_selectors[side]
         backend, jctx, element = self.backend, self._jctx, self.fn.process_element
-        ours, theirs = self._buffers[side], self._buffers[1 - side]
+        views, unwritten, open_key = self._views, self._unwritten, self._open
+        reach = self._reach[side]
         # the other side's timestamps that pair with ours: [ts + low, ts + high]
         low, high = (self.lower, self.upper) if side == 0 else (-self.upper, -self.lower)
         watermark = self.current_watermark
@@ -208,32 +275,46 @@ class IntervalJoinOperator(_LateCounting):
                 key = select(record)
                 check_key(self, key, record)
                 backend.set_current_key(key)
+                pair = views.get(key)
+                if pair is None:
+                    pair = open_key(key)
+                ours = pair[side]
+                if ours is None:
+                    ours = pair[side] = SideBuffer()
+                if not ours.new_times:
+                    unwritten[key] = pair
+                ours.add(ts, record)
+                cleanup = ts + reach
+                if ours.timer is None or cleanup < ours.timer:
+                    register(cleanup)
+                    ours.timer = cleanup
+                theirs = pair[1 - side]
+                if theirs is None:
+                    continue
+                times = theirs.times
+                if not times:
+                    continue
+                first = bisect_left(times, ts + low)
+                end = bisect_right(times, ts + high, first)
+                if first == end:
+                    continue
                 jctx.current_key = key
-                buffer = ours.value() or {}
-                buffer.setdefault(ts, []).append(record)
-                ours.update(buffer)
-                other = theirs.value()
-                if other:
-                    for other_ts in sorted(other):
-                        if other_ts < ts + low or other_ts > ts + high:
-                            continue
-                        for match in other[other_ts]:
-                            if side == 0:
-                                left, right = record, match
-                                jctx._left_ts, jctx._right_ts = ts, other_ts
-                            else:
-                                left, right = match, record
-                                jctx._left_ts, jctx._right_ts = other_ts, ts
-                            produced = element(left, right, jctx)
-                            if produced is not None:
-                                if produced.__class__ is dict or produced.__class__ is str:
-                                    raise not_records(produced, self.where(), "process_element")
-                                try:
-                                    out.extend(produced)
-                                except TypeError:
-                                    refuse_non_records(produced, self.where(), "process_element")
-                                    raise
-                register(self._cleanup_time(side, ts))
+                matches = theirs.records
+                for i in range(first, end):
+                    if side == 0:
+                        jctx._left_ts, jctx._right_ts = ts, times[i]
+                        produced = element(record, matches[i], jctx)
+                    else:
+                        jctx._left_ts, jctx._right_ts = times[i], ts
+                        produced = element(matches[i], record, jctx)
+                    if produced is not None:
+                        if produced.__class__ is dict or produced.__class__ is str:
+                            raise not_records(produced, self.where(), "process_element")
+                        try:
+                            out.extend(produced)
+                        except TypeError:
+                            refuse_non_records(produced, self.where(), "process_element")
+                            raise
         except (NonRetryableError, UserFunctionError):
             raise
         except Exception as exc:
@@ -244,16 +325,58 @@ class IntervalJoinOperator(_LateCounting):
         if watermark <= self.current_watermark:
             return []
         self.current_watermark = watermark
-        for _key, ts in self._timers.advance_watermark(watermark):
-            for side in (0, 1):  # the backend's current key is the timer's
-                state = self._buffers[side]
-                buffer = state.value()
-                if not buffer:
-                    continue
-                kept = {t: v for t, v in buffer.items() if self._cleanup_time(side, t) > ts}
-                if len(kept) != len(buffer):
-                    state.update(kept or None)
+        due = dict.fromkeys(key for key, _ts in self._timers.advance_watermark(watermark))
+        if due:
+            self._clean(due, watermark)
         return []
+
+    def _clean(self, keys: Iterable[Any], watermark: int) -> None:
+        """One cleanup per key whose timer the watermark passed: each side drops
+        its entries due by ``watermark`` (a prefix), a segment whose entries all
+        went leaves the key's list state, and the key's timer moves to its next
+        earliest cleanup time (or the key goes, when nothing is left)."""
+        backend, views, register = self.backend, self._views, self._timers.event.register
+        for key in keys:
+            backend.set_current_key(key)
+            pair = views.get(key)
+            if pair is None:
+                pair = self._open(key)
+            for side in (0, 1):
+                buffer = pair[side]
+                if buffer is None:
+                    continue
+                buffer.timer = None
+                if buffer.expire(watermark - self._reach[side]):
+                    state = self._segments[side]
+                    if buffer.segments:
+                        state.update(buffer.segments)
+                    else:
+                        state.clear()
+                if buffer.times:
+                    buffer.timer = buffer.times[0] + self._reach[side]
+                    register(buffer.timer)
+            if all(b is None or b.empty() for b in pair):
+                del views[key]
+                self._unwritten.pop(key, None)
+
+    def snapshot(self, checkpoint_id: int, location: Any) -> Any:
+        """Every key's entries that no checkpoint wrote yet become one segment per
+        side in the key's list state (one encoding call per key and side, each
+        record encoded once); then the backend snapshots as usual."""
+        backend, dumps = self.backend, self._dumps
+        try:
+            for key, pair in self._unwritten.items():
+                backend.set_current_key(key)
+                for side, buffer in enumerate(pair):
+                    if buffer is not None and buffer.new_times:
+                        self._segments[side].add(buffer.seal(dumps))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise StateSerializationError(
+                f"{self.where()}: a buffered record cannot be checkpointed: {exc}; join records of plain data "
+                "(None, bool, int, float, str, bytes, list, tuple, dict, datetime, date, Decimal)"
+            ) from exc
+        self._unwritten = {}
+        return super().snapshot(checkpoint_id, location)
 
 
 # -- the Arrow joins --------------------------------------------------------------------------------
