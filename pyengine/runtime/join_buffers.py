@@ -95,6 +95,9 @@ class SideBuffer:
         ends = self.segment_ends
         if not ends or min(ends) > last:
             return False
+        if max(ends) <= last:
+            self.segments = self.segment_ends = ()
+            return True
         kept = [i for i, end in enumerate(ends) if end > last]
         self.segments = [self.segments[i] for i in kept]
         self.segment_ends = [ends[i] for i in kept]
@@ -105,8 +108,11 @@ class SideBuffer:
         segments; the caller adds it to the key's list state."""
         assert self.new_times
         segment = dumps([self.new_times, self.new_records])
-        self.segments = [*self.segments, segment]
-        self.segment_ends = [*self.segment_ends, self.new_times[-1]]
+        if self.segments:
+            self.segments = [*self.segments, segment]
+            self.segment_ends = [*self.segment_ends, self.new_times[-1]]
+        else:
+            self.segments, self.segment_ends = (segment,), (self.new_times[-1],)
         self.new_times = None
         self.new_records = None
         return segment
@@ -136,9 +142,6 @@ class SideBuffer:
             self.times + [times[i] for i in keep], self.records + [records[i] for i in keep]
         )
         self.times, self.records = merged_times, merged_records
-
-    def empty(self) -> bool:
-        return not self.times and not self.segments and not self.new_times
 
 
 def merged(times: List[int], records: List[Any]) -> Any:

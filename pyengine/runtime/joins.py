@@ -145,6 +145,18 @@ class _LateCounting(EventTimeOperatorMixin, KeyedOperator):
             self.side_output(tag, records)
 
 
+def _segment_packer() -> Callable[[Any], bytes]:
+    """The safe serializer's encoding (the same bytes as its ``dumps``, which its
+    ``loads`` reads), by one reused ``msgpack.Packer``: ``dumps`` makes a packer per
+    call, 3.4 us of a 4 us call for a segment of one record, and a checkpoint seals
+    a segment per key with new entries (thousands). Used on the task thread only."""
+    import msgpack
+
+    from ..state.serializers import _default  # the safe serializer's extension types
+
+    return msgpack.Packer(default=_default, strict_types=True, use_bin_type=True).pack  # type: ignore[no-any-return]
+
+
 class IntervalJoinOperator(_LateCounting):
     """Flink's ``IntervalJoinOperator``; see the module docstring.
 
@@ -184,8 +196,7 @@ class IntervalJoinOperator(_LateCounting):
         self._unwritten: Dict[Any, _Pair] = {}  # keys with entries no checkpoint wrote
         self._restored = False
         self._timers: Any = None
-        serializer = serializer_for("safe")
-        self._dumps, self._loads = serializer.dumps, serializer.loads
+        self._dumps, self._loads = _segment_packer(), serializer_for("safe").loads
 
     def setup(self, ctx: OperatorContext, restored: Any) -> None:
         super().setup(ctx, restored)
@@ -336,28 +347,35 @@ class IntervalJoinOperator(_LateCounting):
         went leaves the key's list state, and the key's timer moves to its next
         earliest cleanup time (or the key goes, when nothing is left)."""
         backend, views, register = self.backend, self._views, self._timers.event.register
+        segments, unwritten = self._segments, self._unwritten
+        lasts = (watermark - self._reach[0], watermark - self._reach[1])
         for key in keys:
             backend.set_current_key(key)
             pair = views.get(key)
             if pair is None:
                 pair = self._open(key)
+            live = False
             for side in (0, 1):
                 buffer = pair[side]
                 if buffer is None:
                     continue
-                buffer.timer = None
-                if buffer.expire(watermark - self._reach[side]):
-                    state = self._segments[side]
+                last = lasts[side]
+                if buffer.expire(last):
                     if buffer.segments:
-                        state.update(buffer.segments)
+                        segments[side].update(buffer.segments)
                     else:
-                        state.clear()
-                if buffer.times:
-                    buffer.timer = buffer.times[0] + self._reach[side]
-                    register(buffer.timer)
-            if all(b is None or b.empty() for b in pair):
+                        segments[side].clear()
+                times = buffer.times
+                if times:
+                    live = True
+                    buffer.timer = timer = times[0] + watermark - last
+                    register(timer)
+                else:
+                    buffer.timer = None
+                    live = live or bool(buffer.segments)
+            if not live:
                 del views[key]
-                self._unwritten.pop(key, None)
+                unwritten.pop(key, None)
 
     def snapshot(self, checkpoint_id: int, location: Any) -> Any:
         """Every key's entries that no checkpoint wrote yet become one segment per
