@@ -11,12 +11,19 @@ import json
 import threading
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, List, Tuple
 
+import pytest
 from test_joins import Pairs, env_for, interval_reference, side, strategy
 from test_windows_lateness import Held
 
 import pyengine as pe
+from pyengine.joins import ProcessJoinFunction
+from pyengine.runtime.base import OperatorContext
+from pyengine.runtime.joins import IntervalJoinOperator
+from pyengine.runtime.keyed import key_selector
+from pyengine.storage import checkpoint_storage
+from pyengine.time.strategy import TimestampAssigner
 
 FIXTURE = Path(__file__).parent / "data" / "savepoint-interval-join-v1"
 FIRST_RUN = Path(__file__).parent / "data" / "savepoint-interval-join-v1.first-run.json"
@@ -56,3 +63,100 @@ def test_a_savepoint_of_the_old_buffer_layout_restores_exactly(tmp_path: Path) -
         )
         assert result.status == "FINISHED", result.cause
         assert first + Counter(tuple(r) for r in sink.records) == expected
+
+
+# -- the operator alone -------------------------------------------------------------------------
+
+
+class Seen(ProcessJoinFunction):
+    """Keeps the objects it is given, to check they are the buffered ones."""
+
+    def __init__(self) -> None:
+        self.pairs: List[Tuple[Any, Any]] = []
+
+    def process_element(self, left: Any, right: Any, ctx: Any) -> Any:
+        self.pairs.append((left, right))
+        yield (left["v"], right["v"])
+
+
+def _operator(backend: str, fn: ProcessJoinFunction, lower: int = 0, upper: int = 10_000) -> IntervalJoinOperator:
+    select = key_selector("k")
+    stamps = (TimestampAssigner(column="ts"), TimestampAssigner(column="ts"))
+    op = IntervalJoinOperator("j", "join", (select, select), stamps, lower, upper, fn)
+    ctx = OperatorContext(
+        job_name="j",
+        subtask=0,
+        parallelism=1,
+        max_parallelism=128,
+        state_backend=backend,
+        local_recovery_dir=None,
+        attempt=0,
+    )
+    op.setup(ctx, None)
+    op.open()
+    return op
+
+
+@pytest.mark.parametrize("backend", ["heap", "incremental"])
+def test_a_checkpoint_encodes_each_buffered_record_once_and_a_read_copies_nothing(tmp_path: Path, backend: str) -> None:
+    """Three checkpoints while a hot key's records wait: each record is encoded by the
+    first checkpoint after it came, never again, in one encoding call per key and
+    side; the function then gets the very objects that were buffered (the buffer was
+    not deep-copied on its first read after the checkpoint)."""
+    fn = Seen()
+    op = _operator(backend, fn)
+    encoded: List[int] = []
+    dumps = op._dumps
+
+    def counting(value: Any) -> bytes:
+        encoded.append(len(value[0]))
+        return dumps(value)
+
+    op._dumps = counting
+    storage = checkpoint_storage(str(tmp_path / "ckpt"), "job")
+    hot = [{"k": 1, "ts": 1000 + i, "v": i} for i in range(2000)]
+    op.process(hot[:1000] + [{"k": 2, "ts": 1000, "v": -1}])
+    op.snapshot(1, storage.location(1))()
+    assert sorted(encoded) == [1, 1000], "one call per key and side, each record once"
+    op.process(hot[1000:])
+    op.snapshot(2, storage.location(2))()
+    op.snapshot(3, storage.location(3))()
+    assert sorted(encoded) == [1, 1000, 1000], "only what came since: the first 1,000 are not encoded again"
+    out = op.process2([{"k": 1, "ts": 2999, "v": 10**6}])
+    assert len(out) == 2000
+    assert all(left is record for (left, _), record in zip(fn.pairs, hot, strict=True)), "the buffered objects"
+
+
+@pytest.mark.parametrize("backend", ["heap", "incremental"])
+def test_the_first_read_after_a_checkpoint_copies_nothing(tmp_path: Path, backend: str) -> None:
+    """A checkpoint (its synchronous part, its asynchronous part still to run), then
+    a record that pairs with the hot key's buffer: the function gets the objects
+    that were buffered, not copies (the release before deep-copied the key's whole
+    buffer here), and the checkpoint, run after, still writes what it froze."""
+    fn = Seen()
+    op = _operator(backend, fn)
+    storage = checkpoint_storage(str(tmp_path / "ckpt"), "job")
+    hot = [{"k": 1, "ts": 1000 + i, "v": i} for i in range(500)]
+    op.process(hot)
+    write = op.snapshot(1, storage.location(1))
+    assert len(op.process2([{"k": 1, "ts": 1600, "v": -1}])) == 500
+    write()
+    assert [left for left, _ in fn.pairs] == hot
+    assert all(left is record for (left, _), record in zip(fn.pairs, hot, strict=True))
+
+
+def test_a_hot_key_has_one_cleanup_timer_and_a_watermark_cleans_it_once() -> None:
+    """2,000 records of one key at 2,000 timestamps: one timer (not one per
+    timestamp), and a watermark that expires half of them drops that half in one
+    cleanup, the other half still joins."""
+    op = _operator("heap", Seen(), lower=-5, upper=0)
+    op.process2([{"k": 1, "ts": 1000 + i, "v": i} for i in range(2000)])  # right records: kept to ts + 5
+    timers = "_timer_state/event_timers"
+    op.backend.apply_pending_writes()  # registrations the native timer sets hold back
+    assert op.backend.num_entries(timers) == 1
+    op.process_watermark(1000 + 999 + 5)  # the first 1,000 (ts <= 1999) are due
+    op.backend.apply_pending_writes()
+    assert op.backend.num_entries(timers) == 1, "moved to the next earliest cleanup time"
+    buffer = op._views[1][1]
+    assert buffer is not None and buffer.times[0] == 2000 and len(buffer.times) == 1000
+    assert op.process([{"k": 1, "ts": 2004, "v": -1}]) == [(-1, i) for i in range(999, 1005) if i >= 1000]

@@ -11,13 +11,16 @@ Now a side of a key is a ``SideBuffer``:
 - ``times`` / ``records``: every live entry, in time order (arrival order among
   equal times), which a probe reads by bisection and a cleanup trims by dropping a
   prefix: one cleanup per key per watermark advance, in proportion to what expired;
-- ``new_times`` / ``new_records``: the entries no checkpoint has written yet (also
-  in time order). A checkpoint encodes them once, as one *segment* (one
-  ``safe``-serializer call for all of a key's new entries) and adds that to the
-  key's list state of segments in the keyed backend (a typed ``binary`` list: the
-  backends write it as one Arrow column, never a Python call per element; the
-  incremental backend writes only the keys that changed). A record is encoded at
-  most once, and never if it expires before the next checkpoint;
+- the entries no checkpoint has written yet: all of them while the key has no
+  segment (most keys: their records expire before a checkpoint comes, or a
+  checkpoint writes them once and they expire before the next), else
+  ``new_times`` / ``new_records`` (also in time order). A checkpoint encodes them
+  once, as one *segment* (one encoding call for all of a key's new entries) and
+  adds that to the key's list state of segments in the keyed backend (a typed
+  ``binary`` list: the backends write it as one Arrow column, never a Python call
+  per element; the incremental backend writes only the keys that changed). A
+  record is encoded at most once, and never if it expires before the next
+  checkpoint;
 - ``segments`` / ``segment_ends``: the bytes of the key's segments (the objects the
   backend stores, not copies) and each one's latest time, so a cleanup drops a
   segment once all of its entries expired, without decoding it.
@@ -43,11 +46,11 @@ class SideBuffer:
     __slots__ = ("new_records", "new_times", "records", "segment_ends", "segments", "timer", "times")
 
     def __init__(self) -> None:
-        # Made on first use (a key's side often never gets a new entry after a restore,
-        # nor a segment): a join over many keys makes fewer containers, which the
-        # cyclic collector would walk again and again while the state grows.
         self.times: List[int] = []
         self.records: List[Any] = []
+        # Made only once the key has a segment: until then every live entry is new, and
+        # a join over many keys makes two containers per key and side fewer, which the
+        # cyclic collector would otherwise walk again and again while the state grows.
         self.new_times: Optional[List[int]] = None
         self.new_records: Optional[List[Any]] = None  # a list whenever new_times is
         self.segments: Sequence[bytes] = ()
@@ -64,20 +67,26 @@ class SideBuffer:
             i = bisect_right(times, ts)
             times.insert(i, ts)
             self.records.insert(i, record)
+        if not self.segments:
+            return  # every live entry is new
         new = self.new_times
         if new is None:
             self.new_times = [ts]
             self.new_records = [record]
+            return
+        new_records = self.new_records
+        assert new_records is not None
+        if not new or ts >= new[-1]:
+            new.append(ts)
+            new_records.append(record)
         else:
-            new_records = self.new_records
-            assert new_records is not None
-            if not new or ts >= new[-1]:
-                new.append(ts)
-                new_records.append(record)
-            else:
-                i = bisect_right(new, ts)
-                new.insert(i, ts)
-                new_records.insert(i, record)
+            i = bisect_right(new, ts)
+            new.insert(i, ts)
+            new_records.insert(i, record)
+
+    def unwritten(self) -> bool:
+        """Whether some live entry is in no segment."""
+        return bool(self.new_times if self.segments else self.times)
 
     def expire(self, last: int) -> bool:
         """Drops the entries at or before ``last``; True when a segment went (the
@@ -87,16 +96,19 @@ class SideBuffer:
             n = bisect_right(times, last)
             del times[:n]
             del self.records[:n]
+        ends = self.segment_ends
+        if not ends:
+            return False
         new = self.new_times
         if new and new[0] <= last:
             n = bisect_right(new, last)
             del new[:n]
             del self.new_records[:n]  # type: ignore[union-attr]  # a list whenever new_times is
-        ends = self.segment_ends
-        if not ends or min(ends) > last:
+        if min(ends) > last:
             return False
-        if max(ends) <= last:
+        if max(ends) <= last:  # every written entry went: the live ones are the new ones
             self.segments = self.segment_ends = ()
+            self.new_times = self.new_records = None
             return True
         kept = [i for i, end in enumerate(ends) if end > last]
         self.segments = [self.segments[i] for i in kept]
@@ -106,20 +118,22 @@ class SideBuffer:
     def seal(self, dumps: Callable[[Any], bytes]) -> bytes:
         """The entries no checkpoint wrote yet as one segment, now part of the
         segments; the caller adds it to the key's list state."""
-        assert self.new_times
-        segment = dumps([self.new_times, self.new_records])
         if self.segments:
+            assert self.new_times
+            segment = dumps([self.new_times, self.new_records])
             self.segments = [*self.segments, segment]
             self.segment_ends = [*self.segment_ends, self.new_times[-1]]
         else:
-            self.segments, self.segment_ends = (segment,), (self.new_times[-1],)
-        self.new_times = None
-        self.new_records = None
+            assert self.times
+            segment = dumps([self.times, self.records])
+            self.segments, self.segment_ends = (segment,), (self.times[-1],)
+        self.new_times = self.new_records = None
         return segment
 
     def load(self, segments: List[bytes], loads: Callable[[bytes], Any], last_expired: int) -> None:
-        """The entries of restored segments, those after ``last_expired`` (earlier
-        ones had been cleaned up, or would have been by now)."""
+        """The entries of restored segments (a side with none yet), those after
+        ``last_expired`` (earlier ones had been cleaned up, or would have been by now)."""
+        assert not self.segments and not self.times
         times: List[int] = []
         records: List[Any] = []
         ends: List[int] = []
@@ -128,20 +142,9 @@ class SideBuffer:
             ends.append(seg_times[-1] if seg_times else last_expired)
             times.extend(seg_times)
             records.extend(seg_records)
-        self.segments = [*self.segments, *segments]
-        self.segment_ends = [*self.segment_ends, *ends]
-        self.merge(times, records, last_expired)
-
-    def merge(self, times: List[int], records: List[Any], last_expired: int) -> None:
-        """Entries in any order (as restored) into the live ones, time order kept
-        and arrival order among equal times (a stable sort)."""
         keep = [i for i, t in enumerate(times) if t > last_expired]
-        if not keep:
-            return
-        merged_times, merged_records = merged(
-            self.times + [times[i] for i in keep], self.records + [records[i] for i in keep]
-        )
-        self.times, self.records = merged_times, merged_records
+        self.times, self.records = merged([times[i] for i in keep], [records[i] for i in keep])
+        self.segments, self.segment_ends = list(segments), ends
 
 
 def merged(times: List[int], records: List[Any]) -> Any:

@@ -235,7 +235,7 @@ class IntervalJoinOperator(_LateCounting):
                     if ts > last:
                         for record in buffer[ts]:
                             ours.add(ts, record)
-                if ours.new_times:
+                if ours.unwritten():
                     self._unwritten[key] = pair
                     self._timers.event.register(ours.times[0] + self._reach[side])
 
@@ -247,8 +247,12 @@ class IntervalJoinOperator(_LateCounting):
             for side in (0, 1):
                 segments = list(self._segments[side].get())
                 if segments:
-                    buffer = pair[side] = SideBuffer()
+                    buffer = SideBuffer()
                     buffer.load(segments, self._loads, self.current_watermark - self._reach[side])
+                    if buffer.times:
+                        pair[side] = buffer
+                    else:  # every entry expired (its cleanup had not run yet)
+                        self._segments[side].clear()
         self._views[key] = pair
         return pair
 
@@ -292,8 +296,7 @@ class IntervalJoinOperator(_LateCounting):
                 ours = pair[side]
                 if ours is None:
                     ours = pair[side] = SideBuffer()
-                if not ours.new_times:
-                    unwritten[key] = pair
+                unwritten[key] = pair
                 ours.add(ts, record)
                 cleanup = ts + reach
                 if ours.timer is None or cleanup < ours.timer:
@@ -386,7 +389,7 @@ class IntervalJoinOperator(_LateCounting):
             for key, pair in self._unwritten.items():
                 backend.set_current_key(key)
                 for side, buffer in enumerate(pair):
-                    if buffer is not None and buffer.new_times:
+                    if buffer is not None and buffer.unwritten():
                         self._segments[side].add(buffer.seal(dumps))
         except (TypeError, ValueError, OverflowError) as exc:
             raise StateSerializationError(
