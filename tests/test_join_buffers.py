@@ -115,7 +115,7 @@ def test_a_checkpoint_encodes_each_buffered_record_once_and_a_read_copies_nothin
     op._dumps = counting
     storage = checkpoint_storage(str(tmp_path / "ckpt"), "job")
     hot = [{"k": 1, "ts": 1000 + i, "v": i} for i in range(2000)]
-    op.process(hot[:1000] + [{"k": 2, "ts": 1000, "v": -1}])
+    op.process([*hot[:1000], {"k": 2, "ts": 1000, "v": -1}])
     op.snapshot(1, storage.location(1))()
     assert sorted(encoded) == [1, 1000], "one call per key and side, each record once"
     op.process(hot[1000:])
