@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from test_join_buffers import FIXTURE, FIRST_RUN, join_job
+from test_join_buffers import FIRST_RUN, FIXTURE, join_job
 
 import pyengine as pe
 
