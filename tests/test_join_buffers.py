@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, List, Tuple
 
+import pyarrow as pa
 import pytest
 from test_joins import Pairs, env_for, interval_reference, side, strategy
 from test_windows_lateness import Held
@@ -20,7 +21,7 @@ from test_windows_lateness import Held
 import pyengine as pe
 from pyengine.joins import ProcessJoinFunction
 from pyengine.runtime.base import OperatorContext
-from pyengine.runtime.joins import IntervalJoinOperator
+from pyengine.runtime.joins import ArrowIntervalJoinOperator, IntervalJoinOperator
 from pyengine.runtime.keyed import key_selector
 from pyengine.storage import checkpoint_storage
 from pyengine.time.strategy import TimestampAssigner
@@ -160,3 +161,21 @@ def test_a_hot_key_has_one_cleanup_timer_and_a_watermark_cleans_it_once() -> Non
     buffer = op._views[1][1]
     assert buffer is not None and buffer.times[0] == 2000 and len(buffer.times) == 1000
     assert op.process([{"k": 1, "ts": 2004, "v": -1}]) == [(-1, i) for i in range(999, 1005) if i >= 1000]
+
+
+def test_the_arrow_interval_join_cleans_only_the_batches_with_expired_rows() -> None:
+    """A watermark leaves a buffered batch none of whose rows expired as it is (the
+    same object: not filtered again), drops one all of whose rows expired, and
+    filters only the one in between."""
+    stamps = (TimestampAssigner(column="ts"), TimestampAssigner(column="ts"))
+    op = ArrowIntervalJoinOperator("j", "join", 0, 10, ("left_ts", "right_ts"), ("k", "k"), stamps, (None, None), "_r")
+    op.setup(_operator("heap", Seen()).ctx, None)
+    for first in (100, 200, 300):  # three left batches, ten rows each at first .. first + 9
+        op.process(pa.RecordBatch.from_pylist([{"k": i % 3, "ts": first + i, "x": i} for i in range(10)]))
+    young = op._buckets[(0, 0)][2]
+    op.process_watermark(215)  # left rows go at ts + 10 <= 215: all of the first, 200..205 of the second
+    kept = op._buckets[(0, 0)]
+    assert len(kept) == 2 and kept[1] is young, "the young batch untouched"
+    assert kept[0].column("ts").to_pylist() == list(range(206, 210))
+    out = op.process2(pa.RecordBatch.from_pylist([{"k": 0, "ts": 309, "x": -1}]))
+    assert sorted(out.column("left_ts").to_pylist()) == [300, 303, 306, 309]

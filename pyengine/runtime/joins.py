@@ -860,11 +860,25 @@ class ArrowIntervalJoinOperator(_ArrowJoinBase):
             batches = self._buckets.get((0, side))
             if not batches:
                 continue
-            # a row stays while its cleanup time (ts + reach) is after the watermark
-            kept = [b.filter(pc.greater(b.column(_TS), watermark - reach)) for b in batches]
-            kept = [b for b in kept if b.num_rows]
+            # a row stays while its cleanup time (ts + reach) is after the watermark: a batch
+            # all of whose rows stay is kept as it is, one all of whose rows go is dropped, and
+            # only one with both is filtered (cleanup in proportion to what expired)
+            last = watermark - reach
+            ranges = self._ranges(side)
+            if all(lo > last for lo, _ in ranges):
+                continue
+            kept, kept_ranges = [], []
+            for b, (lo, hi) in zip(batches, ranges, strict=True):
+                if hi <= last:
+                    continue
+                if lo <= last:
+                    b = b.filter(pc.greater(b.column(_TS), last))
+                    lo = _min_max(b.column(_TS))[0]
+                kept.append(b)
+                kept_ranges.append((lo, hi))
             if len(kept) > 64:  # many small batches: fewer, so a probe gathers fewer pieces
                 kept = [pa.concat_batches(kept)]
+                kept_ranges = [(min(lo for lo, _ in kept_ranges), max(hi for _, hi in kept_ranges))]
             self._buckets[(0, side)] = kept
-            self._time_ranges.pop(side, None)
+            self._time_ranges[side] = kept_ranges
         return []
