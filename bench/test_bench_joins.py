@@ -26,11 +26,11 @@ process's CPU time is the figure, wall time is reported beside it):
   time measured here: 300 k is ~0.23 of it).
 
 Targets are reported met or NOT MET in the summary; what is asserted are regression
-guards under them (``COST_GUARD``, ``JOIN_VS_MAP_GUARD``): measured here under a
-load average of 8-13, checkpoints cost 10-23% and the join ran at 0.16-0.18x the
-map (186-250 k events/s of CPU time with checkpoints; 240-323 k without), against
-48% and 133 k / 253 k for the release before on the from-collection variant of the
-same job (``/tmp`` repro, same machine, same hour).
+guards under them (``COST_GUARD``, ``JOIN_VS_MAP_GUARD``). Measured here under a load
+average of 8-19 on the 2 cores: checkpoints cost 22-25% (a checkpoint adds 67-124 ms
+of CPU, 7-12% of its interval) and the join ran at 186-204 k events/s with
+checkpoints, 240-272 k without, 0.15-0.19x the map; this file run on the release
+before, same hour: 31% (147 ms a checkpoint), 140 k / 203 k events/s, 0.10x.
 
 Reported, not asserted: the same join on Arrow batches with ``.project(...)`` (the
 vectorised path the joins guide shows first), from the same events as tables.
