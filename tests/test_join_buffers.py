@@ -15,19 +15,22 @@ from typing import Any, List, Tuple
 
 import pyarrow as pa
 import pytest
-from test_joins import Pairs, env_for, interval_reference, side, strategy
+from test_joins import Pairs, env_for, interval_reference, side, strategy, window_reference
 from test_windows_lateness import Held
 
 import pyengine as pe
 from pyengine.joins import ProcessJoinFunction
 from pyengine.runtime.base import OperatorContext
-from pyengine.runtime.joins import ArrowIntervalJoinOperator, IntervalJoinOperator
+from pyengine.runtime.joins import ArrowIntervalJoinOperator, IntervalJoinOperator, WindowJoinOperator
 from pyengine.runtime.keyed import key_selector
 from pyengine.storage import checkpoint_storage
 from pyengine.time.strategy import TimestampAssigner
 
 FIXTURE = Path(__file__).parent / "data" / "savepoint-interval-join-v1"
 FIRST_RUN = Path(__file__).parent / "data" / "savepoint-interval-join-v1.first-run.json"
+WINDOW_FIXTURE = Path(__file__).parent / "data" / "savepoint-window-join-v1"
+WINDOW_FIRST_RUN = Path(__file__).parent / "data" / "savepoint-window-join-v1.first-run.json"
+WINDOW = pe.windows.sliding(30, 10)
 LEFT = side(400, 11, 2, 5, 31, 0)
 RIGHT = side(400, 11, 2, 5, 32, 100_000)
 HOLD = 120  # records per split (of 2) before the savepoint
@@ -48,6 +51,20 @@ def join_job(parallelism: int, release: threading.Event, sink: Any, storage: Pat
     return env
 
 
+def window_job(parallelism: int, release: threading.Event, sink: Any, storage: Path) -> pe.StreamEnvironment:
+    env = env_for(
+        parallelism,
+        "heap",
+        checkpointing=pe.CheckpointConfig(interval_ms=50),
+        checkpoint_storage=str(storage / f"ckpt{parallelism}"),
+    )
+    a = env.from_source(Held(LEFT, HOLD, release), name="left", watermark_strategy=strategy(5)).uid("left")
+    b = env.from_source(Held(RIGHT, HOLD, release), name="right", watermark_strategy=strategy(5)).uid("right")
+    windowed = a.join(b).where("k").equal_to("k").window(WINDOW)
+    windowed.apply(lambda x, y: (x["v"], y["v"])).uid("join").sink_to(sink)
+    return env
+
+
 def test_a_savepoint_of_the_old_buffer_layout_restores_exactly(tmp_path: Path) -> None:
     """``savepoint-interval-join-v1`` (made by ``tests/data/make_join_savepoint.py`` at
     e145a3c): buffers of both sides mid-join. Resumed at 2 (its parallelism) and at 3
@@ -61,6 +78,27 @@ def test_a_savepoint_of_the_old_buffer_layout_restores_exactly(tmp_path: Path) -
         sink = pe.sinks.CollectSink()
         result = join_job(parallelism, released, sink, tmp_path).execute(
             f"join-v1-at-{parallelism}", restore_from=str(FIXTURE)
+        )
+        assert result.status == "FINISHED", result.cause
+        assert first + Counter(tuple(r) for r in sink.records) == expected
+
+
+def test_a_window_join_savepoint_of_tuple_elements_restores_exactly(tmp_path: Path) -> None:
+    """``savepoint-window-join-v1`` (``tests/data/make_join_savepoint.py`` at e145a3c):
+    the window join's elements were ``(side, record)`` tuples (a MessagePack extension,
+    one Python call each to encode), now ``[side, record]`` lists; the old ones still
+    restore, at 2 and rescaled to 3."""
+    first = Counter(tuple(r) for r in json.loads(WINDOW_FIRST_RUN.read_text()))
+    expected: Counter = Counter()
+    for (x, y, _start), n in window_reference(LEFT, RIGHT, WINDOW).items():
+        expected[(x, y)] += n
+    assert 0 < sum(first.values()) < sum(expected.values()), "the fixture was taken mid-join"
+    for parallelism in (2, 3):
+        released = threading.Event()
+        released.set()
+        sink = pe.sinks.CollectSink()
+        result = window_job(parallelism, released, sink, tmp_path).execute(
+            f"window-v1-at-{parallelism}", restore_from=str(WINDOW_FIXTURE)
         )
         assert result.status == "FINISHED", result.cause
         assert first + Counter(tuple(r) for r in sink.records) == expected
@@ -179,3 +217,19 @@ def test_the_arrow_interval_join_cleans_only_the_batches_with_expired_rows() -> 
     assert kept[0].column("ts").to_pylist() == list(range(206, 210))
     out = op.process2(pa.RecordBatch.from_pylist([{"k": 0, "ts": 309, "x": -1}]))
     assert sorted(out.column("left_ts").to_pylist()) == [300, 303, 306, 309]
+
+
+def test_the_window_join_keeps_its_elements_as_lists() -> None:
+    """``[side, record]``, which MessagePack encodes in C, where a ``(side, record)``
+    tuple took a Python call per element at every checkpoint."""
+    select = key_selector("k")
+    stamps = (TimestampAssigner(column="ts"), TimestampAssigner(column="ts"))
+    op = WindowJoinOperator("j", "join", (select, select), stamps, WINDOW, lambda x, y: (x["v"], y["v"]))
+    op.setup(_operator("heap", Seen()).ctx, None)
+    op.open()
+    op.process([{"k": 1, "ts": 5, "v": 1}])
+    op.process2([{"k": 1, "ts": 6, "v": 2}])
+    op.backend.set_current_key(1)
+    elements = [e for window in op._contents.value().values() for e in window]
+    assert elements and all(type(e) is list for e in elements)
+    assert sorted(op.process_watermark(100)) == [(1, 2)] * 3, "in three sliding windows"

@@ -410,8 +410,11 @@ class WindowJoinOperator(WindowOperator):
     """The window join with a ``JoinFunction``, per record: Flink's join is a co-group
     of the two sides' windows, and so is this ``WindowOperator`` (each key's windows
     and their elements in keyed state, a timer per window) whose elements are kept as
-    ``(side, record)``: at a window's end every pair of a left and a right element of
-    the key goes to the function, and a session window merges both sides' elements."""
+    ``[side, record]``: at a window's end every pair of a left and a right element of
+    the key goes to the function, and a session window merges both sides' elements.
+    Lists, not tuples: a checkpoint's MessagePack encodes a list in C, a tuple through
+    a Python call per element (14x the time: 6.5 against 0.5 ms a thousand
+    elements); a checkpoint that still holds tuples restores as it did."""
 
     def __init__(
         self,
@@ -460,7 +463,7 @@ class WindowJoinOperator(WindowOperator):
                 key = select(record)
                 check_key(self, key, record)
                 backend.set_current_key(key)
-                self._add(key, (side, record), ts, out)
+                self._add(key, [side, record], ts, out)
         except (NonRetryableError, UserFunctionError):
             raise
         except Exception as exc:
