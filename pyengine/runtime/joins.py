@@ -194,7 +194,6 @@ class IntervalJoinOperator(_LateCounting):
         self._segments: List[Any] = []
         self._views: Dict[Any, _Pair] = {}  # key -> its two sides
         self._unwritten: Dict[Any, _Pair] = {}  # keys with entries no checkpoint wrote
-        self._restored = False
         self._timers: Any = None
         self._dumps, self._loads = _segment_packer(), serializer_for("safe").loads
 
@@ -206,9 +205,29 @@ class IntervalJoinOperator(_LateCounting):
         self._timers = InternalTimerService(self.backend, self.current_watermark)
         self._views = {}
         self._unwritten = {}
-        self._restored = restored is not None
-        if self._restored:
+        if restored is not None:
+            self._load()
             self._migrate()
+
+    def _load(self) -> None:
+        """The restored segments of this subtask's keys, decoded once (their entries
+        that expired by the restored watermark left out): a restore costs what the
+        state holds, and the per-record path never asks the backend for a key."""
+        backend = self.backend
+        for side, state in enumerate(self._segments):
+            last = self.current_watermark - self._reach[side]
+            for key in list(backend.keys(_SEGMENTS[side].name)):
+                backend.set_current_key(key)
+                segments = list(state.get())
+                if not segments:
+                    continue
+                buffer = SideBuffer()
+                buffer.load(segments, self._loads, last)
+                if not buffer.times:  # every entry expired (its cleanup had not run yet)
+                    state.clear()
+                    continue
+                pair = self._views.get(key) or self._open(key)
+                pair[side] = buffer
 
     def _migrate(self) -> None:
         """Buffers of the layout before segments (one value per key and side,
@@ -237,22 +256,12 @@ class IntervalJoinOperator(_LateCounting):
                             ours.add(ts, record)
                 if ours.unwritten():
                     self._unwritten[key] = pair
-                    self._timers.event.register(ours.times[0] + self._reach[side])
+                    ours.timer = ours.times[0] + self._reach[side]
+                    self._timers.event.register(ours.timer)
 
     def _open(self, key: Any) -> _Pair:
-        """The key's two sides (None: nothing yet); after a restore, read from its
-        segments (the backend's current key must be ``key``)."""
+        """A key's two sides, none yet."""
         pair: _Pair = [None, None]
-        if self._restored:
-            for side in (0, 1):
-                segments = list(self._segments[side].get())
-                if segments:
-                    buffer = SideBuffer()
-                    buffer.load(segments, self._loads, self.current_watermark - self._reach[side])
-                    if buffer.times:
-                        pair[side] = buffer
-                    else:  # every entry expired (its cleanup had not run yet)
-                        self._segments[side].clear()
         self._views[key] = pair
         return pair
 
