@@ -22,14 +22,14 @@ process's CPU time is the figure, wall time is reported beside it):
   job has to itself;
 - the join with checkpoints against a plain ``map`` over the same two generators
   (union, a Python function per event, checkpoints every second): the issue's
-  300 k events/s as a ratio against this machine's map (1.2-1.4 M events/s of CPU
+  300 k events/s as a ratio against this machine's map (1.0-1.4 M events/s of CPU
   time measured here: 300 k is ~0.23 of it).
 
 Targets are reported met or NOT MET in the summary; what is asserted are regression
 guards under them (``COST_GUARD``, ``JOIN_VS_MAP_GUARD``). Measured here under a load
-average of 8-19 on the 2 cores: checkpoints cost 22-25% (a checkpoint adds 67-124 ms
-of CPU, 7-12% of its interval) and the join ran at 186-204 k events/s with
-checkpoints, 240-272 k without, 0.15-0.19x the map; this file run on the release
+average of 8-19 on the 2 cores: checkpoints cost 22-27% (a checkpoint adds 67-124 ms
+of CPU, 7-12% of its interval) and the join ran at 186-250 k events/s with
+checkpoints, 240-323 k without, 0.15-0.19x the map; this file run on the release
 before, same hour: 31% (147 ms a checkpoint), 140 k / 203 k events/s, 0.10x.
 
 Reported, not asserted: the same join on Arrow batches with ``.project(...)`` (the
