@@ -259,20 +259,21 @@ class GrowingLists(list):  # type: ignore[type-arg]
 # bytes.join lets the interpreter go for a join of 1 MiB or more (CPython's GIL_THRESHOLD)
 # while it holds the arrays' buffers; an append to an array that exports its buffer fails.
 # A join below it holds the interpreter throughout, so no append meets it.
-_JOIN_CHUNK_BYTES = 1 << 18
+_JOIN_CHUNK_BYTES = (1 << 20) - (1 << 16)
 
 
 def _array_elements(values: Sequence[Any], dtype: Any) -> Tuple[np.ndarray, np.ndarray]:
     """The lengths of ``values`` (array.arrays the task may append to meanwhile) and
     their elements joined, consistent with each other: read in chunks under
-    ``_JOIN_CHUNK_BYTES``, each by one join, read again when an append came between a
-    chunk's lengths and its join (appends only grow an array). An array of a chunk's
-    size alone is read by ``tobytes``, which holds the interpreter whatever the size."""
+    ``_JOIN_CHUNK_BYTES``, each by one join; a chunk that an append changed between its
+    lengths and its join (appends only grow an array) is read again array by array,
+    whose ``tobytes`` holds the interpreter whatever the size, as it does for an array
+    of a chunk's size alone."""
     n = len(values)
     itemsize = np.dtype(dtype).itemsize
     lens = np.fromiter(map(len, values), np.int64, n)
     ends = np.cumsum(lens) * itemsize
-    pieces: List[np.ndarray] = []
+    pieces: List[bytes] = []
     a = 0
     while a < n:
         base = int(ends[a - 1]) if a else 0
@@ -282,14 +283,15 @@ def _array_elements(values: Sequence[Any], dtype: Any) -> Tuple[np.ndarray, np.n
             lens[a] = len(data) // itemsize
         else:
             chunk = values[a:b]
-            while True:
-                data = b"".join(chunk)
-                if len(data) == int(lens[a:b].sum()) * itemsize:
-                    break
-                lens[a:b] = np.fromiter(map(len, chunk), np.int64, b - a)  # grew: read both again
-        pieces.append(np.frombuffer(data, dtype))
+            data = b"".join(chunk)
+            if len(data) != int(lens[a:b].sum()) * itemsize:  # grown since its lengths were read
+                parts = [v.tobytes() for v in chunk]  # each array's bytes say its length
+                lens[a:b] = [len(p) // itemsize for p in parts]
+                data = b"".join(parts)
+        pieces.append(data)
         a = b
-    return lens, (_joined(pieces) if pieces else np.zeros(0, dtype))
+    # bytes, which nothing changes: one more join may let the interpreter go
+    return lens, np.frombuffer(pieces[0] if len(pieces) == 1 else b"".join(pieces), dtype)
 
 
 def _typed_list_elements(
