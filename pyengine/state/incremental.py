@@ -46,6 +46,7 @@ cleanup removes it after a restore.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import uuid
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
@@ -413,17 +414,14 @@ def _list_delta(
     any_tail = False
     for i, (group, keys) in enumerate(zip(frozen, touched, strict=True)):
         since = tails[i] if tails is not None else None
-        whole: Dict[Any, Any] = {}
-        grown: Dict[Any, Any] = {}
-        first: Dict[Any, int] = {}
-        for k in keys:
-            v = group.get(k, TOMBSTONE)
-            start = None if since is None or v is TOMBSTONE else since.get(k)
-            if start is None:
-                whole[k] = v
-            else:
-                grown[k] = v
-                first[k] = start
+        # A key in ``since`` was only appended to since its record (a rewrite or removal
+        # takes it out), so the frozen dict holds it. Set and map operations in C, no
+        # Python step per key.
+        tail_keys = keys & since.keys() if since else set()
+        rest = keys - tail_keys if tail_keys else keys
+        whole = dict(zip(rest, map(group.get, rest, itertools.repeat(TOMBSTONE, len(rest))), strict=True))
+        grown = dict(zip(tail_keys, map(group.__getitem__, tail_keys), strict=True))
+        first = dict(zip(tail_keys, map(since.__getitem__, tail_keys), strict=True)) if since else {}
         any_tail = any_tail or bool(grown)
         rewritten.append(whole)
         appended.append(grown)
