@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -21,6 +22,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
+import pyengine as pe
 from pyengine.snapshot.format import FORMAT_VERSION_LIST_TAILS, GrowingLists, StateColumn, _value_child
 from pyengine.state import (
     KeyGroupRange,
@@ -273,3 +275,71 @@ def test_the_list_tails_fixture_restores_and_reads() -> None:
         r = create_keyed_backend(kind, max_parallelism=8, key_group_range=KeyGroupRange(0, 7))
         r.restore(handles)
         assert _lists(r) == expected
+
+
+class _Crash:
+    """Fails the job once, at the ``at``-th record processed over every attempt."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.seen = 0
+        self.lock = threading.Lock()
+
+    def hit(self) -> None:
+        with self.lock:
+            self.seen += 1
+            if self.seen == self.at:
+                raise RuntimeError("injected crash")
+
+
+class _Collect(pe.KeyedProcessFunction):
+    """Appends each record's amount to its key's typed list; emits the list's length and sum."""
+
+    def __init__(self, crash: _Crash) -> None:
+        self.crash = crash
+
+    def __deepcopy__(self, memo: Any) -> _Collect:
+        return _Collect(self.crash)  # one crash for every subtask and attempt
+
+    def open(self, ctx: Any) -> None:
+        self.amounts = ctx.get_list_state(AMOUNTS)
+
+    def process_element(self, value: Any, ctx: Any) -> Any:
+        self.crash.hit()
+        if value["i"] % 64 == 0:
+            time.sleep(0.001)  # a run long enough for several checkpoints
+        self.amounts.add(value["a"])
+        got = list(self.amounts.get())
+        yield {"k": ctx.current_key, "n": len(got), "s": sum(got)}
+
+
+@pytest.mark.parametrize("backend", ["incremental", "heap"])
+@pytest.mark.parametrize("unaligned", [False, True])
+def test_a_job_with_list_tails_survives_a_crash_exactly_once(tmp_path: Path, backend: str, unaligned: bool) -> None:
+    """A job appending to typed lists, crashed once mid-run and restored from its latest
+    checkpoint (deltas of list tails on the incremental backend): every key's list ends
+    with each of its records' amounts once, in order, in the output and in the last
+    checkpoint."""
+    records = [{"k": i % 40, "i": i, "a": float(i)} for i in range(3_000)]
+    env = pe.StreamEnvironment(
+        parallelism=2,
+        checkpointing=pe.CheckpointConfig(interval_ms=10, unaligned=unaligned),
+        state_backend=backend,
+        checkpoint_storage=str(tmp_path / "ckpt"),
+        buffer_size=32,
+        buffer_timeout_ms=1,
+        restart_attempts=2,
+    )
+    sink = pe.sinks.FileSink(str(tmp_path / "out"), format="jsonl")
+    env.from_collection(records).key_by("k").process(_Collect(_Crash(1_800))).uid("lists").sink_to(sink)
+    result = env.execute("list-tails")
+    assert result.succeeded and result.restarts == 1
+    expected = {k: [r["a"] for r in records if r["k"] == k] for k in range(40)}
+    out = sink.read_committed()
+    assert len(out) == len(records)  # exactly once: every record's output, none twice
+    last = {}
+    for row in out:
+        last[row["k"]] = max(last.get(row["k"], (0, 0.0)), (row["n"], row["s"]))
+    assert last == {k: (len(v), sum(v)) for k, v in expected.items()}
+    table = read_keyed_state(result.latest_checkpoint, "lists", "amounts")
+    assert dict(zip(table.column("key").to_pylist(), table.column("value").to_pylist(), strict=True)) == expected
