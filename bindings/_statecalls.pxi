@@ -197,7 +197,8 @@ cdef inline int _grow(StateTableBase table, Py_ssize_t index, object key, object
     if not 0 <= index < PyList_GET_SIZE(tails) or type(<object>PyList_GET_ITEM(tails, index)) is not dict:
         return 0
     n = len(stored)
-    (<dict>grown)[id(stored)] = n
+    if table.active_snapshots > 0:  # only a snapshot frozen before now reads it
+        (<dict>grown)[id(stored)] = n
     if table.changes is not None:
         (<dict>PyList_GET_ITEM(tails, index))[key] = n
     PySet_Add(<object>PyList_GET_ITEM(table.owned, index), key)

@@ -192,7 +192,8 @@ class StateTable(_StateTableBase):
         so nothing is copied; its first append since the freeze records that length."""
         if self.tainted[index] and key not in self.owned[index]:
             n = len(container)
-            self.grown[id(container)] = n
+            if self.active_snapshots > 0:  # only a snapshot frozen before now reads it
+                self.grown[id(container)] = n
             if self.changes is not None:
                 self.tails[index][key] = n  # type: ignore[index]
             self.owned[index].add(key)
