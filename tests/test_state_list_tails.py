@@ -343,3 +343,14 @@ def test_a_job_with_list_tails_survives_a_crash_exactly_once(tmp_path: Path, bac
     assert last == {k: (len(v), sum(v)) for k, v in expected.items()}
     table = read_keyed_state(result.latest_checkpoint, "lists", "amounts")
     assert dict(zip(table.column("key").to_pylist(), table.column("value").to_pylist(), strict=True)) == expected
+
+
+def test_the_spark_state_source_reads_list_tails() -> None:
+    """``spark.read.format("pyengine-state")`` reads through ``read_keyed_state``: its
+    request's table of the fixture's chain (no Spark session needed for it)."""
+    from pyengine.spark.state_source import _Request
+
+    checkpoint = str(next(FIXTURE.rglob("_metadata")).parent)
+    table = _Request({"path": checkpoint, "operator": "op", "stateName": "amounts"}).table()
+    expected = {k: [float(i) for i in range(k % 5 + 3)] for k in range(60)}
+    assert dict(zip(table.column("key").to_pylist(), table.column("value").to_pylist(), strict=True)) == expected
