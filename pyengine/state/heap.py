@@ -17,6 +17,7 @@ handles user code calls), ``ttl`` (expiry and its cleanup).
 
 from __future__ import annotations
 
+import collections
 import functools
 import gc
 import threading
@@ -688,16 +689,22 @@ def _append_tails(group: Dict[Any, Any], keys: List[Any], tails: List[Any], name
     """A delta's list tails (format version 5) appended to the restored lists, which a
     restore made and nothing else holds (so in place). A tail of a key without a list
     means the chain lost a file: refused, not restored as a shorter list."""
-    for k, tail in zip(keys, tails, strict=True):
-        stored = group.get(k)
-        if stored is None:
-            from ..storage.filesystem import CorruptStateError
+    stored = list(map(group.get, keys))  # lookups and extends in C, no Python step per key
+    if None in stored:
+        from ..storage.filesystem import CorruptStateError
 
-            raise CorruptStateError(
-                f"list state {name!r}: {handle} appends to key {k!r}, which no earlier file of its chain holds; "
-                "restore from another checkpoint"
-            )
-        stored.extend(tail)
+        k = keys[stored.index(None)]
+        raise CorruptStateError(
+            f"list state {name!r}: {handle} appends to key {k!r}, which no earlier file of its chain holds; "
+            "restore from another checkpoint"
+        )
+    kinds = set(map(type, stored))
+    extend: Any = TYPED_LIST.extend if kinds == {TYPED_LIST} else list.extend if kinds == {list} else _extend
+    collections.deque(map(extend, stored, tails), maxlen=0)
+
+
+def _extend(stored: Any, tail: Any) -> None:
+    stored.extend(tail)
 
 
 def tail_generation(table: Any) -> Optional[int]:
