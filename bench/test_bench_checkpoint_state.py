@@ -16,9 +16,9 @@ Rows, the job with and without checkpoints interleaved, best of ``ROUNDS`` each:
 - restoring the keyed state of its last checkpoint at p=2 and rescaled to p=3 (the
   slowest subtask's restore): target <= 3 s each, reported.
 
-Before copy-on-write by tail (the first append to a key after a freeze copied the key's
-list: a new array, tracked by the cyclic collector, per key and checkpoint) the ratio
-at 150,000 keys was 0.2-0.4 on this machine.
+Wall-time ratios of whole jobs swing widely on a loaded 2-core machine (the commit before
+copy-on-write by tail measured 0.2x and 0.8x in two runs of this very row); the second test,
+CPU time of the task's side alone, is the steady figure (docs/benchmarks.md).
 """
 
 from __future__ import annotations
