@@ -197,6 +197,8 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
         assert isinstance(d, ListStateDescriptor)
         self._atomic = getattr(d, "type", None) is not None  # typed elements are immutable (ints, strs...)
         self._typecode = list_typecode(d)  # the keys' elements in an array.array (serializers.LIST_TYPECODES)
+        if self._typecode is not None and ttl is None:
+            table.track_tails()  # appends after a snapshot's freeze copy nothing (StateTable.grow)
 
     def get(self) -> ListView[T]:
         """The current key's elements as they are now (an empty view when there are
@@ -261,6 +263,8 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
         stored = table.groups[index].get(key)
         if stored is None:
             self._put(index, key, [element] if self._typecode is None else TYPED_LIST(self._typecode, [element]))
+        elif stored.__class__ is TYPED_LIST and table.tails is not None:
+            table.grow(index, key, stored).append(element)  # copy-on-write by tail: nothing copied
         elif stored.__class__ is not list or (table.tainted[index] and key not in table.owned[index]):
             table.own(index, key, stored).append(element)  # copied once per key and snapshot
         else:
@@ -273,6 +277,8 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
         if table.shared[index]:
             table.writable(index)
         table.groups[index][key] = elements
+        if table.tails is not None:
+            table._rewritten(index, key)
         if table.tainted[index]:
             table.owned[index].add(key)
         if table.changes is not None:
@@ -295,6 +301,8 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
         stored = table.groups[index].get(key)
         if stored is None:
             self._put(index, key, elements)
+        elif stored.__class__ is TYPED_LIST and table.tails is not None:
+            table.grow(index, key, stored).extend(elements)  # copy-on-write by tail: nothing copied
         else:
             table.own(index, key, stored).extend(elements)
 
