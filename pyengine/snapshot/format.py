@@ -58,6 +58,7 @@ from ..state.serializers import (
 from ..storage.filesystem import CorruptStateError, open_input_file, read_bytes, read_range
 from ..storage.handles import BatchIndexEntry, KeyGroupsStateHandle, StreamStateHandle
 from .ipcfile import write_ipc_file
+from .stamped import decode_stamped, declared_types, encode_stamped, stamped_type
 
 __all__ = [
     "TOMBSTONE",
@@ -81,7 +82,17 @@ FORMAT_VERSION_SPARSE = 3  # several states of at most SPARSE_MAX_CHILDREN stora
 # Any of the layouts above, with the timestamps of every ``timers`` state as SPLIT_TIMESTAMPS
 # (metadata ``"timers_encoding": "split"``): a pyengine reading versions up to 3 refuses the file.
 FORMAT_VERSION_SPLIT_TIMERS = 4
-READ_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_SHARED_CHILDREN, FORMAT_VERSION_SPARSE, FORMAT_VERSION_SPLIT_TIMERS)
+# Any of the layouts above, with TTL states (but those that opted in to pickle) written as columns of values
+# and stamps (metadata ``"ttl_encoding": "columns"``, the state's ``"stamped"``; see
+# ``snapshot/stamped.py``), timers split as in version 4: a pyengine reading up to 4 refuses it.
+FORMAT_VERSION_STAMPED = 5
+READ_VERSIONS = (
+    FORMAT_VERSION,
+    FORMAT_VERSION_SHARED_CHILDREN,
+    FORMAT_VERSION_SPARSE,
+    FORMAT_VERSION_SPLIT_TIMERS,
+    FORMAT_VERSION_STAMPED,
+)
 # A timer's int64 timestamp as its high and low 32 bits, t == (hi << 32) | lo. LZ4 spends
 # ~1.6 ns a byte on an int64 column of nearby values (matches of a few zero bytes, a token
 # each: 8 MB of a second's spread of timestamps took 13 ms, to 4.7 MB); ``hi`` is one
@@ -137,6 +148,8 @@ class StateColumn:
     ttl: bool
     # as a file says them (str of the declared types), typed or not: what its writes were checked against
     declared: Tuple[Optional[str], Optional[str]] = (None, None)  # (map key type, value or element type)
+    # a TTL state's entries as columns of values and stamps (written now; read: what the file says)
+    ttl_columns: bool = True
 
     @property
     def typed(self) -> bool:
@@ -145,6 +158,21 @@ class StateColumn:
         if self.kind == "map":
             return self.arrow_type is not None and self.map_key_type is not None
         return self.arrow_type is not None
+
+    @property
+    def stamped(self) -> bool:
+        """A TTL state written as columns of values and stamps (version 5): the values
+        in their declared types (``stamped_typed``), or serialized per key as without
+        TTL, rather than each entry serialized with its stamps. A state that opted in
+        to pickle keeps the older layout."""
+        return self.ttl and self.ttl_columns and self.serializer != "pickle" and self.kind != "timers"
+
+    @property
+    def stamped_typed(self) -> bool:
+        """A stamped state's values are in their declared types (not serialized)."""
+        if not self.stamped or self.arrow_type is None:
+            return False
+        return self.kind != "map" or self.map_key_type is not None
 
     @property
     def split_timestamps(self) -> bool:
@@ -159,8 +187,15 @@ class StateColumn:
 
     @property
     def storage_type(self) -> pa.DataType:
+        if self.stamped:
+            return stamped_type(self.kind, self.arrow_type if self.stamped_typed else None, self.map_key_type)
         if not self.typed:
             return pa.binary()
+        return self.plain_type
+
+    @property
+    def plain_type(self) -> pa.DataType:
+        """The declared types' layout without stamps (a typed state's storage type)."""
         assert self.arrow_type is not None
         if self.kind == "list":
             return pa.list_(self.arrow_type)
@@ -178,6 +213,7 @@ class StateColumn:
             "serializer": self.serializer,
             "ttl": self.ttl,
             "typed": self.typed,
+            **({"stamped": "typed" if self.stamped_typed else "serialized"} if self.stamped else {}),
         }
 
 
@@ -421,6 +457,19 @@ def _value_child(column: StateColumn, values: List[Any]) -> pa.Array:
         error = StateSerializationError(f"cannot snapshot state {column.name!r}: {exc}")
         # the serializer's own refusal says nothing more: this one, naming the state, is the cause
         raise error from (None if isinstance(exc, StateSerializationError) else exc)
+
+
+def _stamped_child(column: StateColumn, values: List[Any], limit: Optional[int]) -> Tuple[pa.Array, Any]:
+    """A stamped state's entries as columns (``stamped.encode_stamped``), an error naming the state."""
+    arrow_type = column.arrow_type if column.stamped_typed else None
+    if column.kind == "list":  # a typed list's arrays, restored but not declared again: as lists
+        values = [v.tolist() if type(v) is TYPED_LIST else v for v in values]
+    try:
+        return encode_stamped(
+            column.kind, arrow_type, column.map_key_type, values, limit, TOMBSTONE, serializer_for("safe").dumps
+        )
+    except (TypeError, ValueError, AttributeError, pa.ArrowException) as exc:
+        raise StateSerializationError(f"cannot snapshot state {column.name!r}: {exc}") from exc
 
 
 class ColumnarSlice:
@@ -686,6 +735,16 @@ def write_keyed_state(
     duplicating it) and returns the handle. The stream is closed here, or aborted
     on error."""
     value_types, child_of, sparse = value_layout(columns)
+    # A stamped state's frozen groups come unfiltered, with the limit its entries expire
+    # at (``stamp_limit``): the batches leave expired ones out in bulk.
+    limits: List[Optional[int]] = [None] * len(columns)
+    groups = list(groups)
+    for i, column in enumerate(columns):
+        limit_of = getattr(groups[i], "stamp_limit", None)
+        if column.stamped and limit_of is not None:
+            limits[i] = limit_of()
+            groups[i] = groups[i].unfiltered
+    stamped = any(c.stamped for c in columns)
     shared_children = child_of is not None
     value_names = [f"{'t' if shared_children else 's'}{i}" for i in range(len(value_types))]
     plan = _plan_batches(groups, key_group_range, len(columns))
@@ -696,7 +755,9 @@ def write_keyed_state(
     meta: Dict[str, Any] = {
         "format": FORMAT_NAME,
         "version": (
-            FORMAT_VERSION_SPLIT_TIMERS
+            FORMAT_VERSION_STAMPED
+            if stamped
+            else FORMAT_VERSION_SPLIT_TIMERS
             if split_timers
             else FORMAT_VERSION
             if plain_values or not shared_children
@@ -716,6 +777,8 @@ def write_keyed_state(
         meta["value_children"] = child_of
     if split_timers:
         meta["timers_encoding"] = "split"
+    if stamped:
+        meta["ttl_encoding"] = "columns"
     value_fields = [pa.field(n, t) for n, t in zip(value_names, value_types, strict=True)]
     value_union = pa.sparse_union(value_fields) if sparse else pa.dense_union(value_fields)
     schema = pa.schema(
@@ -763,13 +826,24 @@ def write_keyed_state(
                     key_list.extend(itertools.islice(group.keys(), start, stop))
                     value_list.extend(itertools.islice(group.values(), start, stop))
                 lengths.append(stop - start)
+            if column.stamped:
+                value_child, rows = _stamped_child(column, value_list, limits[state_index])
+                if rows is not None:  # keys whose entries all expired: left out, their runs shortened
+                    key_list = list(itertools.compress(key_list, rows))
+                    ends = np.cumsum(lengths)
+                    kept = np.concatenate([[0], np.cumsum(rows)])[np.concatenate([[0], ends])]
+                    lengths = np.diff(kept).tolist()
+                    run_groups = [kg for kg, length in zip(run_groups, lengths, strict=True) if length]
+                    lengths = [length for length in lengths if length]
+            else:
+                value_child = _value_child(column, value_list)
             key_array = pa.array(key_list, pa.int64()) if plain_keys else _key_array(key_list)
-            value_child = _value_child(column, value_list)
         n = len(key_array)
         child = state_index if child_of is None else child_of[state_index]
         value_array = value_child if plain_values else _union_of(value_types, value_names, child, value_child, sparse)
         return pa.record_batch(
-            [_runs(run_groups, lengths), _runs([state_index], [n]), key_array, value_array], schema=schema
+            [_runs(run_groups, lengths), _runs([state_index] if n else [], [n] if n else []), key_array, value_array],
+            schema=schema,
         )
 
     with stream:
@@ -819,6 +893,8 @@ def _run_list(column: Any) -> List[Tuple[int, int, int]]:
     """(value, first row, end row) of each run of a run-end encoded column."""
     ends = column.run_ends.to_numpy(zero_copy_only=False).tolist()
     values = column.values.to_numpy(zero_copy_only=False).tolist()
+    if not ends:  # a batch left empty (a stamped state's entries all expired)
+        return []
     starts = [0, *ends[:-1]]
     return list(zip(values, starts, ends, strict=True))
 
@@ -862,9 +938,13 @@ def read_schema_info(schema: pa.Schema, *, where: str) -> SchemaInfo:
     encoding = meta.get("value_encoding")
     plain_values = encoding == "plain"
     value_children: Optional[Tuple[int, ...]] = None
-    split_timers = version == FORMAT_VERSION_SPLIT_TIMERS and meta.get("timers_encoding") == "split"
+    split_timers = version in (FORMAT_VERSION_SPLIT_TIMERS, FORMAT_VERSION_STAMPED) and (
+        meta.get("timers_encoding") == "split"
+    )
     if version == FORMAT_VERSION_SPLIT_TIMERS and not split_timers:
         raise CorruptStateError(f"{where}: version {version} without its timers encoding")
+    if version == FORMAT_VERSION_STAMPED and meta.get("ttl_encoding") != "columns":
+        raise CorruptStateError(f"{where}: version {version} without its TTL encoding")
     if version != FORMAT_VERSION and encoding == "union_by_type":
         value_children = _checked_children(meta.get("value_children"), len(meta["states"]), value_field, where)
     elif not plain_values and encoding not in ("union", None):  # absent: a union by state, as always
@@ -873,7 +953,13 @@ def read_schema_info(schema: pa.Schema, *, where: str) -> SchemaInfo:
     for i, c in enumerate(meta["states"]):
         # The exact declared types are the value union's children, not the metadata's text.
         arrow_type = map_key_type = None
-        if c.get("typed"):
+        if c.get("stamped") == "typed" and version == FORMAT_VERSION_STAMPED:
+            child = value_field if plain_values else value_field.field(value_children[i] if value_children else i).type
+            try:
+                arrow_type, map_key_type = declared_types(child, c["kind"])
+            except (AttributeError, KeyError, TypeError) as exc:
+                raise CorruptStateError(f"{where}: stamped state {c['name']!r} is {child}: {exc}") from None
+        elif c.get("typed"):
             child = (
                 value_field
                 if plain_values
@@ -898,6 +984,7 @@ def read_schema_info(schema: pa.Schema, *, where: str) -> SchemaInfo:
                 serializer=c["serializer"],
                 ttl=bool(c["ttl"]),
                 declared=(c.get("map_key_type"), c.get("type")),
+                ttl_columns=version == FORMAT_VERSION_STAMPED and c.get("stamped") in ("typed", "serialized"),
             )
         )
     start, end = meta["key_groups"]
@@ -960,6 +1047,9 @@ def _decode_values(
     where: str,
     typed_arrays: bool = False,
 ) -> List[Any]:
+    if column_spec.stamped:
+        loads = None if column_spec.stamped_typed else serializer_for("safe").loads
+        return decode_stamped(column_spec.kind, child, TOMBSTONE, loads)
     if column_spec.typed:
         if column_spec.kind == "list":
             lists = _listed(column_spec, child, typed_arrays)

@@ -268,6 +268,19 @@ class _ExpiringGroups(Sequence[Dict[Any, Any]]):
     def _filter(self, group: Dict[Any, Any], limit: int) -> Dict[Any, Any]:
         return _live_entries(group, self._kind, limit)
 
+    def stamp_limit(self) -> int:
+        """The stamp at or below which an entry has expired for this snapshot (read
+        once, when first asked): a state file of columns (a state with declared types)
+        reads ``unfiltered`` and leaves the expired entries out with NumPy masks."""
+        if self._limit is None:
+            self._limit = self._clock() - self._ttl_ms
+        return self._limit
+
+    @property
+    def unfiltered(self) -> List[Dict[Any, Any]]:
+        """The frozen key-group dicts as they are, expired entries included."""
+        return self._frozen
+
     def get_live(self, i: int, key: Any, default: Any) -> Any:
         """Key group ``i``'s entry of ``key`` without what expired (an incremental
         snapshot's delta reads its changed keys this way, never a whole key group);
