@@ -58,7 +58,7 @@ from ..state.serializers import (
 from ..storage.filesystem import CorruptStateError, open_input_file, read_bytes, read_range
 from ..storage.handles import BatchIndexEntry, KeyGroupsStateHandle, StreamStateHandle
 from .ipcfile import write_ipc_file
-from .stamped import decode_stamped, declared_types, encode_stamped, stamped_type
+from .stamped import declared_types, decode_stamped, encode_stamped, stamped_type
 
 __all__ = [
     "TOMBSTONE",
@@ -738,7 +738,7 @@ def write_keyed_state(
     # A stamped state's frozen groups come unfiltered, with the limit its entries expire
     # at (``stamp_limit``): the batches leave expired ones out in bulk.
     limits: List[Optional[int]] = [None] * len(columns)
-    groups = list(groups)
+    groups = list[Any](groups)
     for i, column in enumerate(columns):
         limit_of = getattr(groups[i], "stamp_limit", None)
         if column.stamped and limit_of is not None:

@@ -187,6 +187,7 @@ def _encode_serialized(
     """A list's values (a map's dict of user key -> value) serialized per key, as a
     state without TTL writes them, and their stamps as a list<int64> column built in
     bulk; a container with expired elements is cut before it is serialized."""
+    pieces: List[Any]
     if kind == "list":
         pieces = [v.values if type(v) is StampedList else [e[0] for e in v] for v in live]
         stamp_lists = [v.stamps if type(v) is StampedList else [e[1] for e in v] for v in live]
