@@ -267,21 +267,24 @@ def _keyed_backend(events: List[Any], ttl_ms: Any) -> Any:
     return op.backend
 
 
-def _async_parts(events: List[Any], rounds: int) -> Dict[bool, float]:
+def _async_parts(events: List[Any], rounds: int) -> Dict[Tuple[str, bool], float]:
     """The sessionizer's keyed backend after ``events`` (the state a checkpoint of the
     job's run holds), snapshotted ``rounds`` times with and without TTL, alternately:
-    the best asynchronous part (seconds) of each."""
+    the best asynchronous part of each, in wall seconds (``("wall", ttl)``) and in the
+    process's CPU seconds (``("cpu", ttl)``: every thread's, the encoding pool's
+    included; nothing else runs meanwhile), which other jobs on the machine move less."""
     backends = {ttl: _keyed_backend(events, TTL_MS if ttl else None) for ttl in (False, True)}
     storage = checkpoint_storage(tempfile.mkdtemp(prefix="sessionizer-"), "sessionizer")
-    best = {False: float("inf"), True: float("inf")}
+    best = {(what, ttl): float("inf") for what in ("wall", "cpu") for ttl in (False, True)}
     n = 0
     for _ in range(rounds):
         for ttl in (False, True):
             n += 1
             part = backends[ttl].snapshot(n, storage.location(n))
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             part.run()
-            best[ttl] = min(best[ttl], time.perf_counter() - start)
+            best[("cpu", ttl)] = min(best[("cpu", ttl)], time.process_time() - cpu)
+            best[("wall", ttl)] = min(best[("wall", ttl)], time.perf_counter() - wall)
     return best
 
 
@@ -289,7 +292,7 @@ def test_sessionizer_with_checkpoints_against_without(issue_events) -> None:
     """Whole job, TTL and not, checkpoints every second and none, interleaved, best wall
     time of CKPT_ROUNDS each. Asserted: with TTL, checkpoints on >= 0.9x of off; the
     keyed operator's asynchronous part with TTL within 3x of the same state's without
-    (measured directly on the job's state: best of 7, alternately). Reported: the job's
+    (measured directly on the job's state: the process's CPU time, best of 7, alternately). Reported: the job's
     own asynchronous parts, and the task's events/s while they ran against between."""
     events = issue_events
     runs: Dict[Tuple[bool, bool], List[Dict[str, Any]]] = {(t, c): [] for t in (False, True) for c in (False, True)}
@@ -311,10 +314,14 @@ def test_sessionizer_with_checkpoints_against_without(issue_events) -> None:
 
     state_events = events[: len(events) // 2]  # about what the job's middle checkpoints hold
     parts = _async_parts(state_events, 7)
-    async_ratio = parts[True] / parts[False]
-    if async_ratio > ASYNC_GUARD:
-        parts = {k: min(v, w) for (k, v), w in zip(parts.items(), _async_parts(state_events, 7).values(), strict=True)}
-        async_ratio = parts[True] / parts[False]
+
+    def async_ratio_of(what: str) -> float:
+        return parts[(what, True)] / parts[(what, False)]
+
+    if async_ratio_of("cpu") > ASYNC_GUARD:  # measured again: a slow spell of the machine misses some rounds
+        again_parts = _async_parts(state_events, 7)
+        parts = {k: min(v, again_parts[k]) for k, v in parts.items()}
+    async_ratio = async_ratio_of("cpu")
 
     lines = [
         f"sessionizer with checkpoints every {INTERVAL_MS} ms, {len(events):,} events ({PASSES} passes of "
@@ -336,8 +343,10 @@ def test_sessionizer_with_checkpoints_against_without(issue_events) -> None:
             f"{d_rate / 1e3:.0f} k events/s during async parts, {b_rate / 1e3:.0f} k between ({d_rate / b_rate:.2f}x)"
         )
     lines.append(
-        f"  async part alone (the job's state after {len(state_events):,} events, best of 7+): "
-        f"{parts[True] * 1e3:.1f} ms with TTL, {parts[False] * 1e3:.1f} ms without -> {async_ratio:.2f}x"
+        f"  async part alone (the job's state after {len(state_events):,} events, best of 7+): CPU "
+        f"{parts[('cpu', True)] * 1e3:.1f} ms with TTL, {parts[('cpu', False)] * 1e3:.1f} ms without -> "
+        f"{async_ratio:.2f}x; wall {parts[('wall', True)] * 1e3:.1f} ms, {parts[('wall', False)] * 1e3:.1f} ms "
+        f"-> {async_ratio_of('wall'):.2f}x"
     )
     SUMMARY.extend(lines)
     print("\n".join(lines))

@@ -45,7 +45,6 @@ STAMP_FIELD = "stamp"
 _STAMP_LISTS = pa.list_(pa.field("item", pa.int64(), nullable=False))
 _MAX_OFFSET = 2**31 - 1  # list<T> and map<K, V> have int32 offsets
 _values_of = operator.attrgetter("values")
-_first = operator.itemgetter(0)
 _second = operator.itemgetter(1)
 _stamps_of = operator.attrgetter("stamps")
 
@@ -91,14 +90,13 @@ def declared_types(file_type: pa.DataType, kind: str) -> Tuple[Optional[pa.DataT
 
 
 def _stamps(stamps: List[Any]) -> np.ndarray:
-    """Stamps as int64: ints as they are; floats (a custom clock's) rounded up, so an
-    entry never expires earlier than it would have; anything else refused."""
-    array = np.asarray(stamps) if stamps else np.zeros(0, np.int64)
-    if array.dtype.kind in "iu" and (array.dtype.kind == "i" or not len(array) or array.max() <= 2**63 - 1):
-        return array.astype(np.int64, copy=False)
-    if array.dtype.kind == "f" and np.isfinite(array).all():
-        return np.ceil(array).astype(np.int64)
-    raise StampError(f"TTL stamps must be int milliseconds within int64, got {array.dtype} values")
+    """Stamps as int64, in one C pass (~10 ns a stamp; ``np.asarray`` of Python ints
+    without a dtype costs 6x). Stamps are the backend's int milliseconds (a custom TTL
+    clock's floats are rounded up where it is read); anything else is refused."""
+    try:
+        return np.array(stamps, np.int64)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise StampError(f"TTL stamps must be int milliseconds within int64: {exc}") from None
 
 
 def _entries(values: Any, stamps: np.ndarray, arrow_type: pa.DataType) -> pa.StructArray:
@@ -192,7 +190,7 @@ def _encode_serialized(
         pieces = [v.values if type(v) is StampedList else [e[0] for e in v] for v in live]
         stamp_lists = [v.stamps if type(v) is StampedList else [e[1] for e in v] for v in live]
     else:
-        pieces = [dict(zip(m, map(_first, m.values()), strict=True)) for m in live]
+        pieces = [{u: e[0] for u, e in m.items()} for m in live]
         stamp_lists = [list(map(_second, m.values())) for m in live]
     lengths = np.fromiter(map(len, live), np.int64, len(live))
     offsets = _offsets(lengths)

@@ -27,6 +27,18 @@ from .descriptors import (
 from .table import _ABSENT, StateTable
 
 
+def _int_clock(clock: Callable[[], Any]) -> Callable[[], int]:
+    """A custom TTL clock whose readings are stamps: int milliseconds, a float rounded
+    up (an entry then lives at most a millisecond longer, never shorter), so a snapshot
+    converts the stamps in one C pass (``snapshot/stamped.py``) without truncating any."""
+
+    def read() -> int:
+        now = clock()
+        return now if type(now) is int else math.ceil(now)
+
+    return read
+
+
 class _Ttl:
     """Time-to-live bookkeeping of one state: entries are stored as (value, last_access_ms)
     tuples; a list's elements as a ``StampedList`` (values and stamps in two parallel
