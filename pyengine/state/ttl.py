@@ -28,9 +28,10 @@ from .table import _ABSENT, StateTable
 
 
 def _int_clock(clock: Callable[[], Any]) -> Callable[[], int]:
-    """A custom TTL clock whose readings are stamps: int milliseconds, a float rounded
-    up (an entry then lives at most a millisecond longer, never shorter), so a snapshot
-    converts the stamps in one C pass (``snapshot/stamped.py``) without truncating any."""
+    """A custom TTL clock whose readings are stamps: int milliseconds, a float reading
+    rounded up (stamps and expiry checks alike, so TTL counts whole milliseconds of it),
+    so a snapshot converts the stamps in one C pass (``snapshot/stamped.py``) without
+    truncating any."""
 
     def read() -> int:
         now = clock()
