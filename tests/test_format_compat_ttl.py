@@ -44,6 +44,9 @@ SEEN = ListStateDescriptor("seen", pa.int64(), ttl=TTL_MS)
 NOTES = ListStateDescriptor("notes", ttl=TTL_MS)
 
 
+PROCESSED = [0]  # records the job's function has processed (its copies share this module)
+
+
 class TtlTally(pe.KeyedProcessFunction):
     """Per user: a count, the last record, page counts (typed map), tags (untyped map),
     record numbers (typed list) and notes (untyped list), all with a TTL."""
@@ -57,6 +60,7 @@ class TtlTally(pe.KeyedProcessFunction):
         self.notes = ctx.get_list_state(NOTES)
 
     def process_element(self, value: Any, ctx: Any) -> Any:
+        PROCESSED[0] += 1
         n = self.count.value() + 1
         self.count.update(n)
         self.last.update({"i": value["i"], "page": value["page"]})
@@ -176,9 +180,13 @@ def test_a_savepoint_of_stamped_columns_is_read_restored_and_rescaled(tmp_path: 
     held = threading.Event()
     env = environment(tmp_path / "first")
     build(env, held, pe.sinks.CollectSink())
+    PROCESSED[0] = 0
     client = env.execute_async("ttl-tally")
     first = RECORDS[0::2][:HALF] + RECORDS[1::2][:HALF]
-    time.sleep(3)  # a few hundred records: read and processed long before this (both splits held at HALF)
+    deadline = time.monotonic() + 60
+    while PROCESSED[0] < len(first) and time.monotonic() < deadline:  # both splits held at HALF
+        time.sleep(0.05)
+    assert PROCESSED[0] == len(first), f"{PROCESSED[0]} of {len(first)} records processed in 60 s"
     savepoint = Path(client.stop_with_savepoint(str(tmp_path / "savepoint")))
     client.wait(30)
     metas = _keyed_meta(savepoint)
