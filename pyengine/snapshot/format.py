@@ -59,6 +59,7 @@ from ..state.serializers import (
 from ..storage.filesystem import CorruptStateError, open_input_file, read_bytes, read_range
 from ..storage.handles import BatchIndexEntry, KeyGroupsStateHandle, StreamStateHandle
 from .ipcfile import write_ipc_file
+from .stamped import declared_types, decode_stamped, encode_stamped, stamped_type
 
 __all__ = [
     "TOMBSTONE",
@@ -89,12 +90,18 @@ FORMAT_VERSION_SPLIT_TIMERS = 4
 # appended to that key's list since the chain's previous file (a pyengine reading versions up
 # to 4 would take them for whole lists, so it refuses the file by its number).
 FORMAT_VERSION_LIST_TAILS = 5
+# Any of the layouts above (list tails as in version 5 included), with TTL states (but those
+# that opted in to pickle) written as columns of values and stamps (metadata
+# ``"ttl_encoding": "columns"``, the state's ``"stamped"``; see ``snapshot/stamped.py``), timers
+# split as in version 4: a pyengine reading up to 5 refuses it.
+FORMAT_VERSION_STAMPED = 6
 READ_VERSIONS = (
     FORMAT_VERSION,
     FORMAT_VERSION_SHARED_CHILDREN,
     FORMAT_VERSION_SPARSE,
     FORMAT_VERSION_SPLIT_TIMERS,
     FORMAT_VERSION_LIST_TAILS,
+    FORMAT_VERSION_STAMPED,
 )
 # A timer's int64 timestamp as its high and low 32 bits, t == (hi << 32) | lo. LZ4 spends
 # ~1.6 ns a byte on an int64 column of nearby values (matches of a few zero bytes, a token
@@ -155,6 +162,8 @@ class StateColumn:
     # the chain's previous files left it, rather than replacing it. The same state has its
     # ordinary column in the file too, for the keys whose list was rewritten or cleared.
     appends: bool = False
+    # a TTL state's entries as columns of values and stamps (written now; read: what the file says)
+    ttl_columns: bool = True
 
     @property
     def typed(self) -> bool:
@@ -163,6 +172,21 @@ class StateColumn:
         if self.kind == "map":
             return self.arrow_type is not None and self.map_key_type is not None
         return self.arrow_type is not None
+
+    @property
+    def stamped(self) -> bool:
+        """A TTL state written as columns of values and stamps (version 5): the values
+        in their declared types (``stamped_typed``), or serialized per key as without
+        TTL, rather than each entry serialized with its stamps. A state that opted in
+        to pickle keeps the older layout."""
+        return self.ttl and self.ttl_columns and self.serializer != "pickle" and self.kind != "timers"
+
+    @property
+    def stamped_typed(self) -> bool:
+        """A stamped state's values are in their declared types (not serialized)."""
+        if not self.stamped or self.arrow_type is None:
+            return False
+        return self.kind != "map" or self.map_key_type is not None
 
     @property
     def split_timestamps(self) -> bool:
@@ -177,8 +201,15 @@ class StateColumn:
 
     @property
     def storage_type(self) -> pa.DataType:
+        if self.stamped:
+            return stamped_type(self.kind, self.arrow_type if self.stamped_typed else None, self.map_key_type)
         if not self.typed:
             return pa.binary()
+        return self.plain_type
+
+    @property
+    def plain_type(self) -> pa.DataType:
+        """The declared types' layout without stamps (a typed state's storage type)."""
         assert self.arrow_type is not None
         if self.kind == "list":
             return pa.list_(self.arrow_type)
@@ -196,6 +227,7 @@ class StateColumn:
             "serializer": self.serializer,
             "ttl": self.ttl,
             "typed": self.typed,
+            **({"stamped": "typed" if self.stamped_typed else "serialized"} if self.stamped else {}),
         }
         if self.appends:  # only then: files without tails stay as every version 1-4 reader knows them
             out["appends"] = True
@@ -562,6 +594,19 @@ def _value_child(
         raise error from (None if isinstance(exc, StateSerializationError) else exc)
 
 
+def _stamped_child(column: StateColumn, values: List[Any], limit: Optional[int]) -> Tuple[pa.Array, Any]:
+    """A stamped state's entries as columns (``stamped.encode_stamped``), an error naming the state."""
+    arrow_type = column.arrow_type if column.stamped_typed else None
+    if column.kind == "list":  # a typed list's arrays, restored but not declared again: as lists
+        values = [v.tolist() if type(v) is TYPED_LIST else v for v in values]
+    try:
+        return encode_stamped(
+            column.kind, arrow_type, column.map_key_type, values, limit, TOMBSTONE, serializer_for("safe").dumps
+        )
+    except (TypeError, ValueError, AttributeError, pa.ArrowException) as exc:
+        raise StateSerializationError(f"cannot snapshot state {column.name!r}: {exc}") from exc
+
+
 class ColumnarSlice:
     """The entries of one key group given as arrays (typed columnar state, a full
     snapshot): int64 keys and their values.
@@ -828,6 +873,16 @@ def write_keyed_state(
     duplicating it) and returns the handle. The stream is closed here, or aborted
     on error."""
     value_types, child_of, sparse = value_layout(columns)
+    # A stamped state's frozen groups come unfiltered, with the limit its entries expire
+    # at (``stamp_limit``): the batches leave expired ones out in bulk.
+    limits: List[Optional[int]] = [None] * len(columns)
+    groups = list[Any](groups)
+    for i, column in enumerate(columns):
+        limit_of = getattr(groups[i], "stamp_limit", None)
+        if column.stamped and limit_of is not None:
+            limits[i] = limit_of()
+            groups[i] = groups[i].unfiltered
+    stamped = any(c.stamped for c in columns)
     shared_children = child_of is not None
     value_names = [f"{'t' if shared_children else 's'}{i}" for i in range(len(value_types))]
     plan = _plan_batches(groups, key_group_range, len(columns))
@@ -838,7 +893,9 @@ def write_keyed_state(
     meta: Dict[str, Any] = {
         "format": FORMAT_NAME,
         "version": (
-            FORMAT_VERSION_LIST_TAILS
+            FORMAT_VERSION_STAMPED
+            if stamped
+            else FORMAT_VERSION_LIST_TAILS
             if any(c.appends for c in columns)
             else FORMAT_VERSION_SPLIT_TIMERS
             if split_timers
@@ -860,6 +917,8 @@ def write_keyed_state(
         meta["value_children"] = child_of
     if split_timers:
         meta["timers_encoding"] = "split"
+    if stamped:
+        meta["ttl_encoding"] = "columns"
     value_fields = [pa.field(n, t) for n, t in zip(value_names, value_types, strict=True)]
     value_union = pa.sparse_union(value_fields) if sparse else pa.dense_union(value_fields)
     schema = pa.schema(
@@ -907,23 +966,34 @@ def write_keyed_state(
                     key_list.extend(itertools.islice(group.keys(), start, stop))
                     value_list.extend(itertools.islice(group.values(), start, stop))
                 lengths.append(stop - start)
-            key_array = pa.array(key_list, pa.int64()) if plain_keys else _key_array(key_list)
-            growing = groups[state_index]
-            if not isinstance(growing, GrowingLists):
-                value_child = _value_child(column, value_list)
+            if column.stamped:
+                value_child, rows = _stamped_child(column, value_list, limits[state_index])
+                if rows is not None:  # keys whose entries all expired: left out, their runs shortened
+                    key_list = list(itertools.compress(key_list, rows))
+                    ends = np.cumsum(lengths)
+                    kept = np.concatenate([[0], np.cumsum(rows)])[np.concatenate([[0], ends])]
+                    lengths = np.diff(kept).tolist()
+                    run_groups = [kg for kg, length in zip(run_groups, lengths, strict=True) if length]
+                    lengths = [length for length in lengths if length]
             else:
-                starts: Optional[List[int]] = None
-                if growing.starts is not None:  # a delta's tails: each key's first new element
-                    starts = []
-                    for key_group, group, start, stop in parts:
-                        first = growing.starts[key_group - key_group_range.start]
-                        starts.extend(map(first.__getitem__, itertools.islice(group.keys(), start, stop)))
-                value_child = _value_child(column, value_list, starts, growing.frozen_lengths)
+                growing = groups[state_index]
+                if not isinstance(growing, GrowingLists):
+                    value_child = _value_child(column, value_list)
+                else:
+                    starts: Optional[List[int]] = None
+                    if growing.starts is not None:  # a delta's tails: each key's first new element
+                        starts = []
+                        for key_group, group, start, stop in parts:
+                            first = growing.starts[key_group - key_group_range.start]
+                            starts.extend(map(first.__getitem__, itertools.islice(group.keys(), start, stop)))
+                    value_child = _value_child(column, value_list, starts, growing.frozen_lengths)
+            key_array = pa.array(key_list, pa.int64()) if plain_keys else _key_array(key_list)
         n = len(key_array)
         child = state_index if child_of is None else child_of[state_index]
         value_array = value_child if plain_values else _union_of(value_types, value_names, child, value_child, sparse)
         return pa.record_batch(
-            [_runs(run_groups, lengths), _runs([state_index], [n]), key_array, value_array], schema=schema
+            [_runs(run_groups, lengths), _runs([state_index] if n else [], [n] if n else []), key_array, value_array],
+            schema=schema,
         )
 
     with stream:
@@ -973,6 +1043,8 @@ def _run_list(column: Any) -> List[Tuple[int, int, int]]:
     """(value, first row, end row) of each run of a run-end encoded column."""
     ends = column.run_ends.to_numpy(zero_copy_only=False).tolist()
     values = column.values.to_numpy(zero_copy_only=False).tolist()
+    if not ends:  # a batch left empty (a stamped state's entries all expired)
+        return []
     starts = [0, *ends[:-1]]
     return list(zip(values, starts, ends, strict=True))
 
@@ -1016,11 +1088,13 @@ def read_schema_info(schema: pa.Schema, *, where: str) -> SchemaInfo:
     encoding = meta.get("value_encoding")
     plain_values = encoding == "plain"
     value_children: Optional[Tuple[int, ...]] = None
-    split_timers = version in (FORMAT_VERSION_SPLIT_TIMERS, FORMAT_VERSION_LIST_TAILS) and (
+    split_timers = version in (FORMAT_VERSION_SPLIT_TIMERS, FORMAT_VERSION_LIST_TAILS, FORMAT_VERSION_STAMPED) and (
         meta.get("timers_encoding") == "split"
     )
     if version == FORMAT_VERSION_SPLIT_TIMERS and not split_timers:
         raise CorruptStateError(f"{where}: version {version} without its timers encoding")
+    if version == FORMAT_VERSION_STAMPED and meta.get("ttl_encoding") != "columns":
+        raise CorruptStateError(f"{where}: version {version} without its TTL encoding")
     if version != FORMAT_VERSION and encoding == "union_by_type":
         value_children = _checked_children(meta.get("value_children"), len(meta["states"]), value_field, where)
     elif not plain_values and encoding not in ("union", None):  # absent: a union by state, as always
@@ -1032,7 +1106,13 @@ def read_schema_info(schema: pa.Schema, *, where: str) -> SchemaInfo:
     for i, c in enumerate(meta["states"]):
         # The exact declared types are the value union's children, not the metadata's text.
         arrow_type = map_key_type = None
-        if c.get("typed"):
+        if c.get("stamped") == "typed" and version == FORMAT_VERSION_STAMPED:
+            child = value_field if plain_values else value_field.field(value_children[i] if value_children else i).type
+            try:
+                arrow_type, map_key_type = declared_types(child, c["kind"])
+            except (AttributeError, KeyError, TypeError) as exc:
+                raise CorruptStateError(f"{where}: stamped state {c['name']!r} is {child}: {exc}") from None
+        elif c.get("typed"):
             child = (
                 value_field
                 if plain_values
@@ -1057,7 +1137,8 @@ def read_schema_info(schema: pa.Schema, *, where: str) -> SchemaInfo:
                 serializer=c["serializer"],
                 ttl=bool(c["ttl"]),
                 declared=(c.get("map_key_type"), c.get("type")),
-                appends=version == FORMAT_VERSION_LIST_TAILS and bool(c.get("appends", False)),
+                appends=version in (FORMAT_VERSION_LIST_TAILS, FORMAT_VERSION_STAMPED) and bool(c.get("appends", False)),
+                ttl_columns=version == FORMAT_VERSION_STAMPED and c.get("stamped") in ("typed", "serialized"),
             )
         )
     start, end = meta["key_groups"]
@@ -1120,6 +1201,9 @@ def _decode_values(
     where: str,
     typed_arrays: bool = False,
 ) -> List[Any]:
+    if column_spec.stamped:
+        loads = None if column_spec.stamped_typed else serializer_for("safe").loads
+        return decode_stamped(column_spec.kind, child, TOMBSTONE, loads)
     if column_spec.typed:
         if column_spec.kind == "list":
             lists = _listed(column_spec, child, typed_arrays)

@@ -61,7 +61,7 @@ from .lists import ListState, _TtlListState
 from .maps import MapState, _TtlMapState
 from .serializers import TYPED_LIST, list_typecode
 from .table import StateTable, _validator
-from .ttl import _migrate_ttl, _Ttl, _without_expired
+from .ttl import _int_clock, _migrate_ttl, _Ttl, _without_expired
 from .values import AggregatingState, ReducingState, ValueState, _TtlValueState
 
 __all__ = ["HeapKeyedStateBackend"]
@@ -158,7 +158,7 @@ class HeapKeyedStateBackend(_CurrentKey):
         self.max_parallelism = max_parallelism
         self.key_group_range = key_group_range
         self._kg_start, self._kg_count = key_group_range.start, len(key_group_range)  # per-record use
-        self._ttl_clock = ttl_clock_ms or _wall_clock_ms
+        self._ttl_clock = _int_clock(ttl_clock_ms) if ttl_clock_ms else _wall_clock_ms
         # TTL's processing time (Flink's TtlTimeProvider). The wall clock is read at
         # most once per record (per set_current_key) for TTL stamps and checks:
         # reading it costs a system call on some hosts, and every state call would
