@@ -1137,7 +1137,8 @@ def read_schema_info(schema: pa.Schema, *, where: str) -> SchemaInfo:
                 serializer=c["serializer"],
                 ttl=bool(c["ttl"]),
                 declared=(c.get("map_key_type"), c.get("type")),
-                appends=version in (FORMAT_VERSION_LIST_TAILS, FORMAT_VERSION_STAMPED) and bool(c.get("appends", False)),
+                appends=version in (FORMAT_VERSION_LIST_TAILS, FORMAT_VERSION_STAMPED)
+                and bool(c.get("appends", False)),
                 ttl_columns=version == FORMAT_VERSION_STAMPED and c.get("stamped") in ("typed", "serialized"),
             )
         )
