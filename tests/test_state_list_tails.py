@@ -351,6 +351,13 @@ def test_the_spark_state_source_reads_list_tails() -> None:
     from pyengine.spark.state_source import _Request
 
     checkpoint = str(next(FIXTURE.rglob("_metadata")).parent)
-    table = _Request({"path": checkpoint, "operator": "op", "stateName": "amounts"}).table()
     expected = {k: [float(i) for i in range(k % 5 + 3)] for k in range(60)}
+    options = {"path": checkpoint, "operator": "op", "stateName": "amounts", "flattenCollectionTypes": "false"}
+    table = _Request(options).table()
     assert dict(zip(table.column("key").to_pylist(), table.column("value").to_pylist(), strict=True)) == expected
+    # Spark's default: one row per element, in the list's order
+    flat = _Request({k: v for k, v in options.items() if k != "flattenCollectionTypes"}).table()
+    rows: dict = {}
+    for key, value in zip(flat.column("key").to_pylist(), flat.column("value").to_pylist(), strict=True):
+        rows.setdefault(key, []).append(value)
+    assert rows == expected
