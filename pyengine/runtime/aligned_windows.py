@@ -169,6 +169,8 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
     def _restore_slots(self) -> None:
         """Windows of a checkpoint in the layout before panes, read into bases; their
         keyed states are then emptied (they are not written again)."""
+        if self._stored is None:  # no record seen before the checkpoint: no window either
+            return
         r = self.backend.key_group_range
         entries = [(int(g) - r.start, int(s), int(w)) for g, s, w in self._slot_state.get() if r.start <= g <= r.end]
         columns: Dict[int, List[List[Any]]] = {}  # window -> [keys, a0, a1, ...] parts
@@ -199,7 +201,6 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
                             rows[i].append(v)
                     self.backend.set_current_key(key)
                     state.clear()
-        assert self._stored is not None
         for window in set(columns) | set(spilled):
             arrays: List[List[Any]] = [[np.concatenate(p) for p in columns[window]]] if window in columns else []
             if window in spilled:
@@ -519,7 +520,7 @@ def _pairs_in(out: pa.RecordBatch, touched: pa.Table, key_column: str) -> pa.Arr
             "row": pa.array(np.arange(out.num_rows, dtype=np.int64)),
         }
     )
-    joined = pairs.join(touched.group_by(["w", "k"], use_threads=False).aggregate([]), ["w", "k"])
+    joined = pairs.join(touched.group_by(["w", "k"], use_threads=False).aggregate([]), ["w", "k"], join_type="inner")
     mask = np.zeros(out.num_rows, bool)
     mask[joined.column("row").to_numpy()] = True
     return pa.array(mask)
