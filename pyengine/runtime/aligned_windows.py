@@ -411,28 +411,68 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
     # -- firing ------------------------------------------------------------------------------
 
     def _fire(self, windows: List[int]) -> Optional[pa.RecordBatch]:
-        """Every key's results of ``windows`` (in order) as one batch, from their panes."""
-        size, g, kinds = self._size, self._pane, self._kinds
-        tagged: List[pa.Table] = []
-        one_each = True  # every window one combined table: nothing to combine across panes
+        """Every key's results of ``windows`` (in order) as one batch, from their panes:
+        the panes combined in bulk (``_combine_panes``), each pane's rows taken once per
+        window it is in, tagged with the window by NumPy, and one ``group_by`` over
+        (window, key), none when each window is one pane (tumbling)."""
+        size, g = self._size, self._pane
+        pair_w: List[int] = []  # (window, pane) pairs, in window order
+        pair_p: List[int] = []
         for w in windows:
-            tables = []
-            base = self._bases.get(w)
-            if base is not None:
-                tables.append(base.compact(kinds))
             for p in range(w, w + size, g):
-                pane = self._panes.get(p)
-                if pane is not None:
-                    tables.append(pane.compact(kinds))
-            one_each = one_each and len(tables) == 1
-            for t in tables:
-                tagged.append(t.append_column("w", pa.array(np.full(t.num_rows, w, np.int64))))
-        if not tagged:
+                if p in self._panes:
+                    pair_w.append(w)
+                    pair_p.append(p)
+        bases = [(w, self._bases[w]) for w in windows if w in self._bases]
+        if not pair_p and not bases:
             return None
-        table = pa.concat_tables(tagged)
-        if not one_each:
-            table = combine([table], kinds, by=("w", "k"))
-        return self._output(table)
+        panes = sorted(set(pair_p))
+        tables = self._combine_panes(panes)
+        lengths = np.array([t.num_rows for t in tables], np.int64)
+        table = pa.concat_tables(tables) if tables else None
+        if len(pair_p) == len(panes) and pair_p == panes:  # each pane in one window, in order: no copy
+            starts = np.repeat(np.array(pair_w, np.int64), lengths)
+        else:
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            index = {p: i for i, p in enumerate(panes)}
+            which = np.array([index[p] for p in pair_p], np.int64)
+            counts = lengths[which]
+            # row i of pair j: offsets[pane of j] + i
+            rows = np.repeat(offsets[which] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+            rows += np.arange(len(rows), dtype=np.int64)
+            starts = np.repeat(np.array(pair_w, np.int64), counts)
+            assert table is not None
+            table = table.take(pa.array(rows))
+        parts = [] if table is None else [table.append_column("w", pa.array(starts))]
+        for w, base in bases:
+            t = base.compact(self._kinds)
+            parts.append(t.append_column("w", pa.array(np.full(t.num_rows, w, np.int64))))
+        if len(panes) == len(windows) == len(pair_p) and not bases:  # one pane a window
+            return self._output(pa.concat_tables(parts))
+        result = combine(parts, self._kinds, by=("w", "k"))
+        if bases:  # windows only in bases came last
+            result = result.take(pc.sort_indices(result.column("w")))
+        return self._output(result)
+
+    def _combine_panes(self, panes: List[int]) -> List[pa.Table]:
+        """Each of ``panes`` as one table of one row per key; those with more (tables
+        added since they were last combined) combined in one ``group_by`` over
+        (pane, key), and kept so."""
+        kinds = self._kinds
+        stale = [p for p in panes if not self._panes[p].combined]
+        if len(stale) == 1:
+            self._panes[stale[0]].compact(kinds)
+        elif stale:
+            tables = [t for p in stale for t in self._panes[p].tables]
+            lengths = [sum(t.num_rows for t in self._panes[p].tables) for p in stale]
+            tag = np.repeat(np.array(stale, np.int64), lengths)
+            table = pa.concat_tables(tables).append_column("p", pa.array(tag))
+            combined = combine([table], kinds, by=("p", "k"))
+            order, starts, bounds = split_by(combined.column("p").to_numpy())
+            combined = combined.drop_columns(["p"]).take(pa.array(order))
+            for p, a, b in zip(starts, bounds[:-1], bounds[1:], strict=False):
+                self._panes[p].set_combined(combined.slice(a, b - a))
+        return [self._panes[p].tables[0] for p in panes]
 
     def _output(self, table: pa.Table) -> pa.RecordBatch:
         starts = table.column("w").combine_chunks()

@@ -74,7 +74,21 @@ class Pane:
         self.added_rows = sum(t.num_rows for t in self.tables)
         self.encoded: Optional[bytes] = None  # its bytes in the last snapshot, while unchanged
 
+    @property
+    def combined(self) -> bool:
+        """One table, one row per key."""
+        return len(self.tables) == 1 and not self.added_rows
+
+    def set_combined(self, table: pa.Table) -> None:
+        self.tables = [table]
+        self.combined_rows, self.added_rows = table.num_rows, 0
+
     def add(self, table: pa.Table, kinds: Sequence[str]) -> None:
+        """``table``: one batch's partial aggregates of this pane, one row per key."""
+        if not self.tables:
+            self.set_combined(table)
+            self.encoded = None
+            return
         self.tables.append(table)
         self.added_rows += table.num_rows
         self.encoded = None
@@ -83,9 +97,8 @@ class Pane:
 
     def compact(self, kinds: Sequence[str]) -> pa.Table:
         """This pane as one table, one row per key."""
-        if len(self.tables) != 1 or self.added_rows:
-            self.tables = [combine(self.tables, kinds)]
-            self.combined_rows, self.added_rows = self.tables[0].num_rows, 0
+        if not self.combined:
+            self.set_combined(combine(self.tables, kinds))
         return self.tables[0]
 
     def encode(self, kinds: Sequence[str]) -> bytes:
