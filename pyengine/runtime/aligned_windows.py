@@ -319,27 +319,42 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
             if not keep.any():
                 return []
             batch = batch.filter(pa.array(keep))
-            panes = panes[keep]
+            if not isinstance(panes, int):
+                panes = panes[keep]
         return self._add(batch, panes)
 
     def _panes_of(self, ts: np.ndarray, near: bool) -> Any:
-        """(each row's pane start, the rows to keep or None for all); the rows too late
-        for every window of their pane go to ``_late_rows``. A row between two sliding
-        windows (a slide longer than the size) is in none: not kept, and not late."""
+        """(each row's pane start, or the one pane of every row; the rows to keep, or
+        None for all); the rows too late for every window of their pane go to
+        ``_late_rows``. A row between two sliding windows (a slide longer than the
+        size) is in none: not kept, and not late."""
         g, slide, size, offset = self._pane, self._slide, self._size, self._offset
+        threshold = self.current_watermark - self.lateness  # late: the last window's end - 1 at or below it
+        check_late = self.assigner.is_event_time and threshold >= MIN_WATERMARK
+        self._late_rows = np.empty(0, np.int64)
+        if not near:
+            low = int(ts.min())
+            first = low - (low - offset) % g
+            if int(ts.max()) < first + g:  # the usual case: the whole batch in one pane
+                if (first - offset) % slide >= size:  # between two windows: in none
+                    return first, np.zeros(len(ts), bool)
+                if check_late and self._last_window(first) + size - 1 <= threshold:
+                    self._late_rows = np.arange(len(ts), dtype=np.int64)
+                    return first, np.zeros(len(ts), bool)
+                return first, None
+        in_window: Optional[np.ndarray]
         if near:  # in Python ints: int64 would wrap here (every window of a row fits: out_of_range said so)
             values = ts.tolist()
             panes = np.array([t - (t - offset) % g for t in values], np.int64)
-            in_window: Optional[np.ndarray] = np.array([(t - offset) % slide < size for t in values], bool)
+            in_window = np.array([(t - offset) % slide < size for t in values], bool)
             last_end: Optional[List[int]] = [t - (t - offset) % slide + size - 1 for t in values]
         else:
-            panes = ts - (ts - offset) % g
             into = (ts - offset) % slide
+            panes = ts - into if g == slide else ts - (ts - offset) % g
             in_window = into < size if slide > size else None
             last_end = None
-        threshold = self.current_watermark - self.lateness  # late: the last window's end - 1 at or below it
         late: Optional[np.ndarray] = None
-        if self.assigner.is_event_time and threshold >= MIN_WATERMARK:
+        if check_late:
             if last_end is not None:
                 late = np.array([e <= threshold for e in last_end], bool)
             elif int(ts.min()) - g - slide + size - 1 <= threshold:  # else none is late, the usual case
@@ -347,13 +362,12 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         if in_window is not None and late is not None:
             late &= in_window
         if late is None or not late.any():
-            self._late_rows = np.empty(0, np.int64)
             return panes, (in_window if in_window is not None and not in_window.all() else None)
         self._late_rows = np.flatnonzero(late)
         keep = ~late if in_window is None else in_window & ~late
         return panes, keep
 
-    def _add(self, batch: pa.RecordBatch, panes: np.ndarray) -> Any:
+    def _add(self, batch: pa.RecordBatch, panes: Any) -> Any:
         """Adds a batch's (pane, key) partial aggregates to the panes; returns the
         updated rows of windows that had fired already (late records within the
         allowed lateness)."""
@@ -363,7 +377,7 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
             keys = keys.cast(self._stored.field("k").type)
         columns = [keys] + [batch.column(c) for c in self._inputs]
         names = ["k", *list(self._inputs.values())]
-        first, last = int(panes.min()), int(panes.max())
+        first, last = (panes, panes) if isinstance(panes, int) else (int(panes.min()), int(panes.max()))
         if first == last:  # the usual case: one pane for the whole batch
             grouped = pa.table(columns, names=names).group_by("k", use_threads=False).aggregate(self._spec)
             parts = {first: self._stored_table(grouped)}

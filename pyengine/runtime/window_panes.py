@@ -10,8 +10,9 @@ of Cutty and Scotty).
 A pane holds partial aggregates as Arrow tables (``k``: the key, ``a0, a1, ...``:
 the accumulators, in the operator's ``needed`` order). A batch adds one table per
 pane it touches (one ``group_by`` for the whole batch); a pane's tables are
-combined into one when the ones added since outweigh what it had (amortised: each
-row is re-aggregated O(1) times), so a hot window does not grow without bound and
+combined into one when the ones added since outweigh twice what it had (amortised:
+each row is re-aggregated O(1) times, and a pane holds at most about three times
+its keys), so a hot window does not grow without bound and
 a cold one costs nothing. Nothing here makes a Python call per key or per (key,
 window): firing many windows is one concatenation and one ``group_by``, dropping a
 pane is deleting a dict entry, and a snapshot re-encodes only the panes that
@@ -92,7 +93,7 @@ class Pane:
         self.tables.append(table)
         self.added_rows += table.num_rows
         self.encoded = None
-        if len(self.tables) > 1 and (self.added_rows > max(self.combined_rows, 4096) or len(self.tables) > 64):
+        if len(self.tables) > 1 and (self.added_rows > max(2 * self.combined_rows, 8192) or len(self.tables) > 64):
             self.compact(kinds)
 
     def compact(self, kinds: Sequence[str]) -> pa.Table:
