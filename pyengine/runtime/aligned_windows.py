@@ -35,7 +35,7 @@ from .aggregate import (
 )
 from .base import EventTimeOperatorMixin, batch_of
 from .keyed import KeyedOperator
-from .window_panes import Pane, cast_to, combine, decode, partial_names, partial_spec, split_by
+from .window_panes import Pane, cast_to, combine, decode, group_packed, partial_names, partial_spec, split_by
 from .windows import _LATE, WindowAssigner, _acc_name
 
 __all__ = ["AlignedWindowAggregateOperator"]
@@ -383,7 +383,7 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
             parts = {first: self._stored_table(grouped)}
         else:
             table = pa.table([*columns, pa.array(panes)], names=[*names, "p"])
-            grouped = table.group_by(["p", "k"], use_threads=False).aggregate(self._spec)
+            grouped = group_packed(table, ("p", "k"), self._pane, self._spec)
             order, starts, bounds = split_by(grouped.column("p").to_numpy())
             grouped = self._stored_table(grouped.take(pa.array(order)))
             parts = {p: grouped.slice(a, b - a) for p, a, b in zip(starts, bounds[:-1], bounds[1:], strict=False)}
@@ -463,7 +463,7 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
             parts.append(t.append_column("w", pa.array(np.full(t.num_rows, w, np.int64))))
         if len(panes) == len(windows) == len(pair_p) and not bases:  # one pane a window
             return self._output(pa.concat_tables(parts))
-        result = combine(parts, self._kinds, by=("w", "k"))
+        result = combine(parts, self._kinds, by=("w", "k"), step=self._slide)
         if bases:  # windows only in bases came last
             result = result.take(pc.sort_indices(result.column("w")))
         return self._output(result)
@@ -481,7 +481,7 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
             lengths = [sum(t.num_rows for t in self._panes[p].tables) for p in stale]
             tag = np.repeat(np.array(stale, np.int64), lengths)
             table = pa.concat_tables(tables).append_column("p", pa.array(tag))
-            combined = combine([table], kinds, by=("p", "k"))
+            combined = combine([table], kinds, by=("p", "k"), step=self._pane)
             order, starts, bounds = split_by(combined.column("p").to_numpy())
             combined = combined.drop_columns(["p"]).take(pa.array(order))
             for p, a, b in zip(starts, bounds[:-1], bounds[1:], strict=False):
