@@ -218,3 +218,19 @@ def test_keys_of_a_narrower_int_type_keep_their_type(arrow: bool) -> None:
         (2, 1),
         (2, 1),
     ]
+
+
+def test_a_checkpoint_encodes_only_the_panes_that_changed() -> None:
+    """A pane unchanged since the previous snapshot keeps its bytes (not encoded again);
+    one that took records is encoded anew; a restore from either reads the same rows."""
+    aligned, _ = _operators(pe.windows.sliding(30, 10), 0, None)
+    ops = Subtasks(aligned, 1, "heap")
+    op = ops.ops[0]
+    ops.records([{"k": k, "ts": t, "v": t} for t in (1, 12, 25) for k in (1, 2)], arrow=True)
+    first = {p: pane.encode(op._kinds) for p, pane in op._panes.items()}
+    ops.snapshot()
+    ops.records([{"k": 3, "ts": 26, "v": 7}], arrow=True)  # the pane [20, 30) only
+    restored = Subtasks(aligned, 2, "heap", restored=ops.snapshot())
+    assert op._panes[0].encoded is first[0] and op._panes[10].encoded is first[10]
+    assert op._panes[20].encoded is not first[20]
+    assert _last(restored.watermark(2**63 - 1)) == _last(ops.watermark(2**63 - 1))
