@@ -1,6 +1,6 @@
 """Window state of the layout before panes still restores. ``tests/data/savepoint-window-slots``
 is a savepoint with open tumbling and sliding windows that pyengine wrote before
-``AlignedWindowAggregateOperator`` kept its windows as panes (commit e145a3c): per
+``AlignedWindowAggregateOperator`` kept its windows as panes (at commit e145a3c): per
 accumulator, value states ``window/<acc>@<slot>`` keyed by the record key, the slot
 map ``window-slots``, and windows beyond a key group's slots in ``window/overflow``. Made by
 ``tests/data/make_window_savepoint.py``; ``rows.json`` beside it holds the rows the

@@ -1,6 +1,6 @@
 """Writes ``tests/data/savepoint-window-slots`` for test_format_compat_windows: run from
-the repository's root with the pyengine of e145a3c (the last commit whose
-``AlignedWindowAggregateOperator`` kept windows in keyed slot states) first on
+the repository's root with the pyengine of a commit whose ``AlignedWindowAggregateOperator``
+kept windows in keyed slot states (the fixture: e145a3c, a worktree of it, built) first on
 ``PYTHONPATH``: ``python tests/data/make_window_savepoint.py``.
 
 Its watermark lags the held records by many windows, so some windows went beyond
