@@ -381,6 +381,16 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         if first == last:  # the usual case: one pane for the whole batch
             grouped = pa.table(columns, names=names).group_by("k", use_threads=False).aggregate(self._spec)
             parts = {first: self._stored_table(grouped)}
+        elif (last - first) // self._pane < 8 and bool((panes[1:] >= panes[:-1]).all()):
+            # in order, a few panes (a sliding window's short panes): a slice and a group_by each
+            table = pa.table(columns, names=names)
+            starts = list(range(first, last + 1, self._pane))
+            bounds = np.searchsorted(panes, [*starts, last + 1]).tolist()
+            parts = {
+                p: self._stored_table(table.slice(a, b - a).group_by("k", use_threads=False).aggregate(self._spec))
+                for p, a, b in zip(starts, bounds[:-1], bounds[1:], strict=True)
+                if b > a
+            }
         else:
             table = pa.table([*columns, pa.array(panes)], names=[*names, "p"])
             grouped = group_packed(table, ("p", "k"), self._pane, self._spec)
