@@ -310,12 +310,11 @@ class AlignedWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
             near = False  # the clock: nowhere near either end
         panes, keep = self._panes_of(ts, near)
         if keep is not None:
-            if self.late_tag is not None and self.side_output is not None:
-                late = self._late_rows
-                if len(late):
-                    self.side_output(self.late_tag, batch.take(pa.array(late)))
-            else:
-                self.late_records_dropped += len(self._late_rows)
+            late = self._late_rows
+            if self.late_tag is None:
+                self.late_records_dropped += len(late)
+            elif self.side_output is not None and len(late):  # as Flink: not counted as dropped
+                self.side_output(self.late_tag, batch.take(pa.array(late)))
             if not keep.any():
                 return []
             batch = batch.filter(pa.array(keep))
