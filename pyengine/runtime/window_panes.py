@@ -2,21 +2,21 @@
 
 A *pane* is a slice of event time ``gcd(size, slide)`` long (a tumbling window is
 one pane). Every record goes into exactly one pane, whatever the number of sliding
-windows it is in, so a sliding window costs what a tumbling one does per record;
-when a window fires, its result is combined from its ``size / pane`` panes in one
-Arrow ``group_by`` (Flink's sliding-window pane optimisation, the "window slicing"
-of Cutty and Scotty).
+windows it is in, so a sliding window costs about what a tumbling one does per
+record; when windows fire, their results are combined from their ``size / pane``
+panes in one step (``combine``) (Flink's sliding-window pane optimisation, the
+"window slicing" of Cutty and Scotty).
 
 A pane holds partial aggregates as Arrow tables (``k``: the key, ``a0, a1, ...``:
 the accumulators, in the operator's ``needed`` order). A batch adds one table per
 pane it touches (one ``group_by`` for the whole batch); a pane's tables are
 combined into one when the ones added since outweigh twice what it had (amortised:
 each row is re-aggregated O(1) times, and a pane holds at most about three times
-its keys), so a hot window does not grow without bound and
-a cold one costs nothing. Nothing here makes a Python call per key or per (key,
-window): firing many windows is one concatenation and one ``group_by``, dropping a
-pane is deleting a dict entry, and a snapshot re-encodes only the panes that
-changed since the one before (the others' bytes are kept).
+its keys), so a hot window does not grow without bound and a cold one costs nothing.
+Nothing here makes a Python call per key or per (key, window): firing many windows
+is one concatenation and one ``combine``, dropping a pane is deleting a dict entry,
+and a snapshot re-encodes only the panes that changed since the one before (the
+others' bytes are kept).
 """
 
 from __future__ import annotations
