@@ -234,3 +234,16 @@ def test_a_checkpoint_encodes_only_the_panes_that_changed() -> None:
     assert op._panes[0].encoded is first[0] and op._panes[10].encoded is first[10]
     assert op._panes[20].encoded is not first[20]
     assert _last(restored.watermark(2**63 - 1)) == _last(ops.watermark(2**63 - 1))
+
+
+def test_late_rows_with_a_tag_nobody_reads_are_not_counted_as_dropped() -> None:
+    """As ``WindowOperator`` (and Flink): with ``side_output_late_data`` the late rows go
+    to the side output, or nowhere when nothing reads it; never into the drop count."""
+    for make in _operators(pe.windows.tumbling(10), 0, "late"):
+        op = make()
+        op.setup(_context(0, 1, "heap"), None)
+        op.open()
+        op.process(pa.RecordBatch.from_pylist([{"k": 1, "ts": 25, "v": 1}]))
+        op.process_watermark(40)
+        op.process(pa.RecordBatch.from_pylist([{"k": 1, "ts": 3, "v": 1}]))  # late: [0, 10) is long gone
+        assert op.late_records_dropped == 0, type(op).__name__
