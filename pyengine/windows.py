@@ -40,6 +40,7 @@ from .connectors.base import check_columns
 from .runtime.aligned_windows import AlignedWindowAggregateOperator
 from .runtime.base import OutputTag
 from .runtime.copies import per_subtask
+from .runtime.session_windows import SessionWindowAggregateOperator
 from .runtime.windows import ProcessWindowFunction, TimeWindow, WindowAssigner, WindowOperator
 from .time.strategy import TimestampAssigner
 
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AlignedWindowAggregateOperator",
     "ProcessWindowFunction",
+    "SessionWindowAggregateOperator",
     "TimeWindow",
     "WindowAssigner",
     "WindowOperator",
@@ -173,6 +175,11 @@ class WindowedStream:
         if assigner.aligned and column is not None:
             key_column = column
             factory: Callable[..., Any] = lambda uid, n, _c: AlignedWindowAggregateOperator(  # noqa: E731
+                uid, n, key_column, assigner, lateness, timestamps, aggs, late_tag=late
+            )
+        elif assigner.merging and assigner.is_event_time and column is not None:
+            key_column = column
+            factory = lambda uid, n, _c: SessionWindowAggregateOperator(  # noqa: E731
                 uid, n, key_column, assigner, lateness, timestamps, aggs, late_tag=late
             )
         else:
