@@ -228,38 +228,31 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         key_column = batch.column(self.key_column)
         if key_column.null_count:
             raise null_keys(self.where(), self.key_column)
-        wm = self.current_watermark
-        kept = np.ones(len(ts), bool)
-        # late: the record's own window [ts, ts + gap) cleans up at or below the watermark
-        # (every open session cleans up after it, so no merge could save the record)
-        threshold = wm - (self.gap - 1) - self.lateness
-        if threshold >= MIN_WATERMARK:
-            late = ts <= threshold
-            if late.any():
-                kept = ~late
-                if self.late_tag is None:
-                    self.late_records_dropped += int(late.sum())
-                elif self.side_output is not None:
-                    self.side_output(self.late_tag, batch.filter(pa.array(late)))
-                if not kept.any():
-                    return []
         values = self._values(batch)
         out: List[pa.RecordBatch] = []
-        # inside the allowed lateness of a window that fired: its row is emitted per record
-        fired = wm - (self.gap - 1)
-        allowed = (ts <= fired) & kept if self.lateness and fired >= MIN_WATERMARK else None
+        late: List[int] = []
         if not self._columnar_keys:
-            self._per_record(key_column.to_pylist(), ts, values, np.flatnonzero(kept), out)
-            return _one_buffer(out)
-        keys = np.asarray(key_column.to_numpy(zero_copy_only=False), np.int64)
-        fast = kept
-        if allowed is not None and allowed.any():
-            slow = kept & np.isin(keys, np.unique(keys[allowed]))
-            fast = kept & ~slow
-            self._per_record(keys.tolist(), ts, values, np.flatnonzero(slow), out)
-        rows = np.flatnonzero(fast) if not fast.all() else None
-        if rows is None or len(rows):
-            self._merge_batch(keys, ts, values, rows)
+            self._per_record(batch, key_column.to_pylist(), ts, values, np.arange(len(ts)), out, late)
+        else:
+            keys = np.asarray(key_column.to_numpy(zero_copy_only=False), np.int64)
+            # A record whose own window [ts, ts + gap) has fired (its end - 1 is at or below the
+            # watermark) emits at once if it joins a fired session, is late if it joins
+            # nothing (dropped, or to the side output), and is saved by joining an open session:
+            # its key's rows run record by record, in arrival order, as WindowOperator runs them.
+            fired = self.current_watermark - (self.gap - 1)
+            behind = ts <= fired if fired >= MIN_WATERMARK else None
+            rows: Optional[np.ndarray] = None
+            if behind is not None and behind.any():
+                slow = np.isin(keys, np.unique(keys[behind]))
+                self._per_record(batch, keys.tolist(), ts, values, np.flatnonzero(slow), out, late)
+                rows = np.flatnonzero(~slow)
+            if rows is None or len(rows):
+                self._merge_batch(keys, ts, values, rows)
+        if late:
+            if self.late_tag is None:
+                self.late_records_dropped += len(late)
+            elif self.side_output is not None:  # as Flink: to the side output, not counted as dropped
+                self.side_output(self.late_tag, batch.take(pa.array(sorted(late), pa.int64())))
         return _one_buffer(out)
 
     def _check_schema(self, batch: pa.RecordBatch) -> None:
@@ -553,16 +546,27 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
             self._more.clear()
             self._more_keys.discard(key)
 
-    def _per_record(self, keys: List[Any], ts: np.ndarray, values: Any, rows: np.ndarray, out: List[Any]) -> None:
-        """``WindowOperator``'s steps, in arrival order, for the given rows."""
+    def _per_record(
+        self,
+        batch: pa.RecordBatch,
+        keys: List[Any],
+        ts: np.ndarray,
+        values: Any,
+        rows: np.ndarray,
+        out: List[Any],
+        late: List[int],
+    ) -> None:
+        """``WindowOperator``'s steps, in arrival order, for the given rows; the rows
+        too late for every window go to ``late``."""
         if not len(rows):
             return
         columns = {c: (v[rows].tolist(), valid[rows].tolist()) for c, (v, valid) in values.items()}
         by_key: Dict[Any, List[int]] = defaultdict(list)
-        for pos, row in enumerate(rows.tolist()):
+        row_of = rows.tolist()
+        for pos, row in enumerate(row_of):
             by_key[keys[row]].append(pos)
         stamps = ts[rows].tolist()
-        wm, gap = self.current_watermark, self.gap
+        wm, gap, lateness = self.current_watermark, self.gap, self.lateness
         emitted: List[Tuple[Any, List[Any]]] = []
         for key, positions in by_key.items():
             sessions = self._load(key)
@@ -576,6 +580,9 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
                         merged = [0, 0, *self._merge(merged[2:], sessions[i][2:])]
                     cover = [min(start, sessions[hits[0]][0]), max(end, sessions[hits[-1]][1]), *merged[2:]]
                     sessions[hits[0] : hits[-1] + 1] = [cover]
+                elif min(end - 1 + lateness, MAX_WATERMARK) <= wm:  # in no window still open: late
+                    late.append(row_of[pos])
+                    continue
                 else:
                     cover = [start, end, *self._create()]
                     at = 0
