@@ -264,10 +264,10 @@ def test_a_savepoint_of_the_per_record_session_layout_restores_into_the_vectoris
     # Both against the whole input's sessions: each resumed row is one of them (a session
     # open at the savepoint kept what came before it), and every session that starts
     # after the records read before the savepoint is there.
-    whole = {r[:7] + (round(r[7], 9),) for r in reference(RECORDS, pe.windows.session(GAP))}
+    whole = {(*r[:7], round(r[7], 9)) for r in reference(RECORDS, pe.windows.session(GAP))}
     read = RECORDS[0::2][:HELD] + RECORDS[1::2][:HELD]
     later = {r for r in whole if r[1] > max(x["ts"] for x in read)}
-    resumed = {r[:7] + (round(r[7], 9),) for r in got[0]}
+    resumed = {(*r[:7], round(r[7], 9)) for r in got[0]}
     assert resumed <= whole and later <= resumed and resumed - later, "no session open at the savepoint resumed"
 
 
