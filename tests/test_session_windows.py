@@ -145,6 +145,8 @@ def scenario(seed: int) -> Tuple[List[Tuple[str, Any]], int, int]:
     gap = rng.choice([5, 20, 60])
     lateness = rng.choice([0, 0, 15, 80])
     keys = rng.randint(1, 12)
+    named = rng.random() < 0.2
+    widen = rng.random() < 0.25  # whole numbers first, then halves: the accumulators become floats
     steps: List[Tuple[str, Any]] = []
     now, wm = 0, -(2**63)
     for _ in range(rng.randint(5, 40)):
@@ -154,8 +156,12 @@ def scenario(seed: int) -> Tuple[List[Tuple[str, Any]], int, int]:
             ts = now - rng.randint(0, 25)
             if rng.random() < 0.08:
                 ts = now - rng.randint(30, 300)  # far behind: late, or inside the allowed lateness
-            key = 0 if rng.random() < 0.3 else rng.randint(0, keys)
-            v = None if rng.random() < 0.1 else rng.randint(-100, 1000)
+            key: Any = 0 if rng.random() < 0.3 else rng.randint(0, keys)
+            if named:  # keys that are not ints: every session in session/more, record by record
+                key = f"user-{key}"
+            v: Any = None if rng.random() < 0.1 else rng.randint(-100, 1000)
+            if widen and v is not None and len(steps) > 6:
+                v += 0.5  # halves: every sum exact, in any order
             batch.append({"k": key, "ts": ts, "v": v})
         steps.append(("batch", batch))
         if rng.random() < 0.6:

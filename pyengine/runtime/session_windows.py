@@ -384,8 +384,8 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         # g_key[last] is uk, in the same order: one split serves every state of the head
         self._put(head["start"], g_start[last], split)
         self._put(head["end"], g_end[last], split)
-        for name, acc in zip(self.names, g_accs, strict=True):
-            self._put(head[name], acc[last], split)
+        for name, acc in zip(self.names, self._stored([a[last] for a in g_accs]), strict=True):
+            self._put(head[name], acc, split)
         older = np.flatnonzero(~last)
         if len(older) or early:
             self._write_more(g_key, g_start, g_end, g_accs, older, early)
@@ -439,6 +439,16 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         new = new_key
         new[1:] |= start[1:] > before
         return np.flatnonzero(new)
+
+    def _stored(self, accs: List[np.ndarray]) -> List[np.ndarray]:
+        """Accumulators as the columns keep them: 0 for a min/max with no value (the
+        fold's identity, an int64 extreme, would not survive a widening to float64)."""
+        out = []
+        for i, a in enumerate(accs):
+            if self.needed[i][0] in ("min", "max"):
+                a = np.where(accs[self._n_of[i]] > 0, a, 0).astype(a.dtype, copy=False)
+            out.append(a)
+        return out
 
     def _normalized(self, accs: List[np.ndarray]) -> List[np.ndarray]:
         """Accumulators read back: min/max with no value get their fold's identity."""
@@ -535,7 +545,7 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
                 head["end"].put(key, latest[1])
                 for i, name in enumerate(self.names):
                     v = latest[2 + i]
-                    head[name].put(key, self._empty(i) if v is None else v)
+                    head[name].put(key, 0 if v is None else v)
             else:
                 for group in head.values():
                     group.remove(key)
