@@ -302,3 +302,26 @@ def test_the_first_write_after_a_checkpoint_copies_no_window_contents(monkeypatc
     op.process([{"k": 1, "ts": 5_000, "v": 1}])
     assert copies == [], f"{len(copies)} deep copies, the largest of {max(len(c) for c in copies)} entries"
     write()  # the asynchronous part still writes what the checkpoint saw
+
+
+@pytest.mark.parametrize("backend", ["heap", "incremental"])
+def test_sessions_moved_from_window_contents_merge_with_the_next_records(backend: str) -> None:
+    """A key restored from ``window-contents`` has its sessions in ``session/more`` and
+    none in the columns yet: its next records merge with them, not beside them."""
+    from pyengine.state import ValueStateDescriptor
+
+    old = Job("vectorised", 1, 20, 0, backend, side=False)
+    op = old.ops[0]
+    op.backend.set_current_key(7)
+    # accumulators in AGGS' order: count(*), n(v), sum(v), min(v), max(v)
+    op.backend.get_state(ValueStateDescriptor("window-contents")).update(
+        {(100, 125): [2, 2, 30, 10, 20], (10, 30): [1, 1, 5, 5, 5]}
+    )
+    vec = old.restored(1)
+    assert vec.ops[0]._more_keys == {7}
+    assert vec.step(("batch", [{"k": 7, "ts": 120, "v": 1}, {"k": 8, "ts": 121, "v": 2}]), True) == []
+    assert vec.step(("wm", 2**63 - 1), True) == [
+        (7, 10, 30, 1, 1, 5, 5, 5),
+        (7, 100, 140, 3, 3, 31, 1, 20),
+        (8, 121, 141, 1, 1, 2, 2, 2),
+    ]

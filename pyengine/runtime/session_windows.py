@@ -40,8 +40,8 @@ __all__ = ["SessionWindowAggregateOperator"]
 _ADDED = ("rows", "n", "sum")
 _SCHEMA = ListStateDescriptor("session-schema")  # [the input schema the accumulators were made for (IPC bytes)]
 _MORE = ValueStateDescriptor("session/more")  # key -> [[start, end, *accumulators], ...] in order of start
-# The per-record WindowOperator's state (pyengine <= this release wrote session aggregates
-# with it): read once at a restore and moved into this operator's layout.
+# The per-record WindowOperator's state, with which releases up to e145a3c ran session
+# aggregates: read once at a restore and moved into this operator's layout.
 _OLD_CONTENTS = "window-contents"
 
 
@@ -53,13 +53,12 @@ def _int_keys(t: pa.DataType) -> bool:
 class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
     """Event-time session windows with ``pe.agg`` aggregations, vectorised.
 
-    Per input batch: rows too late for any window (their own ``[ts, ts + gap)``
-    cleans up at or below the watermark) are dropped and counted, or go to the late
-    side output; the rest are sorted by (key, timestamp) and cut into runs where a
+    Per input batch: rows are sorted by (key, timestamp) and cut into runs where a
     key changes or two timestamps are more than ``gap`` apart (a window touching the
     next merges, as Flink's); each run's accumulators come from one NumPy
     ``reduceat``; then the runs and the keys' open sessions are merged in one sweep
-    and written back. No Python step per record, and none per key.
+    and written back. No Python step per record; one per key only where a key's
+    older sessions (below) take part.
 
     Where a key's sessions live (all in the keyed backend, so both backends snapshot
     them by entry and a rescale moves them with their key groups): its latest
@@ -72,10 +71,15 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
     Firing needs no timer: when the watermark moves from ``w0`` to ``w1``, every
     session with ``w0 < end - 1 <= w1`` fires (read from the columns, all keys at
     once) and every one whose ``end - 1 + allowed_lateness`` is at or below ``w1``
-    goes. A record inside the allowed lateness of a fired session updates it and
-    emits the updated row at once, as ``WindowOperator`` does: the keys with such a
-    record in a batch are run record by record, in arrival order, so each late record
-    emits the totals as of itself."""
+    goes.
+
+    A record behind the watermark (its own window ``[ts, ts + gap)`` has fired) is
+    decided by the session it joins, as ``WindowOperator`` decides it: joining an open
+    session it is on time; joining one that fired but is within the allowed lateness,
+    that session's updated row goes out at once; joining nothing (its window cleaned
+    up too) it is late, dropped and counted or sent to the late side output. What it
+    joins depends on the records before it, so the keys with such a record in a batch
+    run record by record, in arrival order, for that batch."""
 
     def __init__(
         self,
@@ -349,11 +353,16 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
             e_starts.append(h_start[found])
             e_ends.append(h_end[found])
             e_accs.append(self._normalized([self._get(head[name], split)[1][found] for name in self.names]))
-            if self._more_keys:
-                run_of = np.cumsum(first_run) - 1  # each run's key, as an index of uk
-                before = found[run_of] & (run_start < h_start[run_of])
-                if before.any():
-                    early = [key for key in np.unique(run_key[before]).tolist() if key in self._more_keys]
+        if self._more_keys:
+            # A key's older sessions end before its head starts: only a run that starts
+            # before the head can meet them (or any run of a key with no head: sessions
+            # moved from the per-record layout at a restore are all older ones).
+            run_of = np.cumsum(first_run) - 1  # each run's key, as an index of uk
+            before = ~found[run_of]
+            if found.any():
+                before |= run_start < h_start[run_of]
+            if before.any():
+                early = [key for key in np.unique(run_key[before]).tolist() if key in self._more_keys]
         if early:
             m_keys, m_sessions = self._more_of(early)
             table = np.array(m_sessions, dtype=object).reshape(len(m_sessions), -1)
