@@ -319,6 +319,10 @@ def test_sessions_moved_from_window_contents_merge_with_the_next_records(backend
     )
     vec = old.restored(1)
     assert vec.ops[0]._more_keys == {7}
+    assert old.restored(1).step(("wm", 2**63 - 1), True) == [
+        (7, 10, 30, 1, 1, 5, 5, 5),
+        (7, 100, 125, 2, 2, 30, 10, 20),
+    ]
     assert vec.step(("batch", [{"k": 7, "ts": 120, "v": 1}, {"k": 8, "ts": 121, "v": 2}]), True) == []
     assert vec.step(("wm", 2**63 - 1), True) == [
         (7, 10, 30, 1, 1, 5, 5, 5),

@@ -148,8 +148,8 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         """A checkpoint of the per-record ``WindowOperator`` (what ran session
         aggregates before this operator): each key's ``{(start, end): accumulators}``
         becomes its sessions here, in ``session/more`` (the next batch of the key
-        moves its latest to the columns); its timers are not needed (firing reads the
-        sessions) and are dropped with the old state."""
+        moves its latest to the columns), and the old value is deleted. Its timers stay
+        in the state, inert: this operator fires from the sessions and has none."""
         table = self.backend._tables.get(_OLD_CONTENTS)
         if table is None:
             return
@@ -158,13 +158,19 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
             return
         backend = self.backend
         old = backend.get_state(ValueStateDescriptor(_OLD_CONTENTS))
+        fractions = [False] * len(self.names)
         for key, contents in entries:
             backend.set_current_key(key)
             sessions = sorted([int(b[0]), int(b[1]), *acc] for b, acc in (contents or {}).items())
+            for session in sessions:
+                for i, v in enumerate(session[2:]):
+                    fractions[i] = fractions[i] or isinstance(v, float)
             if sessions:
                 self._more.update(sessions)
                 self._more_keys.add(key)
             old.clear()  # a deletion, so an incremental checkpoint's next delta drops it too
+        if not self._types:  # that layout kept no schema: the values' own types, until a batch says
+            self._types = {n: pa.float64() if f else pa.int64() for n, f in zip(self.names, fractions, strict=True)}
 
     def snapshot(self, checkpoint_id: int, location: Any) -> Any:
         self._save_watermark()
@@ -182,7 +188,10 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         for kind, column in self.needed:
             name = _acc_name(kind, column)
             t = schema.field(column).type if column is not None else pa.int64()
-            self._types[name] = accumulator_type(self.where(), kind, column, t)
+            arrow_type = accumulator_type(self.where(), kind, column, t)
+            if self._types.get(name) == pa.float64():  # never narrowed (fractions moved from window-contents)
+                arrow_type = pa.float64()
+            self._types[name] = arrow_type
         specs = {"start": pa.int64(), "end": pa.int64(), **self._types}
         for name, arrow_type in specs.items():
             state = self._head.get(name)
@@ -197,7 +206,8 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         return np.int64 if self._types[name] == pa.int64() else np.float64
 
     def _empty(self, i: int) -> Any:
-        """What an accumulator with no value holds in the columns: the identity of its fold."""
+        """The identity of an accumulator's fold, for a row or session with no value
+        (the columns store 0 there: ``_stored``)."""
         kind, name = self.needed[i][0], self.names[i]
         if kind in _ADDED:
             return 0
@@ -267,7 +277,7 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
             raise ColumnNotFoundError(
                 f"{self.where()}: the records have no column {missing[0]!r} (columns: {', '.join(names)})"
             )
-        if not self._types:
+        if self._schema is None:
             self._make_accumulators(batch.schema)
             return
         check_key_type(self.where(), self.key_column, self._key_type, batch)
