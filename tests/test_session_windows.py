@@ -277,33 +277,6 @@ def test_a_savepoint_of_the_per_record_session_layout_restores_into_the_vectoris
     assert resumed <= whole and later <= resumed and resumed - later, "no session open at the savepoint resumed"
 
 
-# -- the per-record operator's state after a checkpoint: by entry ----------------------------------
-
-
-@pytest.mark.parametrize("assigner", [pe.windows.session(10), pe.windows.sliding(400, 100)], ids=["session", "sliding"])
-def test_the_first_write_after_a_checkpoint_copies_no_window_contents(monkeypatch: Any, assigner: Any) -> None:
-    """``WindowOperator`` keeps one map entry per window, accumulators as tuples: the
-    first write of a key after a checkpoint's synchronous part copies none of its
-    windows' contents (it deep-copied the key's whole dict of windows before), and the
-    windows it did not touch are the very objects the snapshot holds."""
-    import copy
-
-    op = WindowOperator(
-        "w", "w", key_selector("k"), "k", assigner, 0, TimestampAssigner(column="ts"), aggregations=AGGS
-    )
-    op.setup(_ctx(0, 1, "heap"), None)
-    op.open()
-    op.process([{"k": 1, "ts": t, "v": t} for t in range(0, 5_000, 50)])  # 100 sessions, or 50 windows
-    storage = checkpoint_storage(tempfile.mkdtemp(), "job")
-    write = op.snapshot(1, storage.location(1))  # the synchronous part: the state is shared from here
-    copies: List[Any] = []
-    real = copy.deepcopy
-    monkeypatch.setattr(copy, "deepcopy", lambda value, *a: copies.append(value) or real(value, *a))
-    op.process([{"k": 1, "ts": 5_000, "v": 1}])
-    assert copies == [], f"{len(copies)} deep copies, the largest of {max(len(c) for c in copies)} entries"
-    write()  # the asynchronous part still writes what the checkpoint saw
-
-
 @pytest.mark.parametrize("backend", ["heap", "incremental"])
 def test_sessions_moved_from_window_contents_merge_with_the_next_records(backend: str) -> None:
     """A key restored from ``window-contents`` has its sessions in ``session/more`` and

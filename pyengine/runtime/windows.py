@@ -22,7 +22,7 @@ import numpy as np
 from ..agg import Aggregation
 from ..errors import NonRetryableError, not_records, refuse_non_records
 from ..io.events import MAX_WATERMARK, MIN_WATERMARK
-from ..state import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
+from ..state import ListStateDescriptor, ValueStateDescriptor
 from ..time.domain import now_ms
 from ..time.strategy import TimestampAssigner, TimestampError, _short
 from .aggregate import AggregateInputError, needed_accumulators
@@ -76,7 +76,7 @@ class _Sessions:
         self.order: List[Tuple[int, int]] = sorted(contents)
         self.merged: List[Tuple[int, int]] = []  # the windows the last merge replaced by their cover
 
-    def merge(self, contents: Any, new: TimeWindow, accumulators: Any) -> TimeWindow:
+    def merge(self, contents: Dict[Tuple[int, int], Any], new: TimeWindow, accumulators: Any) -> TimeWindow:
         """Flink's ``MergingWindowSet.addWindow``: the windows the new one meets (or
         touches) and it become their cover, their contents merged in order of start
         into ``contents`` under it. The window returned is in ``order``; in
@@ -389,37 +389,8 @@ class _PyAccumulators:
 
 # -- the general window operator ----------------------------------------------------------------------
 
-# Each key's windows, one map entry per window: (start, end) -> its accumulators (a
-# tuple) or its elements (a list). A checkpoint's copy-on-write then copies the entries
-# a write touches, not one dict of every window's contents (deep-copied on the first
-# write of a key after each checkpoint), and a merge of sessions rewrites the windows it
-# merges only.
-_ENTRIES = MapStateDescriptor("window-entries")
-# The layout before window-entries (releases up to e145a3c): one value per key,
-# {(start, end): contents}; read once at a restore and moved into window-entries.
 _CONTENTS = ValueStateDescriptor("window-contents")
 _LATE = ListStateDescriptor("window-late-records")
-
-
-class _Entries:
-    """The current key's window entries as ``_Sessions.merge`` uses a dict: ``pop``
-    and item assignment, each one map entry (accumulators stored as tuples)."""
-
-    __slots__ = ("_freeze", "_map")
-
-    def __init__(self, entries: Any, freeze: bool) -> None:
-        self._map = entries
-        self._freeze = freeze
-
-    def pop(self, bounds: Tuple[int, int], default: Any = None) -> Any:
-        value = self._map.get(bounds)
-        if value is None:
-            return default
-        self._map.remove(bounds)
-        return value
-
-    def __setitem__(self, bounds: Tuple[int, int], value: Any) -> None:
-        self._map.put(bounds, tuple(value) if self._freeze else value)
 
 
 class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
@@ -457,7 +428,7 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
         self.accumulators = _PyAccumulators(aggregations, self.where) if aggregations else None
         self.function = function
         self._timers: Any = None
-        self._entries: Any = None
+        self._contents: Any = None
         # merging windows: each key's in order, beside the state (see _Sessions); not state
         self._sessions: Dict[Any, _Sessions] = {}
         self._late: Any = None
@@ -468,28 +439,11 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
         self._restore_watermark(restored)
         from ..state.timers import InternalTimerService
 
-        self._entries = self.backend.get_state(_ENTRIES)
+        self._contents = self.backend.get_state(_CONTENTS)
         self._timers = InternalTimerService(self.backend, self.current_watermark)
         assert self.operator_state is not None
         self._late = self.operator_state.get_list_state(_LATE)
         self.late_records_dropped = sum(int(v) for v in self._late.get()) if restored is not None else 0
-        if restored is not None:
-            self._migrate_contents()
-
-    def _migrate_contents(self) -> None:
-        """A checkpoint of the layout before ``window-entries``: each key's dict of
-        windows becomes its map entries (the timers are the same)."""
-        table = self.backend._tables.get(_CONTENTS.name)
-        entries = [(k, v) for group in table.groups for k, v in group.items()] if table is not None else []
-        if not entries:
-            return
-        backend, old = self.backend, self.backend.get_state(_CONTENTS)
-        view = _Entries(self._entries, self.accumulators is not None)
-        for key, contents in entries:
-            backend.set_current_key(key)
-            for bounds, value in (contents or {}).items():
-                view[(int(bounds[0]), int(bounds[1]))] = value
-            old.clear()  # a deletion, so an incremental checkpoint's next delta drops it too
 
     def open(self) -> None:
         opener = getattr(self.function, "open", None)
@@ -543,42 +497,42 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
             raise UserFunctionError(f"{self.where()}: {type(exc).__name__}: {exc}") from exc
         return out
 
-    def _sessions_of(self, key: Any) -> _Sessions:
-        """The key's merging windows in order, beside its state (built from its
-        entries when not known here: after a restore)."""
+    def _sessions_of(self, key: Any, contents: Dict[Tuple[int, int], Any]) -> _Sessions:
+        """The key's merging windows in order, beside its state (built from it when
+        not known here: after a restore, or should the two ever differ)."""
         sessions = self._sessions.get(key)
-        if sessions is None:
-            sessions = self._sessions[key] = _Sessions(tuple(b) for b in self._entries.keys())
+        if sessions is None or len(sessions.order) != len(contents):
+            sessions = self._sessions[key] = _Sessions(contents)
         return sessions
 
     def _add(self, key: Any, record: Any, ts: int, out: List[Any]) -> None:
-        entries, accumulators = self._entries, self.accumulators
+        contents: Dict[Tuple[int, int], Any] = self._contents.value() or {}
         accepted = assigned = False
-        changed: List[Tuple[TimeWindow, Any]] = []
-        sessions = self._sessions_of(key) if self.assigner.merging else None
+        changed: List[TimeWindow] = []
+        sessions = self._sessions_of(key, contents) if self.assigner.merging else None
         for window in self.assigner.assign(ts):
             assigned = True
             if sessions is not None:
-                window = sessions.merge(_Entries(entries, accumulators is not None), window, accumulators)
+                window = sessions.merge(contents, window, self.accumulators)
                 if sessions.merged and not self.lateness:
                     self._forget_timers(sessions.merged, window)
             if self._is_late(window):
                 if sessions is not None:
-                    entries.remove((window.start, window.end))
+                    contents.pop((window.start, window.end), None)
                     sessions.discard((window.start, window.end))
                 continue
             accepted = True
             bounds = (window.start, window.end)
-            current = entries.get(bounds)
-            if accumulators is not None:
-                acc = accumulators.create() if current is None else list(current)
-                accumulators.add(acc, record)
-                current = tuple(acc)
+            current = contents.get(bounds)
+            if self.accumulators is not None:
+                if current is None:
+                    current = self.accumulators.create()
+                self.accumulators.add(current, record)
             else:
                 current = [] if current is None else current
                 current.append(record)
-            entries.put(bounds, current)
-            changed.append((window, current))
+            contents[bounds] = current
+            changed.append(window)
         if not assigned:  # in no window (between a sliding window's slides): not late, in nothing
             return
         if not accepted:
@@ -589,10 +543,11 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
             elif self.side_output is not None:  # as Flink: to the side output, not counted as dropped
                 self.side_output(self.late_tag, [record])
             return
-        for window, current in changed:
+        self._contents.update(contents)
+        for window in changed:
             if self.assigner.is_event_time:
                 if window.max_timestamp <= self.current_watermark:
-                    self._emit(key, window, current, out)  # late but allowed: fire now
+                    self._emit(key, window, contents[(window.start, window.end)], out)  # late but allowed: fire now
                 else:
                     self._timers.event.register(window.max_timestamp)
                 cleanup = _cleanup_time(self.assigner, window.max_timestamp, self.lateness)
@@ -641,25 +596,26 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
             raise UserFunctionError(f"{self.where()}: window function: {type(exc).__name__}: {exc}") from exc
 
     def _on_timer(self, key: Any, ts: int, out: List[Any]) -> None:
-        entries = self._entries
-        if entries.is_empty():
+        contents: Dict[Tuple[int, int], Any] = self._contents.value()
+        if not contents:
             return
         # Objects only for what fires: a timer per window, and hundreds of windows per
         # key before a watermark (merging sessions), made a sort of them all per timer
         # most of a job's time.
         lateness = self.lateness if self.assigner.is_event_time else 0
         if self.assigner.merging:
-            due, gone = self._sessions_of(key).fired(ts, lateness)
+            due, gone = self._sessions_of(key, contents).fired(ts, lateness)
         else:
-            windows = [tuple(b) for b in entries.keys()]
-            due = sorted(b for b in windows if b[1] - 1 == ts)
-            gone = [b for b in windows if min(b[1] - 1 + lateness, MAX_WATERMARK) <= ts]
+            due = sorted(b for b in contents if b[1] - 1 == ts)
+            gone = [b for b in contents if min(b[1] - 1 + lateness, MAX_WATERMARK) <= ts]
         for bounds in due:
-            self._emit(key, TimeWindow(*bounds), entries.get(bounds), out)
+            self._emit(key, TimeWindow(*bounds), contents[bounds], out)
         for bounds in gone:
-            entries.remove(bounds)
-        if gone and entries.is_empty():
-            self._sessions.pop(key, None)
+            del contents[bounds]
+        if gone:
+            self._contents.update(contents or None)
+            if not contents:
+                self._sessions.pop(key, None)
 
     def process_watermark(self, watermark: int) -> List[Any]:
         if watermark <= self.current_watermark:
@@ -686,9 +642,9 @@ class WindowOperator(EventTimeOperatorMixin, KeyedOperator):
         out: List[Any] = []
         for key, _ in self._timers.fire_processing(MAX_WATERMARK):
             self.backend.set_current_key(key)
-            entries = self._entries
-            for bounds in sorted(tuple(b) for b in entries.keys()):
-                self._emit(key, TimeWindow(*bounds), entries.get(bounds), out)
-            entries.clear()
+            contents = self._contents.value()
+            for bounds in sorted(contents or {}):
+                self._emit(key, TimeWindow(*bounds), contents[bounds], out)
+            self._contents.clear()
             self._sessions.pop(key, None)
         return out
