@@ -375,11 +375,12 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
                 early = [key for key in np.unique(run_key[before]).tolist() if key in self._more_keys]
         if early:
             m_keys, m_sessions = self._more_of(early)
-            table = np.array(m_sessions, dtype=object).reshape(len(m_sessions), -1)
-            e_keys.append(np.asarray(m_keys, np.int64))
-            e_starts.append(table[:, 0].astype(np.int64))
-            e_ends.append(table[:, 1].astype(np.int64))
-            e_accs.append(self._normalized(self._python_columns(table[:, 2:])))
+            if m_sessions:
+                m_starts, m_ends, m_accs = self._columns(m_sessions)
+                e_keys.append(np.asarray(m_keys, np.int64))
+                e_starts.append(m_starts)
+                e_ends.append(m_ends)
+                e_accs.append(self._normalized(m_accs))
         if e_keys:
             all_key = np.concatenate([run_key, *e_keys])
             all_start = np.concatenate([run_start, *e_starts])
@@ -478,13 +479,20 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
             out.append(a)
         return out
 
-    def _python_columns(self, rows: np.ndarray) -> List[np.ndarray]:
-        """Accumulator columns from Python lists (``session/more``: None for an empty min/max)."""
-        out = []
+    def _columns(self, sessions: List[Any]) -> Tuple[np.ndarray, np.ndarray, List[np.ndarray]]:
+        """(starts, ends, accumulators) of sessions as ``session/more`` keeps them,
+        ``[start, end, *accumulators]``, transposed in C (``zip``). A min/max with
+        no value (its count 0) may be None or 0 there; what it becomes here is
+        masked or replaced by the count (``_output``, ``_normalized``)."""
+        columns = list(zip(*sessions, strict=True))
+        accs = []
         for i, name in enumerate(self.names):
-            fill = self._empty(i)
-            out.append(np.array([fill if v is None else v for v in rows[:, i].tolist()], self._dtype(name)))
-        return out
+            values = columns[2 + i]
+            try:
+                accs.append(np.array(values, self._dtype(name)))
+            except TypeError:  # None in an int64 min/max
+                accs.append(np.array([0 if v is None else v for v in values], self._dtype(name)))
+        return np.array(columns[0], np.int64), np.array(columns[1], np.int64), accs
 
     def _more_of(self, keys: List[int]) -> Tuple[List[int], List[List[Any]]]:
         """The older sessions of ``keys``: (key per session, sessions)."""
@@ -512,15 +520,11 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         before the head were not touched, and what the batch left before the new head
         comes after them (appended)."""
         by_key: Dict[int, List[List[Any]]] = defaultdict(list)
-        cols = [a[older].tolist() for a in g_accs]
-        counts = [cols[j] for j in self._n_of]
-        minmax = [kind in ("min", "max") for kind, _ in self.needed]
-        for pos, (key, start, end) in enumerate(
-            zip(g_key[older].tolist(), g_start[older].tolist(), g_end[older].tolist(), strict=True)
+        cols = [a.tolist() for a in self._stored([a[older] for a in g_accs])]
+        for key, *session in zip(
+            g_key[older].tolist(), g_start[older].tolist(), g_end[older].tolist(), *cols, strict=True
         ):
-            by_key[key].append(
-                [start, end, *[None if minmax[i] and not counts[i][pos] else c[pos] for i, c in enumerate(cols)]]
-            )
+            by_key[key].append(session)
         backend, state, known = self.backend, self._more, self._more_keys
         replaced = set(early)
         for key in replaced - set(by_key):
@@ -541,6 +545,11 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         backend = self.backend
         backend.set_current_key(key)
         sessions = [list(s) for s in (self._more.value() or [])]
+        minmax = [i for i, (kind, _) in enumerate(self.needed) if kind in ("min", "max")]
+        for session in sessions:  # an empty min/max is 0 there when the columns wrote it
+            for i in minmax:
+                if not session[2 + self._n_of[i]]:
+                    session[2 + i] = None
         if self._columnar_keys and self._head:
             index = backend._key_index
             head = {name: state._table.groups[index] for name, state in self._head.items()}
@@ -724,9 +733,7 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
 
     def _output_rows(self, sessions: List[Tuple[Any, List[Any]]]) -> pa.RecordBatch:
         keys = pa.array([k for k, _ in sessions], self._key_type)
-        starts = np.array([s[0] for _, s in sessions], np.int64)
-        ends = np.array([s[1] for _, s in sessions], np.int64)
-        accs = self._python_columns(np.array([s[2:] for _, s in sessions], dtype=object).reshape(len(sessions), -1))
+        starts, ends, accs = self._columns([s for _, s in sessions])
         return self._output(keys, starts, ends, accs)
 
     def _output(self, keys: pa.Array, starts: np.ndarray, ends: np.ndarray, accs: List[np.ndarray]) -> pa.RecordBatch:
