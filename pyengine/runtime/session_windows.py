@@ -10,7 +10,7 @@ time; ``.process(fn)``, keys by function and processing time keep the per-record
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -116,7 +116,9 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         self._key_type: Optional[pa.DataType] = None
         self._head: Dict[str, Any] = {}  # "start", "end", accumulator name -> columnar value state
         self._more: Any = None
-        self._more_keys: Set[Any] = set()  # keys with a session/more entry: what the backend has, indexed
+        # keys with a session/more entry -> the end of their oldest session there: what the
+        # backend has, indexed, so a watermark visits only the keys it closes a session of
+        self._more_keys: Dict[Any, int] = {}
         self._columnar_keys = False  # int keys: heads in the columns; else every session in session/more
         self._schema_state: Any = None
         self._late: Any = None
@@ -141,7 +143,7 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
             self._make_accumulators(schema)
         table = self.backend._tables.get(_MORE.name)
         for group in table.groups if table is not None else []:
-            self._more_keys.update(group.keys())
+            self._more_keys.update((key, int(sessions[0][1])) for key, sessions in group.items() if sessions)
         self._migrate_window_contents()
 
     def _migrate_window_contents(self) -> None:
@@ -167,7 +169,7 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
                     fractions[i] = fractions[i] or isinstance(v, float)
             if sessions:
                 self._more.update(sessions)
-                self._more_keys.add(key)
+                self._more_keys[key] = sessions[0][1]
             old.clear()  # a deletion, so an incremental checkpoint's next delta drops it too
         if not self._types:  # that layout kept no schema: the values' own types, until a batch says
             self._types = {n: pa.float64() if f else pa.int64() for n, f in zip(self.names, fractions, strict=True)}
@@ -530,13 +532,13 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         for key in replaced - set(by_key):
             backend.set_current_key(key)
             state.clear()
-            known.discard(key)
+            known.pop(key, None)
         for key, sessions in by_key.items():
             backend.set_current_key(key)
             if key in known and key not in replaced:
                 sessions = (state.value() or []) + sessions
             state.update(sessions)
-            known.add(key)
+            known[key] = sessions[0][1]
 
     # -- record by record: keys with a late record inside the allowed lateness, other keys ---------
 
@@ -579,10 +581,10 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
                     group.remove(key)
         if sessions:
             self._more.update(sessions)
-            self._more_keys.add(key)
+            self._more_keys[key] = sessions[0][1]
         elif key in self._more_keys:
             self._more.clear()
-            self._more_keys.discard(key)
+            del self._more_keys[key]
 
     def _per_record(
         self,
@@ -685,8 +687,10 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
         gone_below = wm - self.lateness  # end - 1 at or below this: cleaned up
         fired: List[Tuple[Any, List[Any]]] = []
         if self._more_keys:
-            backend, state = self.backend, self._more
-            for key in list(self._more_keys):
+            backend, state, known = self.backend, self._more, self._more_keys
+            # sessions in order of start are in order of end: a key whose oldest has not
+            # ended by wm has nothing due and nothing gone
+            for key in [k for k, end in known.items() if end - 1 <= wm]:
                 backend.set_current_key(key)
                 sessions = state.value() or []
                 for s in sessions:
@@ -696,9 +700,10 @@ class SessionWindowAggregateOperator(EventTimeOperatorMixin, KeyedOperator):
                 if len(kept) != len(sessions):
                     if kept:
                         state.update(kept)
+                        known[key] = kept[0][1]
                     else:
                         state.clear()
-                        self._more_keys.discard(key)
+                        del known[key]
         parts: List[Tuple[np.ndarray, ...]] = []
         if self._head:
             ends_table = self._head["end"]._table
