@@ -535,7 +535,9 @@ def spark_inputs() -> str:
     return folder
 
 
-def _spark_rows_per_s(spark: Any, inputs: str, flavour: str, timer: bool) -> float:
+def _spark_rows_per_s(
+    spark: Any, inputs: str, flavour: str, timer: bool, rows: int = SPARK_ROWS, batches: int = SPARK_BATCHES
+) -> float:
     """Spark's best batch of a streaming query of the processor (rows over Spark's own
     ``triggerExecution``, first batch left out): its best, as the target says."""
     from pyspark import cloudpickle
@@ -561,8 +563,8 @@ def _spark_rows_per_s(spark: Any, inputs: str, flavour: str, timer: bool) -> flo
     query.awaitTermination()
     assert query.exception() is None
     durations = [p["durationMs"]["triggerExecution"] for p in query.recentProgress if p["numInputRows"] > 0]
-    assert len(durations) == SPARK_BATCHES, durations
-    return SPARK_ROWS / (min(durations[1:]) / 1e3)
+    assert len(durations) == batches, durations
+    return rows / (min(durations[1:]) / 1e3)
 
 
 @pytest.mark.skipif(

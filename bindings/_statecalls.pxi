@@ -68,6 +68,11 @@ cdef class StateTableBase:
     cdef public object changes  # None, or a list of sets (incremental backend)
     cdef public Py_ssize_t active_snapshots
     cdef public bint pickled
+    # copy-on-write by tail (``StateTable.track_tails``): None, or one dict per key group
+    # (key -> its list's length at its first append since the last freeze), and one dict
+    # (id(array) -> that length) for every array appended to in place since
+    cdef public object tails
+    cdef public object grown
 
 
 cdef class _FastCheck:
@@ -178,6 +183,26 @@ cdef inline int _private(object table_obj, Py_ssize_t index, object key) except 
         return 1
     owned = <object>PyList_GET_ITEM(table.owned, index)  # a reference of ours during the lookup
     return 1 if PySet_Contains(owned, key) else 0
+
+
+cdef inline int _grow(StateTableBase table, Py_ssize_t index, object key, object stored) except -1:
+    """``StateTable.grow`` in C, for the key's array.array that ``_private`` found frozen
+    by an unfinished snapshot (or not yet recorded since the last freeze): 1 when the
+    table has copy-on-write by tail, its length recorded and the key owned (the caller
+    then appends in place); 0 when not (the Python path copies)."""
+    tails = table.tails
+    grown = table.grown
+    if tails is None or type(tails) is not list or type(grown) is not dict:
+        return 0
+    if not 0 <= index < PyList_GET_SIZE(tails) or type(<object>PyList_GET_ITEM(tails, index)) is not dict:
+        return 0
+    n = len(stored)
+    if table.active_snapshots > 0:  # only a snapshot frozen before now reads it
+        (<dict>grown)[id(stored)] = n
+    if table.changes is not None:
+        (<dict>PyList_GET_ITEM(tails, index))[key] = n
+    PySet_Add(<object>PyList_GET_ITEM(table.owned, index), key)
+    return 1
 
 
 cdef inline object _handed_out(StateTableBase table, Py_ssize_t index, object key, object value):
@@ -362,6 +387,7 @@ cdef class ListCalls(StateCalls):
     def add(self, value):
         """Appends ``value`` to the current key's list."""
         cdef Py_ssize_t index
+        cdef int private
         cdef int64_t now
         cdef PyObject* p
         if value is not None and self._plain() and self._value_passes(value):
@@ -385,11 +411,15 @@ cdef class ListCalls(StateCalls):
                         if table.changes is not None:
                             PySet_Add(table.changes[index], key)
                         return
-                    if type(stored) is _TYPED_LIST and self._ttl is None and _private(table, index, key) == 1:
-                        stored.append(value)  # a typed list's own buffer: the element checked above
-                        if table.changes is not None:
-                            PySet_Add(table.changes[index], key)
-                        return
+                    if type(stored) is _TYPED_LIST and self._ttl is None:
+                        private = _private(table, index, key)
+                        if private == 0:
+                            private = _grow(table, index, key, stored)  # copy-on-write by tail
+                        if private == 1:
+                            stored.append(value)  # a typed list's own buffer (or its tail): the element checked above
+                            if table.changes is not None:
+                                PySet_Add(table.changes[index], key)
+                            return
                     if type(stored) is StampedList and self._ttl is not None and _private(table, index, key) == 1:
                         stamp = self._now(&now)
                         if stamp is not None:

@@ -96,6 +96,8 @@ class StateTableBase:
     changes: Optional[List[Set[Any]]]
     active_snapshots: int
     pickled: bool
+    tails: Optional[List[Dict[Any, int]]]
+    grown: Dict[int, int]
 
 class StateCalls:
     """The fields of every dict-backed keyed state object (``state.heap._KeyedState``)."""

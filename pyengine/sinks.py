@@ -34,6 +34,7 @@ __all__ = [
     "DeltaSink",
     "DiscardSink",
     "FileSink",
+    "PostgresSink",
     "PrintSink",
     "RecordRejectedError",
     "RunInfo",
@@ -43,14 +44,17 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .connectors.delta import DeltaSink
+    from .connectors.postgres import PostgresSink
 else:
+    _LAZY = {"DeltaSink": "pyengine.connectors.delta", "PostgresSink": "pyengine.connectors.postgres"}
 
     def __getattr__(name: str) -> Any:
-        """``DeltaSink`` lives in ``pyengine.connectors.delta``; it is looked up by name on
-        first use (PEP 562), so ``import pyengine`` does not load it, and ``deltalake`` is
-        loaded only when a table is written."""
-        if name == "DeltaSink":
+        """``DeltaSink`` and ``PostgresSink`` live in ``pyengine.connectors.delta`` and
+        ``pyengine.connectors.postgres``; they are looked up by name on first use (PEP 562),
+        so ``import pyengine`` loads neither, and ``deltalake`` or ``psycopg`` is loaded
+        only when a table is written."""
+        if name in _LAZY:
             import importlib
 
-            return importlib.import_module("pyengine.connectors.delta").DeltaSink
+            return getattr(importlib.import_module(_LAZY[name]), name)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

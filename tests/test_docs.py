@@ -74,6 +74,26 @@ def test_every_block_is_known(page: Path) -> None:
 SLOW_PAGES = {"docs/guide/spark.md", "docs/guide/coming-from-spark.md", "docs/guide/tuning.md", "docs/guide/cli.md"}
 
 
+# Pages whose code writes to a PostgreSQL (CI starts one: .ci/postgres); skipped, saying so, without one.
+NEEDS_POSTGRES = {"docs/guide/connectors.md"}
+
+
+def _no_postgres() -> str:
+    dsn = os.environ.get("PYENGINE_TEST_PG_DSN", "postgresql://pyengine:pyengine@127.0.0.1:5432/pyengine_test")
+    try:
+        import psycopg
+
+        psycopg.connect(dsn, connect_timeout=3).close()
+        return ""
+    except Exception as exc:
+        if os.environ.get("CI") == "true":
+            raise
+        from pyengine.connectors.postgres import _safe_dsn
+
+        why = " ".join(str(exc).split())[:160]
+        return f"there is none at {_safe_dsn(dsn)} ({why}); start one with: sudo bash .ci/postgres"
+
+
 @pytest.mark.parametrize(
     "page",
     [
@@ -84,6 +104,8 @@ SLOW_PAGES = {"docs/guide/spark.md", "docs/guide/coming-from-spark.md", "docs/gu
     ids=[str(p.relative_to(ROOT)) for p in PAGES if runnable(p)],
 )
 def test_page_runs(page: Path, tmp_path: Path) -> None:
+    if str(page.relative_to(ROOT)) in NEEDS_POSTGRES and _no_postgres():
+        pytest.skip(f"{page.name} writes to PostgreSQL, and {_no_postgres()}")
     code = script(page)
     (tmp_path / "page.py").write_text(code)
     # `pyengine` and `python` in console blocks: this interpreter's

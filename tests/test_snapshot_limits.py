@@ -126,8 +126,8 @@ def test_a_corrupt_state_to_child_map_is_refused(tmp_path: Any) -> None:
         broken = schema.with_metadata({b"pyengine": json.dumps({**meta, "value_children": bad}).encode()})
         with pytest.raises(CorruptStateError, match="value_children"):
             read_schema_info(broken, where="test file")
-    unknown = schema.with_metadata({b"pyengine": json.dumps({**meta, "version": 5}).encode()})
-    with pytest.raises(CorruptStateError, match="version 5; this pyengine reads versions 1, 2, 3, 4"):
+    unknown = schema.with_metadata({b"pyengine": json.dumps({**meta, "version": 7}).encode()})
+    with pytest.raises(CorruptStateError, match="version 7; this pyengine reads versions 1, 2, 3, 4, 5, 6"):
         read_schema_info(unknown, where="test file")
     split = schema.with_metadata({b"pyengine": json.dumps({**meta, "version": 4}).encode()})
     with pytest.raises(CorruptStateError, match="version 4 without its timers encoding"):

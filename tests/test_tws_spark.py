@@ -127,3 +127,67 @@ def test_what_a_dataframe_call_refuses(spark) -> None:
         transform_with_state(df, CountAndSum(), SCHEMA, "Update", "None")
     with pytest.raises(TypeError, match="instance"):
         transform_with_state(df.groupBy("user"), CountAndSum, SCHEMA, "Update", "None")
+
+
+class Sequence(StatefulProcessor):
+    """One row per call: the key, how many rows the call got, and a digest of their
+    order (so a call per buffer, or rows out of order, shows)."""
+
+    def init(self, handle: Any) -> None:
+        self.calls = handle.getValueState("calls", "n bigint")
+
+    def handleInputRows(self, key: Any, rows: Iterator[Any], timerValues: Any) -> Iterator[Any]:
+        vs = [row.v for row in rows]
+        old = self.calls.get()
+        calls = (old[0] if old else 0) + 1
+        self.calls.update((calls,))
+        digest = 0
+        for v in vs:
+            digest = (digest * 1_000_003 + v) % 2**61
+        yield Row(user=key[0], n=len(vs), calls=calls, digest=digest)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("pandas", [False, True])
+def test_a_dataframe_is_one_batch_one_call_per_key_in_its_order(tmp_path, spark, pandas) -> None:
+    """Spark's batch transformWithState: handleInputRows once per key with all its rows,
+    one output per call; here in the DataFrame's order too, whatever the buffers and
+    checkpoints (tiny buffers, checkpoints every 20 ms), the same on every run."""
+    rows = [((i * 7919) % 50, i) for i in range(6000)]
+    df = spark.createDataFrame(rows, "user bigint, v bigint").repartition(3)
+    order = [tuple(r) for r in df.collect()]  # the DataFrame's own order
+    expected = {}
+    for user, v in order:
+        n, digest = expected.get(user, (0, 0))
+        expected[user] = (n + 1, (digest * 1_000_003 + v) % 2**61)
+    schema = "user bigint, n bigint, calls bigint, digest bigint"
+    theirs = _sorted(df.groupBy("user").transformWithState(Sequence(), schema, "Update", "None"))
+    assert [(u, n, c) for u, n, c, _ in theirs] == [(u, expected[u][0], 1) for u in sorted(expected)]
+
+    processor: Any = Sequence()
+    if pandas:
+
+        class SequencePandas(Sequence):
+            def handleInputRows(self, key: Any, rows: Iterator[Any], timerValues: Any) -> Iterator[Any]:
+                import pandas as pd
+
+                frames = list(rows)
+                assert len(frames) == 1  # one DataFrame per key per batch
+                for r in super().handleInputRows(key, iter(Row(v=int(v)) for v in frames[0]["v"]), timerValues):
+                    yield pd.DataFrame([r.asDict()])
+
+        processor = SequencePandas()
+    for attempt in range(2):
+        env = pe.StreamEnvironment(
+            parallelism=1,
+            buffer_size=7,
+            checkpointing=pe.CheckpointConfig(interval_ms=20),
+            checkpoint_storage=str(tmp_path / f"ck{attempt}"),
+        )
+        call = transform_with_state_in_pandas if pandas else transform_with_state
+        ours = _sorted(
+            call(df.groupBy("user"), processor, schema, "Update", "None", env=env, path=str(tmp_path / f"o{attempt}"))
+        )
+        assert ours == [(u, n, 1, d) for u, (n, d) in sorted(expected.items())]

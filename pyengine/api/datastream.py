@@ -625,6 +625,7 @@ class KeyedStream:
         time_mode: str = "None",
         event_time_column: Optional[str] = None,
         initial_state: Any = None,
+        micro_batch: bool = True,
     ) -> DataStream:
         """Runs a Spark ``StatefulProcessor`` (``pyspark.sql.streaming``) unchanged, as
         Spark's ``transformWithState``: ``Iterator[Row]`` in and out, its value, list
@@ -632,12 +633,16 @@ class KeyedStream:
         readable with ``pe.state.read_keyed_state``). ``output_schema`` is a
         ``StructType`` or DDL string; the output goes on as Arrow batches of it.
         ``time_mode`` is ``"None"``, ``"ProcessingTime"`` or ``"EventTime"`` (which
-        needs the stream's timestamps and watermarks upstream; ``event_time_column``
-        names the column to drop late rows by, else the stream's timestamps are
-        used). ``initial_state`` (records, a pyarrow Table or a pandas DataFrame,
+        needs the stream's timestamps and watermarks upstream, by which late rows are
+        dropped; ``event_time_column`` is Spark's ``eventTimeColumnName``: the output
+        column whose values are the output rows' event time downstream).
+        ``initial_state`` (records, a pyarrow Table or a pandas DataFrame,
         keyed like the stream) goes to ``handleInitialState`` on a job's first run
-        only. Needs pyspark; see ``pyengine.spark.tws``."""
-        from ..spark.tws import build
+        only. ``micro_batch`` (on by default) keeps Spark's micro-batches: each key's
+        rows of one batch (up to a checkpoint, a watermark, a due timer, the end of
+        input, or a second after they came) in one call, timers between batches;
+        off, a call per key per input buffer. Needs pyspark; see ``pyengine.spark.tws``."""
+        from ..spark.tws_build import build
 
         return build(  # type: ignore[no-any-return]
             self,
@@ -647,6 +652,7 @@ class KeyedStream:
             time_mode=time_mode,
             event_time_column=event_time_column,
             initial_state=initial_state,
+            micro_batch=micro_batch,
         )
 
     def transform_with_state_in_pandas(
@@ -657,12 +663,13 @@ class KeyedStream:
         time_mode: str = "None",
         event_time_column: Optional[str] = None,
         initial_state: Any = None,
+        micro_batch: bool = True,
     ) -> DataStream:
         """As ``transform_with_state``, for a processor written for Spark's
         ``transformWithStateInPandas``: each key's rows come as an iterator of one
         pandas DataFrame, and it yields DataFrames; ``handleInitialState`` gets one
         DataFrame per key."""
-        from ..spark.tws import build
+        from ..spark.tws_build import build
 
         return build(  # type: ignore[no-any-return]
             self,
@@ -672,6 +679,7 @@ class KeyedStream:
             time_mode=time_mode,
             event_time_column=event_time_column,
             initial_state=initial_state,
+            micro_batch=micro_batch,
         )
 
     def window(self, assigner: WindowAssigner) -> WindowedStream:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional
 
 from ..connectors.base import Source
 from ..connectors.collection import CollectionSource, GeneratorSource
+from ..connectors.delta_source import DeltaSource
 from ..connectors.files import FileSource, MonitoredFileSource
 from ..coordinator import CheckpointConfig
 from ..errors import suggest_keywords
@@ -231,6 +232,41 @@ class StreamEnvironment:
             source: Source = MonitoredFileSource(path, format, columns, monitor_interval_ms, filesystem)
         else:
             source = FileSource(path, format, columns, filesystem)
+        return self.from_source(source, name, watermark_strategy=watermark_strategy)
+
+    @suggest_keywords
+    def read_delta(
+        self,
+        table_uri: str,
+        starting_version: Optional[int] = None,
+        columns: Optional[List[str]] = None,
+        name: str = "delta",
+        *,
+        watermark_strategy: Optional[WatermarkStrategy] = None,
+        monitor_interval_ms: Optional[int] = None,
+        ignore_deletes: bool = False,
+        ignore_changes: bool = False,
+        skip_change_commits: bool = False,
+        storage_options: Optional[Dict[str, str]] = None,
+    ) -> DataStream:
+        """A Delta Lake table as Arrow batches, exactly once (Spark's
+        ``readStream.format("delta")``; ``pyengine.connectors.delta_source.DeltaSource``):
+        its snapshot at the latest version (or, with ``starting_version``, the changes
+        from that version on); with ``monitor_interval_ms``, every version committed
+        after, without end. The position (version, file, row) is checkpointed; a
+        compaction is skipped (``dataChange``), and a version that deletes or rewrites
+        rows is refused unless ``ignore_deletes``, ``skip_change_commits`` or
+        ``ignore_changes`` says how to read it. Needs ``deltalake``."""
+        source = DeltaSource(
+            table_uri,
+            starting_version,
+            columns,
+            monitor_interval_ms,
+            ignore_deletes,
+            ignore_changes,
+            skip_change_commits,
+            storage_options,
+        )
         return self.from_source(source, name, watermark_strategy=watermark_strategy)
 
     @suggest_keywords

@@ -14,9 +14,14 @@ connector implements).
   a Spark DataFrame is read through its own methods, so pyspark is not imported here.
 - ``delta``: ``DeltaSink``, an exactly-once Delta Lake table (also ``pe.sinks.DeltaSink``).
   Needs ``deltalake`` (``pip install deltalake``, the ``delta`` extra).
+- ``delta_source``: ``DeltaSource``, a Delta table's versions as an exactly-once stream
+  (``env.read_delta``). Needs ``deltalake``.
+- ``postgres``: ``PostgresSink``, an exactly-once PostgreSQL table (``pe.sinks.PostgresSink``).
+  Needs ``psycopg`` 3 (the ``postgres`` extra).
 
 The user's names are elsewhere: ``pe.sinks.*`` re-exports the sinks, and the
 environment's builders make the sources. A connector's own library is loaded when
-the connector is first used, and ``import pyengine`` does not import ``delta``."""
+the connector is first used, and ``import pyengine`` imports none of ``delta``,
+``delta_source`` and ``postgres``."""
 
 __all__: list = []

@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import operator
 import pickle
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
@@ -58,6 +59,7 @@ from ..state.serializers import (
 from ..storage.filesystem import CorruptStateError, open_input_file, read_bytes, read_range
 from ..storage.handles import BatchIndexEntry, KeyGroupsStateHandle, StreamStateHandle
 from .ipcfile import write_ipc_file
+from .stamped import declared_types, decode_stamped, encode_stamped, stamped_type
 
 __all__ = [
     "TOMBSTONE",
@@ -65,6 +67,8 @@ __all__ = [
     "ColumnarSlice",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "FORMAT_VERSION_LIST_TAILS",
+    "GrowingLists",
     "MAX_STATES_PER_FILE",
     "MAX_UNION_CHILDREN",
     "StateColumn",
@@ -81,7 +85,24 @@ FORMAT_VERSION_SPARSE = 3  # several states of at most SPARSE_MAX_CHILDREN stora
 # Any of the layouts above, with the timestamps of every ``timers`` state as SPLIT_TIMESTAMPS
 # (metadata ``"timers_encoding": "split"``): a pyengine reading versions up to 3 refuses the file.
 FORMAT_VERSION_SPLIT_TIMERS = 4
-READ_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_SHARED_CHILDREN, FORMAT_VERSION_SPARSE, FORMAT_VERSION_SPLIT_TIMERS)
+# Any of the layouts above (split timers included, with ``"timers_encoding": "split"``), in a
+# delta holding list tails: a column marked ``"appends": true`` whose lists are elements
+# appended to that key's list since the chain's previous file (a pyengine reading versions up
+# to 4 would take them for whole lists, so it refuses the file by its number).
+FORMAT_VERSION_LIST_TAILS = 5
+# Any of the layouts above (list tails as in version 5 included), with TTL states (but those
+# that opted in to pickle) written as columns of values and stamps (metadata
+# ``"ttl_encoding": "columns"``, the state's ``"stamped"``; see ``snapshot/stamped.py``), timers
+# split as in version 4: a pyengine reading up to 5 refuses it.
+FORMAT_VERSION_STAMPED = 6
+READ_VERSIONS = (
+    FORMAT_VERSION,
+    FORMAT_VERSION_SHARED_CHILDREN,
+    FORMAT_VERSION_SPARSE,
+    FORMAT_VERSION_SPLIT_TIMERS,
+    FORMAT_VERSION_LIST_TAILS,
+    FORMAT_VERSION_STAMPED,
+)
 # A timer's int64 timestamp as its high and low 32 bits, t == (hi << 32) | lo. LZ4 spends
 # ~1.6 ns a byte on an int64 column of nearby values (matches of a few zero bytes, a token
 # each: 8 MB of a second's spread of timestamps took 13 ms, to 4.7 MB); ``hi`` is one
@@ -137,6 +158,12 @@ class StateColumn:
     ttl: bool
     # as a file says them (str of the declared types), typed or not: what its writes were checked against
     declared: Tuple[Optional[str], Optional[str]] = (None, None)  # (map key type, value or element type)
+    # A list state's tails (version 5): each entry's elements are appended to the key's list as
+    # the chain's previous files left it, rather than replacing it. The same state has its
+    # ordinary column in the file too, for the keys whose list was rewritten or cleared.
+    appends: bool = False
+    # a TTL state's entries as columns of values and stamps (written now; read: what the file says)
+    ttl_columns: bool = True
 
     @property
     def typed(self) -> bool:
@@ -145,6 +172,21 @@ class StateColumn:
         if self.kind == "map":
             return self.arrow_type is not None and self.map_key_type is not None
         return self.arrow_type is not None
+
+    @property
+    def stamped(self) -> bool:
+        """A TTL state written as columns of values and stamps (version 5): the values
+        in their declared types (``stamped_typed``), or serialized per key as without
+        TTL, rather than each entry serialized with its stamps. A state that opted in
+        to pickle keeps the older layout."""
+        return self.ttl and self.ttl_columns and self.serializer != "pickle" and self.kind != "timers"
+
+    @property
+    def stamped_typed(self) -> bool:
+        """A stamped state's values are in their declared types (not serialized)."""
+        if not self.stamped or self.arrow_type is None:
+            return False
+        return self.kind != "map" or self.map_key_type is not None
 
     @property
     def split_timestamps(self) -> bool:
@@ -159,8 +201,15 @@ class StateColumn:
 
     @property
     def storage_type(self) -> pa.DataType:
+        if self.stamped:
+            return stamped_type(self.kind, self.arrow_type if self.stamped_typed else None, self.map_key_type)
         if not self.typed:
             return pa.binary()
+        return self.plain_type
+
+    @property
+    def plain_type(self) -> pa.DataType:
+        """The declared types' layout without stamps (a typed state's storage type)."""
         assert self.arrow_type is not None
         if self.kind == "list":
             return pa.list_(self.arrow_type)
@@ -170,7 +219,7 @@ class StateColumn:
         return self.arrow_type
 
     def to_json(self) -> Dict[str, Any]:
-        return {
+        out = {
             "name": self.name,
             "kind": self.kind,
             "type": None if self.arrow_type is None else str(self.arrow_type),
@@ -178,7 +227,11 @@ class StateColumn:
             "serializer": self.serializer,
             "ttl": self.ttl,
             "typed": self.typed,
+            **({"stamped": "typed" if self.stamped_typed else "serialized"} if self.stamped else {}),
         }
+        if self.appends:  # only then: files without tails stay as every version 1-4 reader knows them
+            out["appends"] = True
+        return out
 
 
 def _key_array(keys: List[Any]) -> pa.Array:
@@ -215,9 +268,116 @@ _FLAT_LIST_DTYPES: Dict[pa.DataType, Any] = {
 _MAX_LIST_OFFSET = 2**31 - 1  # list<T> has int32 offsets
 
 
-def _flat_lists(column: StateColumn, values: List[Any]) -> Optional[pa.Array]:
+class GrowingLists(list):  # type: ignore[type-arg]
+    """A typed list state's frozen key groups (dicts of key -> array.array) whose arrays
+    the running job may still append to: copy-on-write by tail (``state.table``) leaves
+    an append made after the freeze in place rather than copying the key's list.
+
+    ``frozen_lengths()`` gives ``{id(array): its length at the freeze}`` for the arrays
+    that grew since; the writer calls it after it has read the arrays' bytes (the task
+    records a length before the append it stands for, so every append those bytes hold
+    is in it; the frozen dicts keep the arrays alive, so no other object has their id).
+    ``starts``: in a delta's tails column, per key group, each key's first element to
+    write (what the chain's previous file did not hold)."""
+
+    __slots__ = ("frozen_lengths", "starts")
+
+    def __init__(self, groups: Iterable[Any], frozen_lengths: Any, starts: Any = None) -> None:
+        super().__init__(groups)
+        self.frozen_lengths = frozen_lengths
+        self.starts = starts
+
+
+# bytes.join lets the interpreter go for a join of 1 MiB or more (CPython's GIL_THRESHOLD)
+# while it holds the arrays' buffers; an append to an array that exports its buffer fails.
+# A join below it holds the interpreter throughout, so no append meets it.
+_JOIN_CHUNK_BYTES = (1 << 20) - (1 << 16)
+
+
+def _array_elements(values: Sequence[Any], dtype: Any) -> Tuple[np.ndarray, np.ndarray]:
+    """The lengths of ``values`` (array.arrays the task may append to meanwhile) and
+    their elements joined, consistent with each other: read in chunks under
+    ``_JOIN_CHUNK_BYTES``, each by one join; a chunk that an append changed between its
+    lengths and its join (appends only grow an array) is read again array by array,
+    whose ``tobytes`` holds the interpreter whatever the size, as it does for an array
+    of a chunk's size alone."""
+    n = len(values)
+    itemsize = np.dtype(dtype).itemsize
+    lens = np.fromiter(map(len, values), np.int64, n)
+    ends = np.cumsum(lens) * itemsize
+    pieces: List[bytes] = []
+    a = 0
+    while a < n:
+        base = int(ends[a - 1]) if a else 0
+        b = max(int(np.searchsorted(ends, base + _JOIN_CHUNK_BYTES, side="right")), a + 1)
+        if b == a + 1:
+            data = values[a].tobytes()
+            lens[a] = len(data) // itemsize
+        else:
+            chunk = values[a:b]
+            data = b"".join(chunk)
+            if len(data) != int(lens[a:b].sum()) * itemsize:  # grown since its lengths were read
+                parts = [v.tobytes() for v in chunk]  # each array's bytes say its length
+                lens[a:b] = [len(p) // itemsize for p in parts]
+                data = b"".join(parts)
+        pieces.append(data)
+        a = b
+    # bytes, which nothing changes: one more join may let the interpreter go
+    return lens, np.frombuffer(pieces[0] if len(pieces) == 1 else b"".join(pieces), dtype)
+
+
+def _typed_list_elements(
+    values: Sequence[Any], dtype: Any, starts: Optional[np.ndarray], frozen_lengths: Any
+) -> Tuple[np.ndarray, np.ndarray]:
+    """(lengths, elements) of typed lists held as array.arrays: each array's elements
+    from its start (0, or a tail's first element) to its length at the freeze."""
+    lens, flat = _array_elements(values, dtype)
+    stops = lens
+    cuts = frozen_lengths() if frozen_lengths is not None else None
+    if cuts and len(values):
+        # each value's id looked up among the grown arrays' ids, sorted: no Python call per value
+        ids = np.fromiter(map(id, values), np.uint64, len(values))
+        cut_ids = np.fromiter(cuts.keys(), np.uint64, len(cuts))
+        cut_lens = np.fromiter(cuts.values(), np.int64, len(cuts))
+        order = np.argsort(cut_ids)
+        cut_ids, cut_lens = cut_ids[order], cut_lens[order]
+        at = np.minimum(np.searchsorted(cut_ids, ids), len(cut_ids) - 1)
+        hit = cut_ids[at] == ids
+        if hit.any():
+            stops = lens.copy()
+            stops[hit] = np.minimum(cut_lens[at[hit]], lens[hit])
+    if starts is None and stops is lens:
+        return lens, flat
+    begin = np.zeros(len(lens), np.int64) if starts is None else np.minimum(starts, stops)
+    kept = stops - begin
+    total = int(kept.sum())
+    source = np.zeros(len(lens), np.int64)
+    np.cumsum(lens[:-1], out=source[1:])  # each array's first element in flat
+    target = np.zeros(len(lens), np.int64)
+    np.cumsum(kept[:-1], out=target[1:])
+    index = np.arange(total, dtype=np.int64) + np.repeat(source + begin - target, kept)
+    return kept, flat[index]
+
+
+def _all_arrays(values: List[Any], typecode: Optional[str]) -> bool:
+    """Whether every value is an array.array of ``typecode`` (one C pass each test)."""
+    if typecode is None:
+        return False
+    if not values:
+        return True
+    return set(map(type, values)) == {TYPED_LIST} and set(map(_TYPECODE, values)) == {typecode}
+
+
+_TYPECODE = operator.attrgetter("typecode")
+
+
+def _flat_lists(
+    column: StateColumn, values: List[Any], starts: Optional[List[int]] = None, frozen_lengths: Any = None
+) -> Optional[pa.Array]:
     """A typed list state's lists (TOMBSTONE: null) as one ListArray built from a flat
-    array, or None where that does not apply (pyarrow converts them then)."""
+    array, or None where that does not apply (pyarrow converts them then). Lists held
+    as array.arrays (``GrowingLists``) are written from ``starts`` (a tail's first
+    element, else 0) to their length at the freeze."""
     dtype = _FLAT_LIST_DTYPES.get(column.arrow_type)  # type: ignore[arg-type]
     if dtype is None:
         return None
@@ -225,14 +385,29 @@ def _flat_lists(column: StateColumn, values: List[Any]) -> Optional[pa.Array]:
     dead = np.fromiter((v is TOMBSTONE for v in values), bool, len(values)) if TOMBSTONE in values else None
     live = values if dead is None else [v for v in values if v is not TOMBSTONE]
     lengths = np.zeros(len(values), np.int64)
-    lengths[slice(None) if dead is None else ~dead] = np.fromiter(map(len, live), np.int64, len(live))
-    offsets = _offsets(lengths)
-    if offsets is None:
-        return None  # pyarrow says why it cannot
-    joined = _joined_buffers(live, LIST_TYPECODES.get(column.arrow_type), dtype)  # type: ignore[arg-type]
-    if joined is not None:
-        flat: Optional[pa.Array] = pa.array(joined, column.arrow_type)
-    else:  # a value the state's checks would have refused: None, and pyarrow names it
+    typecode = LIST_TYPECODES.get(column.arrow_type)  # type: ignore[arg-type]
+    if _all_arrays(live, typecode):
+        live_starts = None
+        if starts is not None:
+            live_starts = np.asarray(starts, np.int64) if dead is None else np.asarray(starts, np.int64)[~dead]
+        live_lengths, elements = _typed_list_elements(live, dtype, live_starts, frozen_lengths)
+        lengths[slice(None) if dead is None else ~dead] = live_lengths
+        offsets = _offsets(lengths)
+        if offsets is None:
+            return None  # pyarrow says why it cannot
+        flat: Optional[pa.Array] = pa.array(elements, column.arrow_type)
+    else:
+        if starts is not None:  # tails are only ever recorded for arrays
+            raise StateSerializationError(f"state {column.name!r}: list tails of lists not held as arrays")
+        if frozen_lengths is not None:  # some arrays among lists: each copied, then cut to the freeze
+            copies = [v[:] if type(v) is TYPED_LIST else v for v in live]
+            cuts = frozen_lengths()
+            live = [c[: cuts[id(v)]] if id(v) in cuts else c for v, c in zip(live, copies, strict=True)]
+        lengths[slice(None) if dead is None else ~dead] = np.fromiter(map(len, live), np.int64, len(live))
+        offsets = _offsets(lengths)
+        if offsets is None:
+            return None  # pyarrow says why it cannot
+        # a value the state's checks would have refused: None, and pyarrow names it
         flat = _flat_column(itertools.chain.from_iterable(live), int(offsets[-1]), column.arrow_type)
     if flat is None:
         return None
@@ -258,18 +433,6 @@ def _with_tombstones(child: pa.Array, values: List[Any]) -> List[Any]:
         return values
     nulls = child.is_null().to_numpy(zero_copy_only=False)
     return [TOMBSTONE if dead else v for v, dead in zip(values, nulls.tolist(), strict=True)]
-
-
-def _joined_buffers(live: List[Any], typecode: Optional[str], dtype: Any) -> Optional[np.ndarray]:
-    """The elements of a typed list state whose lists are all array.arrays of
-    ``typecode`` (lists.ListState stores them so) as one array: their buffers
-    joined, a copy of bytes with no element converted. None for any other lists."""
-    if typecode is None:
-        return None
-    for v in live:
-        if type(v) is not TYPED_LIST or v.typecode != typecode:
-            return None
-    return np.frombuffer(b"".join(live), dtype)
 
 
 def _listed(column: StateColumn, child: pa.Array, typed_arrays: bool = False) -> Optional[List[Any]]:
@@ -391,7 +554,11 @@ def from_split_timestamps(column: pa.Array) -> pa.Array:
     return pa.array(ts, pa.int64(), mask=mask)
 
 
-def _value_child(column: StateColumn, values: List[Any]) -> pa.Array:
+def _value_child(
+    column: StateColumn, values: List[Any], starts: Optional[List[int]] = None, frozen_lengths: Any = None
+) -> pa.Array:
+    """A state's values as its value column's child (``starts`` and ``frozen_lengths``:
+    a typed list state's ``GrowingLists``)."""
     try:
         if column.split_timestamps:
             return to_split_timestamps(np.array(values, np.int64))
@@ -411,9 +578,13 @@ def _value_child(column: StateColumn, values: List[Any]) -> pa.Array:
                 return flat
             return pa.array([None if v is TOMBSTONE else list(v.items()) for v in values], column.storage_type)
         if column.kind == "list":
-            flat = _flat_lists(column, values)
+            flat = _flat_lists(column, values, starts, frozen_lengths)
             if flat is not None:
                 return flat
+            if frozen_lengths is not None or starts is not None:  # pyarrow would read the arrays as they are now
+                raise StateSerializationError(
+                    f"cannot snapshot list state {column.name!r}: its lists outrun the int32 offsets of one batch"
+                )
         if any(v is TOMBSTONE for v in values):
             values = [None if v is TOMBSTONE else v for v in values]
         return pa.array(values, column.storage_type)
@@ -421,6 +592,19 @@ def _value_child(column: StateColumn, values: List[Any]) -> pa.Array:
         error = StateSerializationError(f"cannot snapshot state {column.name!r}: {exc}")
         # the serializer's own refusal says nothing more: this one, naming the state, is the cause
         raise error from (None if isinstance(exc, StateSerializationError) else exc)
+
+
+def _stamped_child(column: StateColumn, values: List[Any], limit: Optional[int]) -> Tuple[pa.Array, Any]:
+    """A stamped state's entries as columns (``stamped.encode_stamped``), an error naming the state."""
+    arrow_type = column.arrow_type if column.stamped_typed else None
+    if column.kind == "list":  # a typed list's arrays, restored but not declared again: as lists
+        values = [v.tolist() if type(v) is TYPED_LIST else v for v in values]
+    try:
+        return encode_stamped(
+            column.kind, arrow_type, column.map_key_type, values, limit, TOMBSTONE, serializer_for("safe").dumps
+        )
+    except (TypeError, ValueError, AttributeError, pa.ArrowException) as exc:
+        raise StateSerializationError(f"cannot snapshot state {column.name!r}: {exc}") from exc
 
 
 class ColumnarSlice:
@@ -520,7 +704,10 @@ def _changes_columns(
 def _all_int64_keys(group: Any) -> bool:
     if isinstance(group, (ColumnarSlice, ColumnarChanges)):
         return True
-    return all(type(k) is int and _INT64_MIN <= k <= _INT64_MAX for k in group)
+    if not group:
+        return True
+    # three passes in C (types, then the range), not a Python test per key
+    return set(map(type, group)) == {int} and _INT64_MIN <= min(group) and max(group) <= _INT64_MAX
 
 
 def _int_key_union(keys: Any) -> pa.Array:
@@ -686,6 +873,16 @@ def write_keyed_state(
     duplicating it) and returns the handle. The stream is closed here, or aborted
     on error."""
     value_types, child_of, sparse = value_layout(columns)
+    # A stamped state's frozen groups come unfiltered, with the limit its entries expire
+    # at (``stamp_limit``): the batches leave expired ones out in bulk.
+    limits: List[Optional[int]] = [None] * len(columns)
+    groups = list[Any](groups)
+    for i, column in enumerate(columns):
+        limit_of = getattr(groups[i], "stamp_limit", None)
+        if column.stamped and limit_of is not None:
+            limits[i] = limit_of()
+            groups[i] = groups[i].unfiltered
+    stamped = any(c.stamped for c in columns)
     shared_children = child_of is not None
     value_names = [f"{'t' if shared_children else 's'}{i}" for i in range(len(value_types))]
     plan = _plan_batches(groups, key_group_range, len(columns))
@@ -696,7 +893,11 @@ def write_keyed_state(
     meta: Dict[str, Any] = {
         "format": FORMAT_NAME,
         "version": (
-            FORMAT_VERSION_SPLIT_TIMERS
+            FORMAT_VERSION_STAMPED
+            if stamped
+            else FORMAT_VERSION_LIST_TAILS
+            if any(c.appends for c in columns)
+            else FORMAT_VERSION_SPLIT_TIMERS
             if split_timers
             else FORMAT_VERSION
             if plain_values or not shared_children
@@ -716,6 +917,8 @@ def write_keyed_state(
         meta["value_children"] = child_of
     if split_timers:
         meta["timers_encoding"] = "split"
+    if stamped:
+        meta["ttl_encoding"] = "columns"
     value_fields = [pa.field(n, t) for n, t in zip(value_names, value_types, strict=True)]
     value_union = pa.sparse_union(value_fields) if sparse else pa.dense_union(value_fields)
     schema = pa.schema(
@@ -763,13 +966,34 @@ def write_keyed_state(
                     key_list.extend(itertools.islice(group.keys(), start, stop))
                     value_list.extend(itertools.islice(group.values(), start, stop))
                 lengths.append(stop - start)
+            if column.stamped:
+                value_child, rows = _stamped_child(column, value_list, limits[state_index])
+                if rows is not None:  # keys whose entries all expired: left out, their runs shortened
+                    key_list = list(itertools.compress(key_list, rows))
+                    ends = np.cumsum(lengths)
+                    kept = np.concatenate([[0], np.cumsum(rows)])[np.concatenate([[0], ends])]
+                    lengths = np.diff(kept).tolist()
+                    run_groups = [kg for kg, length in zip(run_groups, lengths, strict=True) if length]
+                    lengths = [length for length in lengths if length]
+            else:
+                growing = groups[state_index]
+                if not isinstance(growing, GrowingLists):
+                    value_child = _value_child(column, value_list)
+                else:
+                    starts: Optional[List[int]] = None
+                    if growing.starts is not None:  # a delta's tails: each key's first new element
+                        starts = []
+                        for key_group, group, start, stop in parts:
+                            first = growing.starts[key_group - key_group_range.start]
+                            starts.extend(map(first.__getitem__, itertools.islice(group.keys(), start, stop)))
+                    value_child = _value_child(column, value_list, starts, growing.frozen_lengths)
             key_array = pa.array(key_list, pa.int64()) if plain_keys else _key_array(key_list)
-            value_child = _value_child(column, value_list)
         n = len(key_array)
         child = state_index if child_of is None else child_of[state_index]
         value_array = value_child if plain_values else _union_of(value_types, value_names, child, value_child, sparse)
         return pa.record_batch(
-            [_runs(run_groups, lengths), _runs([state_index], [n]), key_array, value_array], schema=schema
+            [_runs(run_groups, lengths), _runs([state_index] if n else [], [n] if n else []), key_array, value_array],
+            schema=schema,
         )
 
     with stream:
@@ -819,6 +1043,8 @@ def _run_list(column: Any) -> List[Tuple[int, int, int]]:
     """(value, first row, end row) of each run of a run-end encoded column."""
     ends = column.run_ends.to_numpy(zero_copy_only=False).tolist()
     values = column.values.to_numpy(zero_copy_only=False).tolist()
+    if not ends:  # a batch left empty (a stamped state's entries all expired)
+        return []
     starts = [0, *ends[:-1]]
     return list(zip(values, starts, ends, strict=True))
 
@@ -862,18 +1088,31 @@ def read_schema_info(schema: pa.Schema, *, where: str) -> SchemaInfo:
     encoding = meta.get("value_encoding")
     plain_values = encoding == "plain"
     value_children: Optional[Tuple[int, ...]] = None
-    split_timers = version == FORMAT_VERSION_SPLIT_TIMERS and meta.get("timers_encoding") == "split"
+    split_timers = version in (FORMAT_VERSION_SPLIT_TIMERS, FORMAT_VERSION_LIST_TAILS, FORMAT_VERSION_STAMPED) and (
+        meta.get("timers_encoding") == "split"
+    )
     if version == FORMAT_VERSION_SPLIT_TIMERS and not split_timers:
         raise CorruptStateError(f"{where}: version {version} without its timers encoding")
+    if version == FORMAT_VERSION_STAMPED and meta.get("ttl_encoding") != "columns":
+        raise CorruptStateError(f"{where}: version {version} without its TTL encoding")
     if version != FORMAT_VERSION and encoding == "union_by_type":
         value_children = _checked_children(meta.get("value_children"), len(meta["states"]), value_field, where)
     elif not plain_values and encoding not in ("union", None):  # absent: a union by state, as always
         raise CorruptStateError(f"{where}: value encoding {encoding!r} is not one of version {version}")
     columns = []
+    for c in meta["states"]:
+        if c.get("appends") and (c.get("kind") != "list" or not c.get("typed") or version != FORMAT_VERSION_LIST_TAILS):
+            raise CorruptStateError(f"{where}: state {c.get('name')!r} holds list tails but is not a typed list state")
     for i, c in enumerate(meta["states"]):
         # The exact declared types are the value union's children, not the metadata's text.
         arrow_type = map_key_type = None
-        if c.get("typed"):
+        if c.get("stamped") == "typed" and version == FORMAT_VERSION_STAMPED:
+            child = value_field if plain_values else value_field.field(value_children[i] if value_children else i).type
+            try:
+                arrow_type, map_key_type = declared_types(child, c["kind"])
+            except (AttributeError, KeyError, TypeError) as exc:
+                raise CorruptStateError(f"{where}: stamped state {c['name']!r} is {child}: {exc}") from None
+        elif c.get("typed"):
             child = (
                 value_field
                 if plain_values
@@ -898,6 +1137,9 @@ def read_schema_info(schema: pa.Schema, *, where: str) -> SchemaInfo:
                 serializer=c["serializer"],
                 ttl=bool(c["ttl"]),
                 declared=(c.get("map_key_type"), c.get("type")),
+                appends=version in (FORMAT_VERSION_LIST_TAILS, FORMAT_VERSION_STAMPED)
+                and bool(c.get("appends", False)),
+                ttl_columns=version == FORMAT_VERSION_STAMPED and c.get("stamped") in ("typed", "serialized"),
             )
         )
     start, end = meta["key_groups"]
@@ -960,6 +1202,9 @@ def _decode_values(
     where: str,
     typed_arrays: bool = False,
 ) -> List[Any]:
+    if column_spec.stamped:
+        loads = None if column_spec.stamped_typed else serializer_for("safe").loads
+        return decode_stamped(column_spec.kind, child, TOMBSTONE, loads)
     if column_spec.typed:
         if column_spec.kind == "list":
             lists = _listed(column_spec, child, typed_arrays)

@@ -14,7 +14,9 @@ Source API, on ``pyengine.state.read_keyed_state``::
     )
 
 One row per key and state entry: ``key``, ``value`` (the state's Arrow type where it
-has one; bytes otherwise) and ``key_group``. The path is what ``restore_from`` takes:
+has one; bytes otherwise) and ``key_group``; a list state one row per element, as
+Spark's reader gives it (its ``flattenCollectionTypes`` option, on by default; set it
+to ``false`` for one row per key with the list as ``value``). The path is what ``restore_from`` takes:
 a ``chk-<n>`` or savepoint directory (or its ``_metadata``), a job's directory (its
 latest completed checkpoint, or ``checkpointId``), or a checkpoint storage root holding
 one job (``jobName`` picks one of several). The files are read where Spark runs the
@@ -106,9 +108,30 @@ class _Request:
         self.operator = opts["operator"]
         self.state_name = opts["statename"]
         self.allow_pickle = opts.get("allowpickle", "false").lower() == "true"
+        self.flatten = opts.get("flattencollectiontypes", "true").lower() == "true"
 
     def table(self) -> pa.Table:
-        return read_keyed_state(self.path, self.operator, self.state_name, allow_pickle=self.allow_pickle)
+        table = read_keyed_state(self.path, self.operator, self.state_name, allow_pickle=self.allow_pickle)
+        if self.flatten:
+            table = flatten_lists(table)
+        return table
+
+
+def flatten_lists(table: pa.Table) -> pa.Table:
+    """A list state's table (``value`` a list per key) as one row per element, its key
+    and key group repeated, in the list's order; other tables as they are."""
+    import pyarrow.compute as pc
+
+    index = table.schema.get_field_index("value")
+    if index < 0 or not (
+        pa.types.is_list(table.schema.field(index).type) or pa.types.is_large_list(table.schema.field(index).type)
+    ):
+        return table
+    values = table.column("value").combine_chunks()
+    parents = pc.list_parent_indices(values)
+    flat = pc.list_flatten(values)
+    out = table.take(parents)
+    return out.set_column(index, pa.field("value", flat.type), flat)
 
 
 class StateDataSource(DataSource):

@@ -9,8 +9,10 @@ come in Spark's order:
 * ``init(handle)`` once per subtask (and attempt);
 * on a job's first run (nothing restored), ``handleInitialState(key, row_or_df,
   timerValues)`` per key of the initial state this subtask owns, before any data;
-* per input buffer (pyengine's micro-batch), ``handleInputRows(key, rows,
-  timerValues)`` once per key in it, that key's rows in arrival order;
+* per micro-batch, ``handleInputRows(key, rows, timerValues)`` once per key in it,
+  that key's rows in arrival order (``micro_batch``: the rows up to a checkpoint, a
+  watermark, a due timer or the end of input; off, each input buffer; a DataFrame's
+  whole input with ``whole_input``);
 * expired timers after the data: ``handleExpiredTimer(key, timerValues,
   expiredTimerInfo)``, each timer deleted once it has fired (while it fires,
   ``listTimers`` still lists it and deleting or re-registering it changes
@@ -21,10 +23,13 @@ Spark's semantics kept: values are tuples of the state's schema; keys are
 tuples; TTL is processing time, measured at the batch's timestamp, restarted by
 every write, and an expired value is never returned (Spark's ``StateTTL``:
 expired once ``batch_ts >= written_ts + ttl``); timers outside a time mode raise
-``PySparkValueError`` (``UNSUPPORTED_OPERATION``), an event-time timer not later
-than the watermark raises ``IllegalArgumentException``, and in ``EventTime`` mode
-rows whose event time is not later than the watermark are dropped before the
-processor sees them (the types Spark's own ``TwsTester`` raises).
+``PySparkValueError`` (``UNSUPPORTED_OPERATION``, the type Spark's own ``TwsTester``
+raises); an event-time timer at or before the watermark is taken and fires after the
+batch's rows (as a Spark run does; ``TwsTester`` refuses it); the watermark shown is
+Spark's (``spark_watermark``), and in ``EventTime`` mode rows whose event time is
+not later than it are dropped before the processor sees them. A deleted state's
+handle raises ``PySparkRuntimeError``; a state's schema is checkpointed and evolved
+on restore as Spark evolves it (``tws_schema.evolution``).
 
 Why the state classes are thin: on Spark every state call is a round trip to a
 JVM state server; here it is one call into the keyed backend plus a tuple. A
@@ -39,24 +44,24 @@ pyspark is imported only when an operator is made or a schema parsed, so
 
 This module is the driver (``TransformWithStateOperator``: grouping rows by key,
 firing timers, shaping the output); the handle with its state and timer shims is
-in ``tws_handle``, schema parsing in ``tws_schema``. Their public names are
-importable from here as before."""
+in ``tws_handle``, schema parsing in ``tws_schema``, building it into a job in
+``tws_build``. Their public names are importable from here as before."""
 
 from __future__ import annotations
 
-import copy
-import datetime as _dt
 from itertools import repeat
 from operator import itemgetter
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
+import numpy as np
 import pyarrow as pa
 
-from ..errors import ColumnNotFoundError, NonRetryableError
+from ..errors import NonRetryableError
 from ..io.events import MAX_WATERMARK, MIN_WATERMARK
 from ..runtime.base import EventTimeOperatorMixin, OperatorContext, UserFunctionError
 from ..runtime.keyed import KeyedOperator, NaNKeyError
 from ..state import (
+    ListStateDescriptor,
     assign_to_key_group,
     create_keyed_backend,
     key_group_range_for_subtask,
@@ -68,7 +73,6 @@ from .tws_handle import (
     StateNotFoundError,
     StateValueError,
     _Handle,
-    _plain,
 )
 from .tws_schema import parse_schema, spark_arrow_schema
 
@@ -86,6 +90,27 @@ __all__ = [
 ]
 
 TIME_MODES = ("None", "ProcessingTime", "EventTime")
+
+MICRO_BATCH_MAX_DELAY_MS = 1000
+"""With ``micro_batch``: how long gathered rows may wait for a boundary (a checkpoint,
+a watermark, a timer, the end of input) before they are a micro-batch of their own,
+as a Spark trigger's interval would make them (a stream without checkpoints or
+watermarks still moves)."""
+
+ORDER_COLUMN = "__pyengine_row_order"
+"""whole_input: the column giving the rows' order in the DataFrame (the DataFrame
+path adds it; the processor never sees it)."""
+
+_INPUT_STATE = "_tws_input"
+_WHOLE_INPUT_CHUNK = 1 << 16
+
+MICRO_BATCH_MAX_ROWS = 1 << 20
+"""With ``micro_batch``: the rows one micro-batch gathers at most in memory (Spark's
+``maxRecordsPerTrigger``-like bound; a stream never holds more than this in flight)."""
+
+_SCHEMAS_STATE = ListStateDescriptor("_tws_schemas")
+"""Operator state: ``[state name, Spark schema JSON]`` per state the processor
+declared, so a restore can evolve a state whose schema changed (``tws_schema.evolution``)."""
 
 
 class OutputSchemaError(NonRetryableError, ValueError):
@@ -121,20 +146,6 @@ def time_mode_of(time_mode: Any) -> str:
     raise ValueError(f"time_mode must be one of {', '.join(TIME_MODES)} (case-insensitive), got {time_mode!r}")
 
 
-def _ms(value: Any) -> int:
-    """An event time as epoch milliseconds: ints are milliseconds; datetimes (Spark's
-    timestamp columns) are converted."""
-    if value.__class__ is int:
-        return value  # type: ignore[no-any-return]
-    if isinstance(value, _dt.datetime):
-        if value.tzinfo is None:
-            value = value.replace(tzinfo=_dt.timezone.utc)
-        return int(value.timestamp() * 1000)
-    if hasattr(value, "value") and hasattr(value, "to_pydatetime"):  # pandas.Timestamp
-        return int(value.value // 1_000_000)
-    return int(value)
-
-
 class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
     """Runs a Spark ``StatefulProcessor``; see the module docstring.
 
@@ -156,6 +167,9 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         event_time: Optional[Callable[[Any], int]] = None,
         initial_state: Optional[Callable[[], Iterable[Tuple[Any, Any]]]] = None,
         clock: Optional[Callable[[], int]] = None,
+        micro_batch: bool = False,
+        micro_batch_max_delay_ms: Optional[int] = MICRO_BATCH_MAX_DELAY_MS,
+        whole_input: bool = False,
     ) -> None:
         super().__init__(uid, name)
         check_processor(processor)
@@ -182,6 +196,15 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         self._opened = False
         self._row_classes: Dict[Tuple[str, ...], Any] = {}
         self._final_watermark = MIN_WATERMARK  # what Spark's processors see once the input ended
+        self.state_schemas: Dict[str, str] = {}  # state name -> its Spark schema (JSON), checkpointed
+        self.micro_batch = micro_batch
+        self.micro_batch_max_delay_ms = micro_batch_max_delay_ms
+        self._pending: List[Any] = []  # the buffers of the micro-batch being gathered
+        self._pending_rows = 0
+        self._pending_due: Optional[int] = None  # wall-clock ms by which they are handled
+        self.whole_input = whole_input
+        self._input_state: Any = None  # whole_input: the rows so far, per key (keyed list state)
+        self.restored_schemas: Dict[str, str] = {}  # what the restored checkpoint recorded
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -202,6 +225,9 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
             self.backend.restore(restored.keyed_handles())
         self._first_run = restored is None
         self._restore_watermark(restored)
+        schemas = self.operator_state.get_union_list_state(_SCHEMAS_STATE)  # type: ignore[union-attr]
+        if restored is not None:
+            self.restored_schemas = {str(name): str(schema) for name, schema in schemas.get()}
         if any(n.startswith("_timer_state/") for n in self.backend.state_names):
             self.timers()  # restored timers: rebuild the index now, so due ones fire
 
@@ -220,13 +246,18 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         return self._timers
 
     def spark_watermark(self) -> int:
-        """The watermark as Spark shows it: 0 before the first one (Spark starts at 0);
-        at the end of a bounded input (pyengine's maximum watermark, which Spark never
-        shows) the final one the firing uses (``process_watermark``)."""
+        """The watermark as Spark shows it. pyengine's watermark W is Flink's (every
+        timestamp up to W has been seen: a bounded-out-of-orderness generator emits
+        ``max - delay - 1``), Spark's is ``max - delay`` (a row at or before it is
+        late): Spark's is W + 1, so ``for_bounded_out_of_orderness(d)`` shows what
+        ``withWatermark(col, d)`` shows. 0 before the first one (Spark starts at 0 and
+        never goes below); at the end of a bounded input (pyengine's maximum
+        watermark, which Spark never shows) the final one the firing uses
+        (``process_watermark``)."""
         wm = self.current_watermark
         if wm >= MAX_WATERMARK:
-            wm = self._final_watermark
-        return 0 if wm <= MIN_WATERMARK else int(wm)
+            return self._final_watermark
+        return 0 if wm <= MIN_WATERMARK else max(0, int(wm) + 1)
 
     def _timer_values(self) -> Any:
         from pyspark.sql.streaming.stateful_processor import TimerValues
@@ -284,15 +315,120 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
     # -- data ----------------------------------------------------------------------------------
 
     def process(self, records: Any) -> Any:
+        if self.whole_input:
+            if len(records):
+                self._keep_input(records)
+            return []
+        if not self.micro_batch:
+            out: List[Any] = []
+            self._batch(records, out)
+            return self._output(out)
+        if not len(records):
+            return []
+        if not self._pending and self.micro_batch_max_delay_ms is not None:
+            self._pending_due = now_ms() + self.micro_batch_max_delay_ms
+        self._pending.append(records)
+        self._pending_rows += len(records)
+        if self._pending_rows >= MICRO_BATCH_MAX_ROWS:
+            return self._flush()
+        return []
+
+    def _batch(self, records: Any, out: List[Any]) -> None:
+        """One micro-batch, as Spark runs one: ``handleInputRows`` once per key with all
+        its rows (in arrival order), then the timers it makes due (processing time: at
+        the batch's timestamp; event time: at or before the watermark)."""
         self.batch_ts = self.clock()
-        out: List[Any] = []
         if len(records):
             if self.flavour == "row":
                 self._input_rows(records, out)
             else:
                 self._input_frames(records, out)
-        if self.time_mode == "ProcessingTime" and self._timers is not None:
-            self._fire(self._timers.processing, self.batch_ts, out)
+        if self._timers is not None:
+            if self.time_mode == "ProcessingTime":
+                self._fire(self._timers.processing, self.batch_ts, out)
+            elif self.time_mode == "EventTime":
+                # A timer at or before the watermark, set while the rows were handled,
+                # fires now, after them, as Spark fires it in the same micro-batch.
+                self._fire(self._timers.event, self.spark_watermark(), out)
+
+    def _flush_into(self, out: List[Any]) -> None:
+        """The micro-batch gathered so far, handled now (a boundary: a checkpoint
+        barrier, a watermark, a processing-time timer, the end of input, or the
+        gathered rows' deadline); nothing when none is gathered."""
+        if not self._pending:
+            return
+        buffers = self._pending
+        self._pending, self._pending_rows, self._pending_due = [], 0, None
+        self._batch(_concat(buffers), out)
+
+    def _flush(self) -> Any:
+        out: List[Any] = []
+        self._flush_into(out)
+        return self._output(out)
+
+    def prepare_snapshot_pre_barrier(self, checkpoint_id: int) -> Any:
+        # A checkpoint ends a micro-batch: its rows are handled (and their output goes
+        # out) before the barrier, so the snapshot holds no row in flight.
+        return self._flush()
+
+    def end_input(self) -> Any:
+        if self.whole_input:
+            return self._whole_input()
+        return self._flush()
+
+    def _keep_input(self, records: Any) -> None:
+        """whole_input: a buffer's rows appended to their keys' lists in keyed state."""
+        if isinstance(records, (pa.RecordBatch, pa.Table)):
+            if self._input_state is None:
+                self._input_state = self.backend.get_state(
+                    ListStateDescriptor(_INPUT_STATE, pa.struct(list(records.schema)))
+                )
+            rows = records.to_pylist()
+        else:
+            if self._input_state is None:
+                self._input_state = self.backend.get_state(ListStateDescriptor(_INPUT_STATE, None))
+            rows = [r if isinstance(r, dict) else r.asDict() for r in records]
+        groups: Dict[Any, List[Any]] = {}
+        select = self.key_selector
+        for r in rows:
+            key = select(r)
+            bucket = groups.get(key)
+            if bucket is None:
+                self._check_key(key)
+                groups[key] = [r]
+            else:
+                bucket.append(r)
+        set_key, state = self.backend.set_current_key, self._input_state
+        for key, bucket in groups.items():
+            set_key(key)
+            state.add_all(bucket)
+
+    def _whole_input(self) -> Any:
+        """whole_input, at the end of input: each key's rows (in the DataFrame's order)
+        in one call, keys taken in batches of about ``_WHOLE_INPUT_CHUNK`` rows."""
+        backend = self.backend
+        if self._input_state is None:
+            table = backend._tables.get(_INPUT_STATE)
+            if table is None:
+                return []
+            self._input_state = backend.get_state(ListStateDescriptor(_INPUT_STATE, table.descriptor.type))
+        state = self._input_state
+        out: List[Any] = []
+        chunk: List[Any] = []
+        for key in list(backend.keys(_INPUT_STATE)):
+            backend.set_current_key(key)
+            rows = list(state.get())
+            state.clear()
+            if rows and ORDER_COLUMN in rows[0]:
+                rows.sort(key=itemgetter(ORDER_COLUMN))
+                for r in rows:
+                    del r[ORDER_COLUMN]
+            chunk.extend(rows)
+            if len(chunk) >= _WHOLE_INPUT_CHUNK:
+                self._batch(chunk, out)
+                chunk = []
+        if chunk:
+            self._batch(chunk, out)
         return self._output(out)
 
     def _input_rows(self, records: Any, out: List[Any]) -> None:
@@ -406,7 +542,7 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
             fields = tuple(first)
             # Every record a dict of exactly these fields, in this order (a Row's
             # values are taken in dict order, so the order must be the same too).
-            if list(map(_shape, records)).count(fields) == len(records):
+            if all(map(fields.__eq__, map(_shape, records))):  # lazily: no tuple per record kept
                 keys = list(map(itemgetter(column), records))
                 return self._bucket(keys, records), self._row_class(fields), dict.values
         return self._group_any(records), None, None
@@ -482,6 +618,8 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
                 return []
             keys = [self.key_selector(r) for r in rows]
             df = pd.DataFrame.from_records([r if isinstance(r, dict) else r.asDict() for r in rows])
+        if len(keys) >= 64 and set(map(type, keys)) <= _FACTORIZABLE:
+            return _frames_by_key(df, keys)
         positions: Dict[Any, List[int]] = {}
         for i, key in enumerate(keys):
             bucket = positions.get(key)
@@ -522,7 +660,10 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
     def process_watermark(self, watermark: int) -> Any:
         if watermark <= self.current_watermark:
             return []
-        upto = watermark
+        out: List[Any] = []
+        # Spark moves its watermark between micro-batches: the rows gathered so far are
+        # a batch under the watermark they came with, then the new one fires timers.
+        self._flush_into(out)
         if watermark >= MAX_WATERMARK and self.time_mode == "EventTime":
             # The end of a bounded input: every timer still pending fires, but Spark never
             # shows a watermark of Long.MAX (a processor re-arming a timer at the watermark
@@ -530,34 +671,45 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
             # timer's time: the ones pending fire, a timer set later while they fire stays
             # pending, as on Spark when a query ends, and nothing fires without end.
             last = self._timers.event.last_time() if self._timers is not None else None
-            upto = self.current_watermark if last is None else max(last, self.current_watermark)
-            self._final_watermark = upto
+            current = self.spark_watermark()
+            self._final_watermark = current if last is None else max(last, current)
         self.current_watermark = watermark
-        if self._timers is None:
-            return []
-        self._timers.current_watermark = watermark
-        if self.time_mode != "EventTime":
-            return []
-        self.batch_ts = self.clock()
-        out: List[Any] = []
-        self._fire(self._timers.event, upto, out)
+        if self._timers is not None:
+            self._timers.current_watermark = watermark
+            if self.time_mode == "EventTime":
+                self.batch_ts = self.clock()
+                self._fire(self._timers.event, self.spark_watermark(), out)
         return self._output(out)
 
     def next_processing_time(self) -> Optional[int]:
-        if self._timers is None or self.time_mode != "ProcessingTime":
-            return None
-        return self._timers.next_processing_time()  # type: ignore[no-any-return]
+        due = self._pending_due
+        if self._timers is not None and self.time_mode == "ProcessingTime":
+            timer = self._timers.next_processing_time()
+            if timer is not None and (due is None or timer < due):
+                due = timer
+        return due
 
     def on_processing_time(self, now_ms: int) -> Any:
-        if self._timers is None or self.time_mode != "ProcessingTime":
-            return []
-        self.batch_ts = self.clock()
         out: List[Any] = []
-        self._fire(self._timers.processing, max(now_ms, self.batch_ts), out)
+        if self._pending:  # a timer or the rows' deadline is due: the batch so far, then its timers
+            self._flush_into(out)
+        if self._timers is not None and self.time_mode == "ProcessingTime":
+            self.batch_ts = self.clock()  # with no rows gathered: Spark's no-data batch
+            self._fire(self._timers.processing, max(now_ms, self.batch_ts), out)
         return self._output(out)
 
     def snapshot(self, checkpoint_id: int, location: Any) -> Any:
+        if self._pending:  # never silently: a row gathered here would be in no checkpoint
+            raise RuntimeError(
+                f"{self.where()}: a snapshot with {self._pending_rows} rows of a micro-batch gathered; "
+                "prepare_snapshot_pre_barrier hands them to the processor before every checkpoint"
+            )
         self._save_watermark()
+        # Every subtask records the same names (its processor declared them): a union
+        # list state, so each subtask restores them whatever the new parallelism.
+        schemas = self.operator_state.get_union_list_state(_SCHEMAS_STATE)  # type: ignore[union-attr]
+        recorded = {**self.restored_schemas, **self.state_schemas}
+        schemas.update([[name, recorded[name]] for name in sorted(recorded)])
         return super().snapshot(checkpoint_id, location)
 
     # -- output --------------------------------------------------------------------------------
@@ -625,32 +777,44 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         return array
 
     def _frames_batch(self, frames: List[Any]) -> Any:
+        """The DataFrames the processor yielded as one batch: each checked (the
+        message names a missing or extra column), then concatenated once and
+        converted column by column (a conversion per frame cost twice as much)."""
         import pandas as pd
 
         names = self.output_names
-        batches = []
+        expected = tuple(names)
+        kept = []
         for df in frames:
             if not isinstance(df, pd.DataFrame):
                 raise self._fail(f"handleInputRows must yield pandas DataFrames, got {type(df).__name__}")
             if df.empty and len(df.columns) == 0:
                 continue
-            missing = [n for n in names if n not in df.columns]
-            if missing:
-                raise self._fail(f"output DataFrame has no column {missing[0]!r}; it has {list(df.columns)}")
-            extra = [c for c in df.columns if c not in names]
-            if extra:
-                raise self._fail(f"output DataFrame has column {extra[0]!r}, which the output schema does not")
-            arrays = [self._pandas_column(field, df[field.name]) for field in self.output_schema]
-            batches.append(pa.RecordBatch.from_arrays(arrays, schema=self.output_schema))
-        if not batches:
+            if tuple(df.columns) != expected:
+                missing = [n for n in names if n not in df.columns]
+                if missing:
+                    raise self._fail(f"output DataFrame has no column {missing[0]!r}; it has {list(df.columns)}")
+                extra = [c for c in df.columns if c not in names]
+                if extra:
+                    raise self._fail(f"output DataFrame has column {extra[0]!r}, which the output schema does not")
+                df = df[names]  # the schema's order
+            kept.append(df)
+        if not kept:
             return []
-        if len(batches) == 1:
-            return batches[0]
-        return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
+        whole = kept[0] if len(kept) == 1 else pd.concat(kept, ignore_index=True)
+        arrays = [self._pandas_column(field, whole[field.name]) for field in self.output_schema]
+        return pa.RecordBatch.from_arrays(arrays, schema=self.output_schema)
 
     def _pandas_column(self, field: pa.Field, series: Any) -> pa.Array:
         try:
-            array = pa.Array.from_pandas(series, type=field.type)
+            try:
+                array = pa.Array.from_pandas(series, type=field.type)
+            except (pa.ArrowException, TypeError, ValueError) as first:
+                if not (pa.types.is_decimal(field.type) and series.dtype.kind in "iu"):
+                    raise first
+                # Spark coerces an int column to a decimal one (intToDecimalCoercion);
+                # Arrow takes ints as decimals value by value, not as an int64 array.
+                array = pa.array([None if v is None else int(v) for v in series.astype(object)], type=field.type)
         except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
             raise self._fail(
                 f"output column {field.name!r} ({field.type}) cannot hold the values given: {exc}"
@@ -661,6 +825,41 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
 
 
 _shape = tuple  # a dict record's fields, in order
+
+
+_FACTORIZABLE = {int, str}
+
+
+def _frames_by_key(df: Any, keys: List[Any]) -> List[Tuple[Any, List[Any]]]:
+    """One DataFrame per key (its rows in arrival order, keys in order of first
+    arrival, each indexed 0..n-1 as Spark's): the frame sorted once by key (a stable
+    sort keeps arrival order) and cut in slices, not a ``take`` per key (half the cost)."""
+    import pandas as pd
+
+    codes, uniques = pd.factorize(pd.Series(keys, dtype=object))
+    order = np.argsort(codes, kind="stable")
+    ordered = df.take(order).reset_index(drop=True)
+    counts = np.bincount(codes)
+    ends = np.cumsum(counts).tolist()
+    starts = [0, *ends[:-1]]
+    return [
+        (key, [ordered.iloc[a:b].reset_index(drop=True)]) for key, a, b in zip(list(uniques), starts, ends, strict=True)
+    ]
+
+
+def _concat(buffers: List[Any]) -> Any:
+    """The buffers of one micro-batch as one: Arrow batches of one schema as a Table
+    (no copy), lists of records as one list, anything mixed as records."""
+    if len(buffers) == 1:
+        return buffers[0]
+    if all(isinstance(b, pa.RecordBatch) for b in buffers):
+        schema = buffers[0].schema
+        if all(b.schema.equals(schema) for b in buffers):
+            return pa.Table.from_batches(buffers, schema=schema)
+    rows: List[Any] = []
+    for b in buffers:
+        rows.extend(b.to_pylist() if isinstance(b, (pa.RecordBatch, pa.Table)) else b)
+    return rows
 
 
 def _extend(produced: Iterable[Any], out: List[Any]) -> None:
@@ -684,112 +883,3 @@ def _fits(value: Any, arrow_type: pa.DataType) -> bool:
         return True
     except (pa.ArrowException, TypeError, ValueError, OverflowError):
         return False
-
-
-# -- building it into a job --------------------------------------------------------------------
-
-
-def _initial_entries(
-    initial_state: Any, flavour: str, select: Callable[[Any], Any]
-) -> Callable[[], List[Tuple[Any, Any]]]:
-    """The initial state as (key, value) pairs, made when a subtask opens: Rows (one
-    call per row, as Spark's ``transformWithState``) or one DataFrame per key (as
-    ``transformWithStateInPandas``). Takes records (dicts or Rows), a pyarrow Table
-    or a pandas DataFrame; keys are taken with the stream's key selector."""
-
-    def rows() -> List[Any]:
-        if isinstance(initial_state, (pa.Table, pa.RecordBatch)):
-            return list(initial_state.to_pylist())
-        if hasattr(initial_state, "to_dict") and hasattr(initial_state, "columns"):  # pandas
-            return list(initial_state.to_dict("records"))
-        return list(initial_state)
-
-    def make() -> List[Tuple[Any, Any]]:
-        from pyspark.sql.types import Row
-
-        records = rows()
-        if flavour == "row":
-            out = []
-            for r in records:
-                if isinstance(r, dict):
-                    row = tuple.__new__(Row, [_plain(v) for v in r.values()])
-                    row.__fields__ = list(r)
-                else:
-                    row = r
-                out.append((select(r), row))
-            return out
-        import pandas as pd
-
-        grouped: Dict[Any, List[Any]] = {}
-        for r in records:
-            grouped.setdefault(select(r), []).append(r if isinstance(r, dict) else r.asDict())
-        return [(k, pd.DataFrame.from_records(v)) for k, v in grouped.items()]
-
-    rows()  # refuses a wrong type now, not on a subtask
-    return make
-
-
-def _event_time_of(column: Optional[str], timestamps: Any) -> Callable[[Any], int]:
-    if column is not None:
-
-        def of(record: Any) -> int:
-            try:
-                value = record[column]
-            except (KeyError, IndexError, TypeError, ValueError):
-                raise ColumnNotFoundError(
-                    f"event_time_column {column!r}: record {record!r} has no such field"
-                ) from None
-            return _ms(value)
-
-        return of
-    return lambda record: int(timestamps.of_record(record))
-
-
-def build(
-    keyed: Any,
-    processor: Any,
-    output_schema: Any,
-    *,
-    flavour: str,
-    time_mode: str,
-    event_time_column: Optional[str],
-    initial_state: Any,
-) -> Any:
-    """What ``KeyedStream.transform_with_state[_in_pandas]`` does: checks everything
-    it can before the job runs, and adds the operator (a deep copy of ``processor``
-    per subtask and attempt, as for a ``KeyedProcessFunction``)."""
-    check_processor(processor)
-    mode = time_mode_of(time_mode)
-    parse_schema(output_schema, "output schema")  # refused now, not in a subtask
-    stream = keyed._stream
-    select = keyed._select
-    event_time = None
-    if mode == "EventTime":
-        timestamps = stream._timestamps
-        if timestamps is None:
-            raise ValueError(
-                "time_mode='EventTime' needs watermarks: give the stream timestamps first "
-                "(assign_timestamps_and_watermarks(pe.WatermarkStrategy...), or a source's watermark_strategy)"
-            )
-        event_time = _event_time_of(event_time_column, timestamps)
-    elif event_time_column is not None:
-        raise ValueError(f"event_time_column is for time_mode='EventTime', not {mode!r}")
-    initial = _initial_entries(initial_state, flavour, select) if initial_state is not None else None
-    name = "transform_with_state" if flavour == "row" else "transform_with_state_in_pandas"
-
-    def factory(uid: str, n: str, _checkpointing: bool) -> TransformWithStateOperator:
-        return TransformWithStateOperator(
-            uid,
-            n,
-            select,
-            copy.deepcopy(processor),
-            output_schema,
-            flavour=flavour,
-            time_mode=mode,
-            event_time=event_time,
-            initial_state=initial,
-        )
-
-    out = stream._op(name, factory)
-    out._steps[-1].event_time = mode == "EventTime"
-    return out

@@ -18,6 +18,13 @@ Why files, not ``createDataFrame`` of collected rows: the output can be larger t
 the driver, and committed files are what the exactly-once protocol already makes;
 reading them back is one scan.
 
+As Spark's batch ``transformWithState``: the DataFrame is one batch, so
+``handleInputRows`` is called once per key with all its rows, in the DataFrame's order
+(``monotonically_increasing_id``, added as a column the processor never sees), one
+output per call; the rows wait in keyed state until the input ends, so a checkpoint
+in between keeps them and a restore goes on from there (deterministic whatever the
+buffers, checkpoints or failures).
+
 Differences from Spark, on purpose: ``timeMode="EventTime"`` is refused (a batch
 DataFrame has no watermark for pyengine to start from; use
 ``KeyedStream.transform_with_state`` with a watermark strategy); the grouping must
@@ -30,7 +37,8 @@ from __future__ import annotations
 import tempfile
 from typing import Any, List, Optional
 
-from .tws import check_processor, parse_schema, time_mode_of
+from .tws import ORDER_COLUMN, check_processor, parse_schema, time_mode_of
+from .tws_build import build
 
 __all__ = ["transform_with_state", "transform_with_state_in_pandas"]
 
@@ -173,9 +181,17 @@ def _run(
         env = pe.StreamEnvironment(parallelism=max(1, int(spark.sparkContext.defaultParallelism) // 2))
     out = path or tempfile.mkdtemp(prefix="pyengine-tws-")
     sink = pe.sinks.FileSink(out, format="parquet", mode="overwrite", schema=spark_arrow_schema(struct))
-    keyed = env.from_dataframe(df, "transform_with_state-input").key_by(_key_selector(columns))
-    method = keyed.transform_with_state_in_pandas if pandas else keyed.transform_with_state
-    method(processor, struct, time_mode=mode, initial_state=initial).uid("transform_with_state").sink_to(sink)
+    # Spark's batch semantics: the whole DataFrame is one batch, each key's rows in one
+    # call, in the DataFrame's order (the order column says it; a key's rows reach the
+    # operator from several source subtasks in any interleaving).
+    from pyspark.sql import functions as F
+
+    ordered = df.withColumn(ORDER_COLUMN, F.monotonically_increasing_id())
+    keyed = env.from_dataframe(ordered, "transform_with_state-input").key_by(_key_selector(columns))
+    build(
+        keyed, processor, struct, flavour="pandas" if pandas else "row", time_mode=mode, event_time_column=None,
+        initial_state=initial, whole_input=True,
+    ).uid("transform_with_state").sink_to(sink)  # fmt: skip
     name = f"transform_with_state-{type(processor).__name__}"
     # runner="spark" runs on the active session (pyengine.spark may not import the
     # runners: a layer below it); the DataFrame's own session must be that one.

@@ -19,7 +19,7 @@ from ..state import (
     MapStateDescriptor,
     ValueStateDescriptor,
 )
-from .tws_schema import _key_layout, _layout
+from .tws_schema import _key_layout, _layout, evolution, parse_schema, schema_json, tuple_reader
 
 if TYPE_CHECKING:
     from .tws import TransformWithStateOperator
@@ -156,17 +156,18 @@ class _ScalarValueState:
 
 
 class _TupleValueState:
-    __slots__ = ("_s", "_what")
+    __slots__ = ("_read", "_s", "_what")
 
-    def __init__(self, state: Any, what: str) -> None:
+    def __init__(self, state: Any, what: str, read: Optional[Callable[[Any], Any]] = None) -> None:
         self._s = state
         self._what = what
+        self._read = read or _tuple  # nested structs as Row (tws_schema.tuple_reader)
 
     def exists(self) -> bool:
         return self._s.value() is not None
 
     def get(self) -> Optional[Tuple[Any, ...]]:
-        return _tuple(self._s.value())
+        return self._read(self._s.value())  # type: ignore[no-any-return]
 
     def update(self, newValue: Any) -> None:
         self._s.update(_store_tuple(newValue, self._what))
@@ -178,12 +179,13 @@ class _TupleValueState:
 class _ListState:
     """``ListState``: ``get`` is an iterator of tuples, as Spark's."""
 
-    __slots__ = ("_s", "_scalar", "_what")
+    __slots__ = ("_read", "_s", "_scalar", "_what")
 
-    def __init__(self, state: Any, scalar: bool, what: str) -> None:
+    def __init__(self, state: Any, scalar: bool, what: str, read: Optional[Callable[[Any], Any]] = None) -> None:
         self._s = state
         self._scalar = scalar
         self._what = what
+        self._read = read or _tuple
 
     def _in(self, values: Any) -> List[Any]:
         if self._scalar:
@@ -196,7 +198,8 @@ class _ListState:
     def get(self) -> Iterator[Tuple[Any, ...]]:
         if self._scalar:
             return iter([(v,) for v in self._s.get()])
-        return iter([_tuple(v) for v in self._s.get()])
+        read = self._read
+        return iter([read(v) for v in self._s.get()])
 
     def put(self, newState: Sequence[Any]) -> None:
         self._s.update(self._in(newState))
@@ -214,19 +217,29 @@ class _ListState:
 class _MapState:
     """``MapState``: user keys and values are tuples, as Spark's."""
 
-    __slots__ = ("_key", "_s", "_scalar_key", "_scalar_value", "_what")
+    __slots__ = ("_key", "_read", "_s", "_scalar_key", "_scalar_value", "_what")
 
-    def __init__(self, state: Any, scalar_key: bool, scalar_value: bool, what: str) -> None:
+    def __init__(
+        self,
+        state: Any,
+        scalar_key: bool,
+        scalar_value: bool,
+        what: str,
+        read: Optional[Callable[[Any], Any]] = None,
+    ) -> None:
         self._s = state
         self._scalar_key = scalar_key
         self._scalar_value = scalar_value
         self._what = what
+        self._read = read or _tuple
         self._key: Callable[[Any], Any] = (
-            (lambda k: _one(k, what + " key")) if scalar_key else (lambda k: _key_tuple(k, what + " key"))
+            (lambda k: k if k.__class__ in _PLAIN else _one(k, what + " key"))  # Spark takes '0' for ('0',)
+            if scalar_key
+            else (lambda k: _key_tuple(k, what + " key"))
         )
 
     def _out_value(self, v: Any) -> Any:
-        return (v,) if self._scalar_value else _tuple(v)
+        return (v,) if self._scalar_value else self._read(v)
 
     def _out_key(self, k: Any) -> Any:
         return (k,) if self._scalar_key else _tuple(k)
@@ -261,6 +274,74 @@ class _MapState:
         self._s.clear()
 
 
+# -- a deleted state's handle ------------------------------------------------------------------
+# After ``deleteIfExists(name)`` Spark's handle for ``name`` fails on its next call: its state
+# server no longer has the column family and the client raises ``PySparkRuntimeError``. The
+# shims become these subclasses (same slots, so ``__class__`` can change in place: the
+# processor keeps the object it holds), whose every call raises Spark's message.
+
+
+def _deleted(message: str) -> Callable[..., Any]:
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from pyspark.errors import PySparkRuntimeError
+
+        raise _usage(
+            PySparkRuntimeError(
+                f"{message}: {self._what} was deleted by deleteIfExists; get it again from the handle "
+                "(getValueState, getListState, getMapState) to use that name once more"
+            )
+        )
+
+    return call
+
+
+def _dead_class(base: type, messages: Dict[str, str]) -> type:
+    body: Dict[str, Any] = {"__slots__": ()}
+    for method, message in messages.items():
+        body[method] = _deleted(message)
+    return type("Deleted" + base.__name__.lstrip("_"), (base,), body)
+
+
+_VALUE_MESSAGES = {
+    "exists": "Error checking value state exists",
+    "get": "Error getting value state",
+    "update": "Error updating value state",
+    "clear": "Error clearing value state",
+}
+_LIST_MESSAGES = {
+    "exists": "Error checking value state exists",
+    "get": "Error getting value state",
+    "put": "Error updating value state",
+    "appendValue": "Error updating value state",
+    "appendList": "Error updating value state",
+    "clear": "Error clearing value state",
+}
+_MAP_MESSAGES = {
+    "exists": "Error checking map state exists",
+    "getValue": "Error getting value",
+    "containsKey": "Error checking map state contains key",
+    "updateValue": "Error updating map state value",
+    "iterator": "Error getting map state iterator",
+    "keys": "Error getting map state keys",
+    "values": "Error getting map state values",
+    "removeKey": "Error removing key from map state",
+    "clear": "Error clearing map state",
+}
+_DEAD = {
+    _ScalarValueState: _dead_class(_ScalarValueState, _VALUE_MESSAGES),
+    _TupleValueState: _dead_class(_TupleValueState, _VALUE_MESSAGES),
+    _ListState: _dead_class(_ListState, _LIST_MESSAGES),
+    _MapState: _dead_class(_MapState, _MAP_MESSAGES),
+}
+
+
+def _kill(shim: Any) -> None:
+    """The shim a processor holds fails from now on, as Spark's deleted handle."""
+    dead = _DEAD.get(type(shim))
+    if dead is not None:
+        shim.__class__ = dead
+
+
 def _ttl(ttlDurationMs: Any, name: str) -> Optional[int]:
     if ttlDurationMs is None:
         return None
@@ -283,6 +364,7 @@ class _Handle:
     def __init__(self, op: TransformWithStateOperator) -> None:
         self._op = op
         self._kinds: Dict[str, str] = {}
+        self._shims: Dict[str, List[Any]] = {}  # the state objects handed out, by name
         self._timer_queue: Any = None  # the time mode's TimerQueue, once a timer call made it
 
     def _declare(self, name: str, kind: str) -> None:
@@ -295,29 +377,75 @@ class _Handle:
 
     def getValueState(self, stateName: str, schema: Any, ttlDurationMs: Optional[int] = None) -> Any:
         self._declare(stateName, "value")
-        t, scalar = _layout(schema, f"value state {stateName!r}")
+        what = f"value state {stateName!r}"
+        struct = parse_schema(schema, what)
+        t, scalar = _layout(struct, what)
         # Typed only where a restore takes the type back: the backends restore typed
         # value state of int keys into NumPy columns, which hold numbers and booleans
         # only (patch h2-restore-typed-values.patch); other values stay untyped.
         vt = t if scalar and _numeric(t) else None
         state = self._op.backend.get_state(ValueStateDescriptor(stateName, None, vt, _ttl(ttlDurationMs, stateName)))
-        what = f"value state {stateName!r}"
-        return _ScalarValueState(state, what) if scalar else _TupleValueState(state, what)
+        self._evolve(stateName, struct, what, state, "value", scalar)
+        shim = _ScalarValueState(state, what) if scalar else _TupleValueState(state, what, tuple_reader(struct))
+        return self._keep(stateName, shim)
 
     def getListState(self, stateName: str, schema: Any, ttlDurationMs: Optional[int] = None) -> Any:
         self._declare(stateName, "list")
-        t, scalar = _layout(schema, f"list state {stateName!r}")
+        what = f"list state {stateName!r}"
+        struct = parse_schema(schema, what)
+        t, scalar = _layout(struct, what)
         state = self._op.backend.get_state(ListStateDescriptor(stateName, t, _ttl(ttlDurationMs, stateName)))
-        return _ListState(state, scalar, f"list state {stateName!r}")
+        self._evolve(stateName, struct, what, state, "list", scalar)
+        return self._keep(stateName, _ListState(state, scalar, what, tuple_reader(struct)))
 
     def getMapState(
         self, stateName: str, userKeySchema: Any, valueSchema: Any, ttlDurationMs: Optional[int] = None
     ) -> Any:
         self._declare(stateName, "map")
-        kt, scalar_key = _key_layout(userKeySchema, f"map state {stateName!r} key")
-        vt, scalar_value = _layout(valueSchema, f"map state {stateName!r}")
+        what = f"map state {stateName!r}"
+        kt, scalar_key = _key_layout(userKeySchema, f"{what} key")
+        struct = parse_schema(valueSchema, what)
+        vt, scalar_value = _layout(struct, what)
         state = self._op.backend.get_state(MapStateDescriptor(stateName, kt, vt, _ttl(ttlDurationMs, stateName)))
-        return _MapState(state, scalar_key, scalar_value, f"map state {stateName!r}")
+        self._evolve(stateName, struct, what, state, "map", scalar_value)
+        return self._keep(stateName, _MapState(state, scalar_key, scalar_value, what, tuple_reader(struct)))
+
+    def _keep(self, name: str, shim: Any) -> Any:
+        """Remembers the shim handed out, so ``deleteIfExists(name)`` can make it fail."""
+        self._shims.setdefault(name, []).append(shim)
+        return shim
+
+    def _evolve(self, name: str, struct: Any, what: str, state: Any, kind: str, scalar: bool) -> None:
+        """Records the state's schema (checkpointed with the operator) and, when the
+        restored checkpoint recorded another one, converts every restored entry to the
+        new schema as Spark evolves state (``tws_schema.evolution``): at once, here, so
+        the processor's calls stay one backend call each. A checkpoint written before
+        schemas were recorded has none: its values are taken as they are (as before)."""
+        op = self._op
+        new = schema_json(struct)
+        old = op.restored_schemas.get(name)
+        op.state_schemas[name] = new
+        if old is None or old == new:
+            return
+        evolve = evolution(old, struct, what)
+        op.restored_schemas[name] = new  # converted once, even if init asks again
+        if evolve is None:
+            return
+        backend = op.backend
+        previous = backend.current_key
+        for key in list(backend.keys(name)):
+            backend.set_current_key(key)
+            if kind == "value":
+                v = evolve(state.value())
+                state.update(v[0] if scalar else v)
+            elif kind == "list":
+                state.update([(v[0] if scalar else v) for v in map(evolve, state.get())])
+            else:
+                for k, v in list(state.items()):
+                    nv = evolve(v)
+                    state.put(k, nv[0] if scalar else nv)
+        if previous is not None:
+            backend.set_current_key(previous)
 
     # -- timers ------------------------------------------------------------------------------
 
@@ -350,15 +478,8 @@ class _Handle:
             from ..state.timers import _timestamp
 
             expiryTimestampMs = _timestamp(expiryTimestampMs)
-        if op.time_mode == "EventTime" and expiryTimestampMs <= op.spark_watermark():
-            from pyspark.errors.exceptions.base import IllegalArgumentException
-
-            raise _usage(
-                IllegalArgumentException(
-                    message=f"Cannot register timer with expiry {expiryTimestampMs} ms which is not later "
-                    f"than the current watermark {op.spark_watermark()} ms."
-                )
-            )
+        # A time at or before the watermark is taken, as Spark takes it (its TwsTester
+        # refuses it): it fires after the rows being handled, in the same batch.
         if op._firing == expiryTimestampMs and op._firing_key == op.backend.current_key:
             return  # Spark deletes the firing timer after its call: registering it again is undone
         queue.register(expiryTimestampMs)
@@ -392,6 +513,7 @@ class _Handle:
         if stateName not in backend.state_names and kind is not None:
             _keep_empty(backend, stateName, kind)
             self._kinds.pop(stateName, None)
+            self._forget(stateName)
             return
         if stateName not in backend.state_names:
             known = ", ".join(n for n in backend.state_names if not n.startswith("_timer_state/")) or "none"
@@ -403,6 +525,15 @@ class _Handle:
             )
         _purge(backend, stateName)
         self._kinds.pop(stateName, None)
+        self._forget(stateName)
+
+    def _forget(self, name: str) -> None:
+        """Spark's deleted state: the objects handed out fail on their next call, and
+        its schema is no longer recorded (a new state of that name starts afresh)."""
+        for shim in self._shims.pop(name, []):
+            _kill(shim)
+        self._op.state_schemas.pop(name, None)
+        self._op.restored_schemas.pop(name, None)
 
 
 def _descriptor_of(name: str, kind: str, like: Any = None) -> Any:

@@ -7,12 +7,16 @@ pyspark is imported only when a schema is parsed.
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 import pyarrow as pa
 
+from ..errors import NonRetryableError
+
 __all__ = [
+    "StateSchemaEvolutionError",
     "parse_schema",
     "spark_arrow_schema",
 ]
@@ -192,3 +196,148 @@ def _key_layout(schema: Any, what: str) -> Tuple[Optional[pa.DataType], bool]:
     dict, which cannot be a key)."""
     t, scalar = _layout(schema, what)
     return (t, True) if scalar else (None, False)
+
+
+# -- values as Spark hands them out --------------------------------------------------------------
+
+
+def _row_maker(names: List[str]) -> Callable[[Iterable[Any]], Any]:
+    from pyspark.sql.types import Row
+
+    proto = Row(*names)
+    return lambda values: proto(*values)
+
+
+def value_reader(dtype: Any) -> Optional[Callable[[Any], Any]]:
+    """What turns a stored value of Spark type ``dtype`` into the value Spark's state
+    client gives: a struct as a ``Row`` (stored as a tuple, or as a dict when it came
+    back from a checkpoint's Arrow file or was written as one), a map as a dict (Arrow
+    gives (key, value) pairs), arrays with their elements so read. ``None`` when the
+    value is given as stored (no struct or map inside): the common case pays nothing."""
+    from pyspark.sql.types import ArrayType, MapType, StructType
+
+    if isinstance(dtype, StructType):
+        names = [f.name for f in dtype.fields]
+        inner = [value_reader(f.dataType) for f in dtype.fields]
+        make = _row_maker(names)
+
+        def struct(v: Any) -> Any:
+            if v is None:
+                return None
+            values = [v.get(n) for n in names] if isinstance(v, dict) else list(v)
+            return make(x if r is None or x is None else r(x) for x, r in zip(values, inner, strict=False))
+
+        return struct
+    if isinstance(dtype, ArrayType):
+        element = value_reader(dtype.elementType)
+        if element is None:
+            return None
+        return lambda v: None if v is None else [None if x is None else element(x) for x in v]
+    if isinstance(dtype, MapType):
+        value = value_reader(dtype.valueType)
+
+        def mapping(v: Any) -> Any:  # always read: Arrow gives a map back as (key, value) pairs
+            if v is None:
+                return None
+            items = v.items() if isinstance(v, dict) else v
+            if value is None:
+                return dict(items)
+            return {k: None if x is None else value(x) for k, x in items}
+
+        return mapping
+    return None
+
+
+def tuple_reader(struct: Any) -> Optional[Callable[[Any], Any]]:
+    """A state value of several fields (``struct``) as the tuple Spark gives: its
+    nested structs as ``Row`` (``value_reader``); ``None`` if nothing is nested."""
+    readers = [value_reader(f.dataType) for f in struct.fields]
+    if not any(readers):
+        return None
+    names = [f.name for f in struct.fields]
+
+    def read(v: Any) -> Any:
+        if v is None:
+            return None
+        values = [v.get(n) for n in names] if isinstance(v, dict) else v
+        return tuple(x if r is None or x is None else r(x) for x, r in zip(values, readers, strict=False))
+
+    return read
+
+
+# -- schema evolution across a restart ----------------------------------------------------------
+
+
+class StateSchemaEvolutionError(NonRetryableError, ValueError):
+    """A state's schema changed across a restart in a way Spark refuses too (a
+    narrowing type, a field's type changed to an unrelated one): the restored
+    values cannot be read under the new schema."""
+
+
+_UPCASTS = {  # Avro's promotions, which Spark's state schema evolution allows
+    "byte": {"short", "integer", "long", "float", "double"},
+    "short": {"integer", "long", "float", "double"},
+    "integer": {"long", "float", "double"},
+    "long": {"float", "double"},
+    "float": {"double"},
+    "string": {"binary"},
+    "binary": {"string"},
+}
+
+
+def schema_json(struct: Any) -> str:
+    return str(struct.json())
+
+
+def evolution(old_json: str, new: Any, what: str) -> Optional[Callable[[Any], Any]]:
+    """How a value stored under ``old_json`` (the schema a checkpoint recorded) reads
+    under ``new``, as Spark evolves state schemas (Avro's rules): fields matched by
+    name, a field added reads null, a removed one is dropped, a type widened (int to
+    long, float to double...) is converted; a narrowing or unrelated change raises
+    ``StateSchemaEvolutionError``. ``None``: the same schema, nothing to do."""
+    from pyspark.sql.types import StructType
+
+    old = StructType.fromJson(json.loads(old_json))
+    if old.json() == new.json():
+        return None
+    old_fields = {f.name: f for f in old.fields}
+    moves: List[Tuple[Optional[int], Optional[Callable[[Any], Any]]]] = []
+    old_names = [f.name for f in old.fields]
+    for f in new.fields:
+        before = old_fields.get(f.name)
+        if before is None:
+            moves.append((None, None))
+            continue
+        a, b = before.dataType, f.dataType
+        cast: Optional[Callable[[Any], Any]] = None
+        if a.simpleString() != b.simpleString():
+            if b.typeName() not in _UPCASTS.get(a.typeName(), set()):
+                raise StateSchemaEvolutionError(
+                    f"{what}: [STATE_STORE_INVALID_VALUE_SCHEMA_EVOLUTION] Schema evolution is not possible: "
+                    f"field {f.name!r} was {a.simpleString()} in the restored checkpoint and is "
+                    f"{b.simpleString()} now, which does not hold every value it held (Spark refuses it too). "
+                    f"Keep the field {a.simpleString()}, or widen it; or give the new type another field name"
+                )
+            if b.typeName() in ("float", "double"):
+                cast = float
+            elif b.typeName() == "string":
+                cast = lambda x: x.decode() if isinstance(x, bytes) else x  # noqa: E731
+            elif b.typeName() == "binary":
+                cast = lambda x: x.encode() if isinstance(x, str) else x  # noqa: E731
+        moves.append((old_names.index(f.name), cast))
+    scalar_old = len(old.fields) == 1
+
+    def evolve(v: Any) -> Any:
+        if v is None:
+            return None
+        if isinstance(v, dict):
+            values: Any = [v.get(n) for n in old_names]
+        elif scalar_old and not isinstance(v, (tuple, list)):
+            values = [v]
+        else:
+            values = v
+        return tuple(
+            None if i is None or values[i] is None else (values[i] if c is None else c(values[i])) for i, c in moves
+        )
+
+    return evolve

@@ -17,6 +17,8 @@ handles user code calls), ``ttl`` (expiry and its cleanup).
 
 from __future__ import annotations
 
+import collections
+import functools
 import gc
 import threading
 import time
@@ -59,7 +61,7 @@ from .lists import ListState, _TtlListState
 from .maps import MapState, _TtlMapState
 from .serializers import TYPED_LIST, list_typecode
 from .table import StateTable, _validator
-from .ttl import _migrate_ttl, _Ttl, _without_expired
+from .ttl import _int_clock, _migrate_ttl, _Ttl, _without_expired
 from .values import AggregatingState, ReducingState, ValueState, _TtlValueState
 
 __all__ = ["HeapKeyedStateBackend"]
@@ -156,7 +158,7 @@ class HeapKeyedStateBackend(_CurrentKey):
         self.max_parallelism = max_parallelism
         self.key_group_range = key_group_range
         self._kg_start, self._kg_count = key_group_range.start, len(key_group_range)  # per-record use
-        self._ttl_clock = ttl_clock_ms or _wall_clock_ms
+        self._ttl_clock = _int_clock(ttl_clock_ms) if ttl_clock_ms else _wall_clock_ms
         # TTL's processing time (Flink's TtlTimeProvider). The wall clock is read at
         # most once per record (per set_current_key) for TTL stamps and checks:
         # reading it costs a system call on some hosts, and every state call would
@@ -501,11 +503,11 @@ class HeapKeyedStateBackend(_CurrentKey):
         with self._freeze_lock:
             tables = [self._tables[n] for n in names]
             frozen = [_without_expired(t, t.freeze(), self._ttl_clock) for t in tables]
+            generations = [tail_generation(t) for t in tables]
+            frozen = [growing(t, f, g) for t, f, g in zip(tables, frozen, generations, strict=True)]
 
         def release() -> None:
-            with self._freeze_lock:
-                for t in tables:
-                    t.release()
+            release_frozen(self._freeze_lock, tables, generations)
 
         return FullSnapshot(
             checkpoint_id=checkpoint_id,
@@ -621,6 +623,9 @@ class HeapKeyedStateBackend(_CurrentKey):
                 else:
                     table.descriptor.refile(spec, table, self._ttl_time())
                 group = table.groups[key_group - self.key_group_range.start]
+                if spec.appends:  # list tails: appended to what the chain's earlier files left
+                    _append_tails(group, keys, values, spec.name, handle)
+                    continue
                 for k, v in zip(keys, values, strict=True):
                     if v is TOMBSTONE:  # a later delta deleted it
                         group.pop(k, None)
@@ -678,6 +683,54 @@ class HeapKeyedStateBackend(_CurrentKey):
     def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
         """Full snapshots keep nothing between checkpoints but local copies."""
         self._prune_local(checkpoint_id)
+
+
+def _append_tails(group: Dict[Any, Any], keys: List[Any], tails: List[Any], name: str, handle: Any) -> None:
+    """A delta's list tails (format version 5) appended to the restored lists, which a
+    restore made and nothing else holds (so in place). A tail of a key without a list
+    means the chain lost a file: refused, not restored as a shorter list."""
+    stored = list(map(group.get, keys))  # lookups and extends in C, no Python step per key
+    if None in stored:
+        from ..storage.filesystem import CorruptStateError
+
+        k = keys[stored.index(None)]
+        raise CorruptStateError(
+            f"list state {name!r}: {handle} appends to key {k!r}, which no earlier file of its chain holds; "
+            "restore from another checkpoint"
+        )
+    kinds = set(map(type, stored))
+    extend: Any = TYPED_LIST.extend if kinds == {TYPED_LIST} else list.extend if kinds == {list} else _extend
+    collections.deque(map(extend, stored, tails), maxlen=0)
+
+
+def _extend(stored: Any, tail: Any) -> None:
+    stored.extend(tail)
+
+
+def tail_generation(table: Any) -> Optional[int]:
+    """The generation a table with copy-on-write by tail froze at (read right after
+    its ``freeze``), or None for any other table."""
+    return table.generation if getattr(table, "tails", None) is not None else None
+
+
+def growing(table: Any, frozen: Any, generation: Optional[int]) -> Any:
+    """A frozen table as its snapshot writes it: a typed list state's key groups as
+    ``GrowingLists``, whose arrays the writer reads up to their length at the freeze."""
+    if generation is None:
+        return frozen
+    from ..snapshot.format import GrowingLists
+
+    return GrowingLists(frozen, functools.partial(table.frozen_lengths, generation))
+
+
+def release_frozen(lock: Any, tables: List[Any], generations: List[Optional[int]]) -> None:
+    """A snapshot is done with the tables it froze (each at its generation, if any)."""
+    with lock:
+        for t, g in zip(tables, generations, strict=True):
+            if g is None:
+                t.release()
+            else:
+                t.release(g)
 
 
 def _declared_types(descriptor: Any) -> Tuple[Optional[str], Optional[str]]:

@@ -45,17 +45,19 @@ cleanup removes it after a restore.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import threading
 import uuid
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
-from ..snapshot.format import TOMBSTONE, ColumnarChanges, write_keyed_state
+from ..snapshot.format import TOMBSTONE, ColumnarChanges, GrowingLists, write_keyed_state
 from ..snapshot.strategies import SnapshotResult, column_of
 from ..storage.filesystem import INLINE_THRESHOLD, CheckpointStorageLocation
 from ..storage.handles import KeyGroupsStateHandle, StreamStateHandle
 from ..storage.store import owns_path
 from .columnar import ColumnarValueTable
-from .heap import HeapKeyedStateBackend
+from .heap import HeapKeyedStateBackend, growing, release_frozen, tail_generation
 from .timers import TIMERS_KIND
 from .ttl import _ExpiringGroups, _without_expired
 
@@ -97,8 +99,10 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
         if isinstance(table, ColumnarValueTable):
             if not table.tracking:
                 table.track_changes()
-        elif table.changes is None:
-            table.changes = [set() for _ in table.groups]
+        else:
+            if table.changes is None:
+                table.changes = [set() for _ in table.groups]
+            table.keep_tainted = True  # list tails: see StateTable.keep_tainted
         return table
 
     def get_state(self, descriptor: Any) -> Any:
@@ -128,6 +132,8 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
         touched: Optional[Changes] = None
         with self._freeze_lock:
             tables = [self._track(self._tables[n]) for n in names]
+            # each typed list's tails since the last freeze: where its keys' new elements start
+            previous_tails = [getattr(t, "tails", None) for t in tables]
             taken: Taken = {}
             for name, table in zip(names, tables, strict=True):
                 if isinstance(table, ColumnarValueTable):
@@ -167,11 +173,14 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
                     else _without_expired(t, t.freeze(), clock)
                     for n, t in zip(names, tables, strict=True)
                 ]
+                previous_tails = [None] * len(tables)  # the delta covers several logs: lists written whole
+            generations = [tail_generation(t) for t in tables]
+            frozen = [growing(t, f, g) for t, f, g in zip(tables, frozen, generations, strict=True)]
+            if full:
+                previous_tails = [None] * len(tables)
 
         def release() -> None:
-            with self._freeze_lock:
-                for t in tables:
-                    t.release()
+            release_frozen(self._freeze_lock, tables, generations)
 
         return IncrementalSnapshot(
             backend=self,
@@ -183,6 +192,7 @@ class IncrementalKeyedStateBackend(HeapKeyedStateBackend):
             frozen=frozen,
             touched=touched,
             release=release,
+            tails=previous_tails,
         )
 
     def _base_in(self, location: CheckpointStorageLocation) -> bool:
@@ -297,6 +307,7 @@ class IncrementalSnapshot:
         frozen: Sequence[Sequence[Dict[Any, Any]]],
         touched: Optional[Changes],
         release: Any,
+        tails: Optional[Sequence[Optional[List[Dict[Any, int]]]]] = None,
     ) -> None:
         self.checkpoint_id = checkpoint_id
         self._backend = backend
@@ -308,6 +319,7 @@ class IncrementalSnapshot:
         self._touched = touched
         self._release = release
         self._released = False
+        self._tails = list(tails) if tails is not None else [None] * len(self._names)
 
     @property
     def is_full(self) -> bool:
@@ -318,16 +330,26 @@ class IncrementalSnapshot:
             if not self._columns:
                 self._backend._written(self.checkpoint_id, [])
                 return SnapshotResult()
+            columns = list(self._columns)
             if self._touched is None:
-                groups = self._frozen
+                groups = list(self._frozen)
             else:
-                groups = [
-                    frozen_table
-                    # columnar: already the delta; timers: whole in every delta
-                    if isinstance(frozen_table, ColumnarChanges) or column.kind == TIMERS_KIND
-                    else _delta(frozen_table, self._touched[name])
-                    for name, column, frozen_table in zip(self._names, self._columns, self._frozen, strict=True)
-                ]
+                groups = []
+                tail_groups = []
+                for name, column, frozen_table, tails in zip(
+                    self._names, self._columns, self._frozen, self._tails, strict=True
+                ):
+                    if isinstance(frozen_table, ColumnarChanges) or column.kind == TIMERS_KIND:
+                        groups.append(frozen_table)  # columnar: already the delta; timers: whole in every delta
+                    elif isinstance(frozen_table, GrowingLists):
+                        rewritten, appended = _list_delta(frozen_table, self._touched[name], tails)
+                        groups.append(rewritten)
+                        if appended is not None:  # a column of tails after the states' own
+                            columns.append(dataclasses.replace(column, appends=True))
+                            tail_groups.append(appended)
+                    else:
+                        groups.append(_delta(frozen_table, self._touched[name]))
+                groups.extend(tail_groups)
             r = self._backend.key_group_range
             kind = "base" if self._touched is None else "delta"
             stream: Any = self._location.create_output_stream(
@@ -343,7 +365,7 @@ class IncrementalSnapshot:
                 backend=self._backend.kind,
                 max_parallelism=self._backend.max_parallelism,
                 key_group_range=r,
-                columns=self._columns,
+                columns=columns,
                 groups=groups,
             )
             chain = [*self._base, handle]
@@ -377,3 +399,35 @@ def _delta(frozen: Any, touched: List[Set[Any]]) -> List[Dict[Any, Any]]:
         get = frozen.get_live
         return [{k: get(i, k, TOMBSTONE) for k in keys} for i, keys in enumerate(touched)]
     return [{k: group.get(k, TOMBSTONE) for k in keys} for group, keys in zip(frozen, touched, strict=True)]
+
+
+def _list_delta(
+    frozen: GrowingLists, touched: List[Set[Any]], tails: Optional[List[Dict[Any, int]]]
+) -> Tuple[GrowingLists, Optional[GrowingLists]]:
+    """A typed list state's delta: the keys whose list was rewritten or removed since
+    the last snapshot (whole, or a tombstone), and, apart, those only appended to since
+    (``tails``: the length their list had then), whose new elements alone are written,
+    to be appended on restore (None when there are none)."""
+    rewritten: List[Dict[Any, Any]] = []
+    appended: List[Dict[Any, Any]] = []
+    starts: List[Dict[Any, int]] = []
+    any_tail = False
+    for i, (group, keys) in enumerate(zip(frozen, touched, strict=True)):
+        since = tails[i] if tails is not None else None
+        # A key in ``since`` was only appended to since its record (a rewrite or removal
+        # takes it out), so the frozen dict holds it. Set and map operations in C, no
+        # Python step per key.
+        tail_keys = keys & since.keys() if since else set()
+        rest = keys - tail_keys if tail_keys else keys
+        whole = dict(zip(rest, map(group.get, rest, itertools.repeat(TOMBSTONE, len(rest))), strict=True))
+        grown = dict(zip(tail_keys, map(group.__getitem__, tail_keys), strict=True))
+        first = dict(zip(tail_keys, map(since.__getitem__, tail_keys), strict=True)) if since else {}
+        any_tail = any_tail or bool(grown)
+        rewritten.append(whole)
+        appended.append(grown)
+        starts.append(first)
+    frozen_lengths = frozen.frozen_lengths
+    return (
+        GrowingLists(rewritten, frozen_lengths),
+        GrowingLists(appended, frozen_lengths, starts) if any_tail else None,
+    )

@@ -27,7 +27,7 @@ from .descriptors import (
 )
 from .serializers import TYPED_LIST, list_typecode, stored_as_list
 from .table import StateTable
-from .ttl import _Ttl
+from .ttl import _own_stamped, _stamped_atomic, _Ttl
 from .values import _KeyedState, _no_key
 
 if TYPE_CHECKING:
@@ -197,6 +197,8 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
         assert isinstance(d, ListStateDescriptor)
         self._atomic = getattr(d, "type", None) is not None  # typed elements are immutable (ints, strs...)
         self._typecode = list_typecode(d)  # the keys' elements in an array.array (serializers.LIST_TYPECODES)
+        if self._typecode is not None and ttl is None:
+            table.track_tails()  # appends after a snapshot's freeze copy nothing (StateTable.grow)
 
     def get(self) -> ListView[T]:
         """The current key's elements as they are now (an empty view when there are
@@ -214,7 +216,8 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
             return ListView([], 0)
         if not self._atomic:  # elements user code may change in place (typed ones cannot)
             if table.tainted[index] and b._key not in table.owned[index]:
-                stored = table.own(index, b._key, stored)  # private first: an unfinished snapshot holds them
+                if self._ttl is None or not _stamped_atomic(stored):  # immutable values: read as they are
+                    stored = table.own(index, b._key, stored)  # private first: an unfinished snapshot holds them
             elif table.changes is not None:
                 table.changes[index].add(b._key)  # handed out: changed, for the next delta (see _out)
         ttl = self._ttl
@@ -261,8 +264,13 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
         stored = table.groups[index].get(key)
         if stored is None:
             self._put(index, key, [element] if self._typecode is None else TYPED_LIST(self._typecode, [element]))
+        elif stored.__class__ is TYPED_LIST and table.tails is not None:
+            table.grow(index, key, stored).append(element)  # copy-on-write by tail: nothing copied
         elif stored.__class__ is not list or (table.tainted[index] and key not in table.owned[index]):
-            table.own(index, key, stored).append(element)  # copied once per key and snapshot
+            owned = (
+                table.own(index, key, stored) if ttl is None else _own_stamped(table, index, key, stored, self._atomic)
+            )
+            owned.append(element)  # copied once per key and snapshot
         else:
             stored.append(element)
             if table.changes is not None:
@@ -273,6 +281,8 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
         if table.shared[index]:
             table.writable(index)
         table.groups[index][key] = elements
+        if table.tails is not None:
+            table._rewritten(index, key)
         if table.tainted[index]:
             table.owned[index].add(key)
         if table.changes is not None:
@@ -295,6 +305,10 @@ class ListState(_ListCalls, _KeyedState, Generic[T]):
         stored = table.groups[index].get(key)
         if stored is None:
             self._put(index, key, elements)
+        elif stored.__class__ is TYPED_LIST and table.tails is not None:
+            table.grow(index, key, stored).extend(elements)  # copy-on-write by tail: nothing copied
+        elif self._ttl is not None:
+            _own_stamped(table, index, key, stored, self._atomic).extend(elements)
         else:
             table.own(index, key, stored).extend(elements)
 
@@ -334,7 +348,8 @@ class _TtlListState(ListState[T]):
         elif (stored.__class__ is not list and stored.__class__ is not StampedList) or (
             table.tainted[index] and key not in table.owned[index]
         ):
-            table.own(index, key, stored).append((value, now))  # copied once per key and snapshot
+            # copied once per key and snapshot (its pointers, when its values are immutable)
+            _own_stamped(table, index, key, stored, self._atomic).append((value, now))
         else:
             stored.append((value, now))
             if table.changes is not None:

@@ -21,7 +21,7 @@ from .descriptors import (
     V,
 )
 from .table import _ABSENT, _ATOMIC, StateTable, _is_immutable, _plain, _validator
-from .ttl import _Ttl
+from .ttl import _own_stamped, _stamped_atomic, _Ttl
 from .values import _KeyedState, _no_key
 
 if TYPE_CHECKING:
@@ -59,6 +59,8 @@ class MapState(_MapCalls, _KeyedState, Generic[K, V]):
             table.store(index, key, stored)
             return stored
         if table.tainted[index] and key not in table.owned[index]:
+            if self._ttl is not None:  # its pointers when its values are immutable
+                return _own_stamped(table, index, key, stored, self._atomic)  # type: ignore[no-any-return]
             return table.own(index, key, stored)  # type: ignore[no-any-return]
         if table.changes is not None:
             table.changes[index].add(key)
@@ -152,8 +154,10 @@ class MapState(_MapCalls, _KeyedState, Generic[K, V]):
         if stored is None:
             table.store(index, key, {user_key: value})
             return
-        if table.tainted[index] and key not in table.owned[index]:
-            stored = table.own(index, key, stored)  # copied once per key and snapshot
+        if table.tainted[index] and key not in table.owned[index]:  # copied once per key and snapshot
+            stored = (
+                table.own(index, key, stored) if ttl is None else _own_stamped(table, index, key, stored, self._atomic)
+            )
         elif table.changes is not None:
             table.changes[index].add(key)
         stored[user_key] = value
@@ -188,13 +192,14 @@ class MapState(_MapCalls, _KeyedState, Generic[K, V]):
         (this read scans the map anyway); private when a value handed out could
         reach an unfinished snapshot."""
         index, key = self._where()
+        ttl = self._ttl
+        # The clock first: reading it may run a cleanup step, which may replace or drop this map.
+        limit = ttl.clock() - ttl.ttl_ms if ttl is not None and not ttl.return_expired else None
         table = self._table
         stored = table.groups[index].get(key)
         if stored is None:
             return None
-        ttl = self._ttl
-        if ttl is not None and not ttl.return_expired:
-            limit = ttl.clock() - ttl.ttl_ms
+        if limit is not None:
             dead = [k for k, e in stored.items() if e[1] <= limit]
             if dead:
                 stored = self._writable(index, key)
@@ -204,7 +209,8 @@ class MapState(_MapCalls, _KeyedState, Generic[K, V]):
                     table.delete(index, key)
                     return None
         if table.needs_private(index, key) and not self._atomic:
-            stored = table.own(index, key, stored)
+            if ttl is None or not _stamped_atomic(stored):  # immutable values: handed out as they are
+                stored = table.own(index, key, stored)
         elif values and not self._atomic and table.changes is not None:
             table.changes[index].add(key)  # its values handed out (see _out)
         return stored  # type: ignore[no-any-return]
@@ -332,8 +338,8 @@ class _TtlMapState(MapState[K, V]):
         if stored is None:
             table.store(index, key, {user_key: (value, now)})
         else:
-            if table.tainted[index] and key not in table.owned[index]:
-                stored = table.own(index, key, stored)
+            if table.tainted[index] and key not in table.owned[index]:  # its pointers when its values are immutable
+                stored = _own_stamped(table, index, key, stored, self._atomic)
             elif table.changes is not None:
                 table.changes[index].add(key)
             stored[user_key] = (value, now)

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Set, Tuple
 
 import pyarrow as pa
 
+from ..storage.filesystem import CorruptStateError
 from ..storage.metadata import CheckpointMetadata, OperatorState, load_metadata
 from .keygroups import KeyGroupRange
 from .serializers import PickleNotAllowedError, PickleSerializer, SafeSerializer
@@ -98,6 +99,16 @@ def read_keyed_state(checkpoint_path: str, operator: str, state_name: str, *, al
             spec = column
             if whole:
                 timers.setdefault(key_group, []).extend(zip(ks, vs, strict=True))
+                continue
+            if column.appends:  # list tails (format version 5): appended to the chain's earlier lists
+                for k, v in zip(ks, vs, strict=True):
+                    before = latest.get((key_group, k)) if chained else None
+                    if before is None:
+                        raise CorruptStateError(
+                            f"checkpoint {checkpoint_path}: list state {state_name!r} appends to key {k!r}, "
+                            "which no earlier file of its chain holds"
+                        )
+                    latest[(key_group, k)] = list(before) + list(v)
                 continue
             if chained:
                 for k, v in zip(ks, vs, strict=True):

@@ -146,8 +146,9 @@ class StateTable(_StateTableBase):
     Both reset when the last unfinished snapshot releases the table.
     """
 
-    # Its fields are ``_native.StateTableBase``'s, so the C state calls read them directly.
-    __slots__ = ()
+    # Its fields are ``_native.StateTableBase``'s, so the C state calls read them directly;
+    # the slots below are copy-on-write by tail (``track_tails``), which only Python reads.
+    __slots__ = ("_frozen_generations", "_generation", "_tail_log", "keep_tainted")
 
     def __init__(self, descriptor: StateDescriptor, num_key_groups: int) -> None:
         self.descriptor = descriptor
@@ -160,6 +161,67 @@ class StateTable(_StateTableBase):
         # Keys changed since the last snapshot, per key group; kept only by the
         # incremental backend (None: not tracked).
         self.changes: Optional[List[Set[Any]]] = None
+        # Copy-on-write by tail (typed lists held as array.arrays, see ``grow``); None: not tracked.
+        # ``tails``: per key group, key -> its list's length at the key's first append since
+        # the last freeze, for the keys only appended to since (an incremental delta writes
+        # their new elements alone). ``grown``: id(array) -> that length, for every array
+        # appended to in place since the freeze (a snapshot writes an array up to it).
+        self.tails: Optional[List[Dict[Any, int]]] = None
+        self.grown: Dict[int, int] = {}
+        # (generation, its grown) of the generations an unfinished snapshot may need; a
+        # generation starts at each freeze.
+        self._tail_log: List[Tuple[int, Dict[int, int]]] = []
+        self._generation = 0
+        self._frozen_generations: List[int] = []  # the generation each unfinished snapshot froze at
+        # The incremental backend: tainted until the next freeze, not only while a snapshot
+        # runs, so the first append to a key since the last freeze records where its tail starts.
+        self.keep_tainted = False
+
+    def track_tails(self) -> None:
+        """Copy-on-write by tail for this table, a typed list state whose lists are
+        array.arrays of numbers changed in place only by appends (``ListState``)."""
+        if self.tails is None:
+            self.tails = [{} for _ in self.groups]
+            self.grown = {}
+            self._tail_log = [(self._generation, self.grown)]
+
+    def grow(self, index: int, key: Any, container: Any) -> Any:
+        """``container``, the array.array stored under ``key``, which the caller is about
+        to append to in place (``track_tails``): copy-on-write by tail. An unfinished
+        snapshot that froze it writes it only up to the length it had (``frozen_lengths``),
+        so nothing is copied; its first append since the freeze records that length."""
+        if self.tainted[index] and key not in self.owned[index]:
+            n = len(container)
+            if self.active_snapshots > 0:  # only a snapshot frozen before now reads it
+                self.grown[id(container)] = n
+            if self.changes is not None:
+                self.tails[index][key] = n  # type: ignore[index]
+            self.owned[index].add(key)
+        if self.changes is not None:
+            self.changes[index].add(key)
+        return container
+
+    def _rewritten(self, index: int, key: Any) -> None:
+        """``key``'s list is replaced or removed: its next delta writes it whole."""
+        if self.tails is not None:
+            self.tails[index].pop(key, None)
+
+    @property
+    def generation(self) -> int:
+        """The freeze count of a table with copy-on-write by tail: what a snapshot taken
+        by ``freeze`` passes to ``frozen_lengths`` and ``release``."""
+        return self._generation
+
+    def frozen_lengths(self, generation: int) -> Dict[int, int]:
+        """``{id(array): length}`` of the arrays appended to in place since the freeze
+        of ``generation``, each with its length at that freeze (the earliest record of
+        it from then on: appends to it before its first record were none)."""
+        out: Dict[int, int] = {}
+        for gen, grown in reversed(list(self._tail_log)):
+            if gen < generation:
+                break
+            out.update(grown)  # one C call: no append of the task's comes in between
+        return out
 
     def writable(self, index: int) -> Dict[Any, Any]:
         """The key group's dict, copied first if a snapshot still references it."""
@@ -171,6 +233,8 @@ class StateTable(_StateTableBase):
     def store(self, index: int, key: Any, value: Any) -> None:
         """Stores a value object that no snapshot references."""
         self.writable(index)[key] = value
+        if self.tails is not None:
+            self._rewritten(index, key)
         if self.tainted[index]:
             self.owned[index].add(key)
         if self.changes is not None:
@@ -179,12 +243,16 @@ class StateTable(_StateTableBase):
     def restamp(self, index: int, key: Any, stored: Any) -> None:
         """Replaces a stored entry by one holding the same value objects (a new TTL stamp)."""
         self.writable(index)[key] = stored
+        if self.tails is not None:
+            self._rewritten(index, key)
         if self.changes is not None:
             self.changes[index].add(key)
 
     def delete(self, index: int, key: Any) -> None:
         if key in self.groups[index]:
             self.writable(index).pop(key, None)
+            if self.tails is not None:
+                self._rewritten(index, key)
             if self.changes is not None:
                 self.changes[index].add(key)
 
@@ -217,16 +285,32 @@ class StateTable(_StateTableBase):
             self.tainted[i] = True
             self.owned[i] = set()
         self.active_snapshots += 1
+        if self.tails is not None:  # a new generation of tails: what this snapshot's arrays grow by
+            self._generation += 1
+            self.tails = [{} for _ in self.groups]
+            self.grown = {}
+            self._tail_log.append((self._generation, self.grown))
+            self._frozen_generations.append(self._generation)
+            self._prune_tails()
         return list(self.groups)
 
-    def release(self) -> None:
-        """A snapshot finished with the dicts it froze."""
+    def _prune_tails(self) -> None:
+        oldest = min(self._frozen_generations, default=self._generation)
+        self._tail_log = [(g, grown) for g, grown in self._tail_log if g >= oldest]
+
+    def release(self, generation: Optional[int] = None) -> None:
+        """A snapshot finished with the dicts it froze (``generation``: the table's
+        ``generation`` right after its freeze, for copy-on-write by tail)."""
         self.active_snapshots -= 1
+        if self.tails is not None and generation in self._frozen_generations:
+            self._frozen_generations.remove(generation)
+            self._prune_tails()
         if self.active_snapshots == 0:
             n = len(self.groups)
             self.shared = [False] * n
-            self.tainted = [False] * n
-            self.owned = [set() for _ in range(n)]
+            if not (self.keep_tainted and self.tails is not None):  # see keep_tainted
+                self.tainted = [False] * n
+                self.owned = [set() for _ in range(n)]
 
     def __len__(self) -> int:
         return sum(len(g) for g in self.groups)

@@ -27,6 +27,19 @@ from .descriptors import (
 from .table import _ABSENT, StateTable
 
 
+def _int_clock(clock: Callable[[], Any]) -> Callable[[], int]:
+    """A custom TTL clock whose readings are stamps: int milliseconds, a float reading
+    rounded up (stamps and expiry checks alike, so TTL counts whole milliseconds of it),
+    so a snapshot converts the stamps in one C pass (``snapshot/stamped.py``) without
+    truncating any."""
+
+    def read() -> int:
+        now = clock()
+        return now if type(now) is int else math.ceil(now)
+
+    return read
+
+
 class _Ttl:
     """Time-to-live bookkeeping of one state: entries are stored as (value, last_access_ms)
     tuples; a list's elements as a ``StampedList`` (values and stamps in two parallel
@@ -211,6 +224,43 @@ class _Ttl:
 
 
 _stamp_of = operator.itemgetter(1)
+_value_of = operator.itemgetter(0)
+_ATOMIC_TYPES = frozenset((int, float, str, bytes, bool, type(None)))
+
+
+def _stamped_atomic(stored: Any) -> bool:
+    """Whether a TTL list's or map's values are all immutable (one C pass over their
+    types): a read may then hand them out without a private copy, even while a
+    snapshot holds them."""
+    if type(stored) is StampedList:
+        return _ATOMIC_TYPES.issuperset(map(type, stored.values))
+    if type(stored) is dict:
+        return _ATOMIC_TYPES.issuperset(map(type, map(_value_of, stored.values())))
+    return False
+
+
+def _own_stamped(table: StateTable, index: int, key: Any, stored: Any, atomic: bool) -> Any:
+    """A TTL list or map that an unfinished snapshot may hold, made private for its
+    first write since: when its values are immutable (``atomic``: a declared type;
+    else found so by one C pass over their types), a copy of its pointers (a
+    StampedList's two lists, a dict of the same ``(value, stamp)`` tuples), which the
+    snapshot and the state then share element by element: ~3 ns an element, where
+    ``StateTable.own`` copies every element through a Python call (~200 ns; a
+    StampedList's elements also as a tuple each). Values user code could change in
+    place are copied by ``own``, as before."""
+    if type(stored) is StampedList:
+        if atomic or _ATOMIC_TYPES.issuperset(map(type, stored.values)):
+            private = StampedList()
+            private.values.extend(stored.values)
+            private.stamps.extend(stored.stamps)
+            table.store(index, key, private)
+            return private
+    elif type(stored) is dict:
+        if atomic or _ATOMIC_TYPES.issuperset(map(type, map(_value_of, stored.values()))):
+            private_map = dict(stored)
+            table.store(index, key, private_map)
+            return private_map
+    return table.own(index, key, stored)
 
 
 def _migrate_ttl(table: StateTable, kind: str, add: bool, now: int) -> None:
@@ -267,6 +317,19 @@ class _ExpiringGroups(Sequence[Dict[Any, Any]]):
 
     def _filter(self, group: Dict[Any, Any], limit: int) -> Dict[Any, Any]:
         return _live_entries(group, self._kind, limit)
+
+    def stamp_limit(self) -> int:
+        """The stamp at or below which an entry has expired for this snapshot (read
+        once, when first asked): a state file of columns (a state with declared types)
+        reads ``unfiltered`` and leaves the expired entries out with NumPy masks."""
+        if self._limit is None:
+            self._limit = self._clock() - self._ttl_ms
+        return self._limit
+
+    @property
+    def unfiltered(self) -> List[Dict[Any, Any]]:
+        """The frozen key-group dicts as they are, expired entries included."""
+        return self._frozen
 
     def get_live(self, i: int, key: Any, default: Any) -> Any:
         """Key group ``i``'s entry of ``key`` without what expired (an incremental
