@@ -298,6 +298,7 @@ cdef enum:
     MERGE_ADD = 0
     MERGE_MIN = 1
     MERGE_MAX = 2
+    MERGE_SET = 3
 
 
 cdef int merge_runs(list groups, list active, const cnp.int64_t[::1] keys, const cnp.int64_t[::1] bounds,
@@ -341,8 +342,9 @@ cdef int merge_runs(list groups, list active, const cnp.int64_t[::1] keys, const
                 elif how == MERGE_MIN:
                     if old < v or old != old:  # a NaN stays, as with np.minimum
                         v = old
-                elif old > v or old != old:
-                    v = old
+                elif how == MERGE_MAX:
+                    if old > v or old != old:
+                        v = old
             current[pos] = v
             out[i] = v
             group.mark(pos)
@@ -362,8 +364,10 @@ def merge_groups(list groups, keys, values, bounds, list active, str how):
         code = MERGE_MIN
     elif how == "max":
         code = MERGE_MAX
+    elif how == "set":
+        code = MERGE_SET
     else:
-        raise ValueError(f"merge_groups: how must be add, min or max, got {how!r}")
+        raise ValueError(f"merge_groups: how must be add, min, max or set, got {how!r}")
     values = np.ascontiguousarray(values)
     dtype = (<ColumnarGroup>groups[0]).values.dtype if groups else values.dtype
     if values.dtype != dtype:
@@ -378,6 +382,50 @@ def merge_groups(list groups, keys, values, bounds, list active, str how):
     else:
         raise TypeError(f"merge_groups: int64 or float64 values only, got {dtype}")
     return out
+
+
+cdef int get_runs(list groups, list active, const cnp.int64_t[::1] keys, const cnp.int64_t[::1] bounds,
+                  merged_t[::1] out, cnp.uint8_t[::1] found) except -1:
+    """ColumnarGroup.get_many for each active key group g on keys[bounds[g]:bounds[g + 1]]."""
+    cdef Py_ssize_t i, g
+    cdef int64_t pos
+    cdef ColumnarGroup group
+    cdef merged_t[::1] current
+    cdef Py_ssize_t ngroups = len(groups)
+    if bounds.shape[0] != ngroups + 1:
+        raise ValueError(f"get_groups: {bounds.shape[0]} bounds for {ngroups} key groups (one more than groups)")
+    for index in active:
+        g = index
+        if g < 0 or g >= ngroups or not 0 <= bounds[g] <= bounds[g + 1] <= keys.shape[0]:
+            raise IndexError(f"get_groups: key group {g} or its bounds are out of range")
+        group = groups[g]
+        if group.n == 0:
+            continue
+        current = group.values
+        for i in range(bounds[g], bounds[g + 1]):
+            pos = pe_i64map_get(&group.index, keys[i])
+            if pos >= 0:
+                out[i] = current[pos]
+                found[i] = 1
+    return 0
+
+
+def get_groups(list groups, keys, bounds, list active):
+    """ColumnarGroup.get_many for every key group in one call (keys sorted by key
+    group, as merge_groups takes them; int64 or float64 groups): (found, values),
+    values 0 where not found, in the order of keys."""
+    dtype = (<ColumnarGroup>groups[0]).values.dtype if groups else np.dtype(np.int64)
+    k = np.ascontiguousarray(keys, dtype=np.int64)
+    b = np.ascontiguousarray(bounds, dtype=np.int64)
+    out = np.zeros(k.shape[0], dtype)
+    found = np.zeros(k.shape[0], np.uint8)
+    if dtype == np.int64:
+        get_runs[cnp.int64_t](groups, active, k, b, out, found)
+    elif dtype == np.float64:
+        get_runs[cnp.float64_t](groups, active, k, b, out, found)
+    else:
+        raise TypeError(f"get_groups: int64 or float64 values only, got {dtype}")
+    return found.view(np.bool_), out
 
 
 def gather_changes(list groups, list touched):

@@ -135,7 +135,12 @@ class MapCalls(StateCalls):
 
 def merge_groups(groups: List[ColumnarGroup], keys: Any, values: Any, bounds: Any, active: List[int], how: str) -> Any:
     """ColumnarGroup.merge_many on every active key group g for keys[bounds[g]:bounds[g + 1]], in one call
-    (int64 or float64 values); the new values, in the order of keys."""
+    (int64 or float64 values; how: "add", "min", "max" or "set", which replaces); the new values, in the
+    order of keys."""
+
+def get_groups(groups: List[ColumnarGroup], keys: Any, bounds: Any, active: List[int]) -> Tuple[Any, Any]:
+    """ColumnarGroup.get_many on every active key group g for keys[bounds[g]:bounds[g + 1]], in one call
+    (int64 or float64 groups): (found, values), values 0 where not found, in the order of keys."""
 
 def gather_changes(groups: List[ColumnarGroup], touched: List[Set[int]]) -> Tuple[Any, Any, Any, Any, Any]:
     """(keys, values, deleted, upserts, deletes) of many groups' changed keys, in one call."""

@@ -16,18 +16,22 @@ dropped and counted in the job's statistics (``numLateRecordsDropped``). Session
 windows merge as Flink's ``MergingWindowSet``: a record opens ``[ts, ts + gap)`` and
 every window that intersects it (touching counts) merges into one.
 
-Two operators run windows, both in the runtime (``pyengine.runtime.aligned_windows``,
-``pyengine.runtime.windows``); this module builds them and checks the arguments:
+Three operators run windows, all in the runtime (``pyengine.runtime.aligned_windows``,
+``pyengine.runtime.session_windows``, ``pyengine.runtime.windows``); this module builds
+them and checks the arguments:
 
 - tumbling and sliding windows with ``.aggregate`` over a stream keyed by a column
   (``AlignedWindowAggregateOperator``): vectorised like ``KeyedStream.aggregate``.
   Every key shares the windows' bounds, so a window fires for all its keys at once
   from columnar state, with no timer per key (see the class);
-- everything else (session windows, ``.process``, keys by function):
+- event-time session windows with ``.aggregate`` over a stream keyed by a column
+  (``SessionWindowAggregateOperator``): per batch, runs cut at gaps in NumPy and merged
+  with each key's open sessions once; its rows are the per-record operator's;
+- everything else (``.process``, keys by function, processing-time sessions):
   ``WindowOperator``, per record, each key's windows in keyed state and their
   triggers as keyed timers, as Flink's ``WindowOperator``.
 
-Both keep their watermark in operator state, so a restore neither re-opens a window
+All three keep their watermark in operator state, so a restore neither re-opens a window
 it had closed nor fires one twice.
 """
 
@@ -40,6 +44,7 @@ from .connectors.base import check_columns
 from .runtime.aligned_windows import AlignedWindowAggregateOperator
 from .runtime.base import OutputTag
 from .runtime.copies import per_subtask
+from .runtime.session_windows import SessionWindowAggregateOperator
 from .runtime.windows import ProcessWindowFunction, TimeWindow, WindowAssigner, WindowOperator
 from .time.strategy import TimestampAssigner
 
@@ -49,6 +54,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AlignedWindowAggregateOperator",
     "ProcessWindowFunction",
+    "SessionWindowAggregateOperator",
     "TimeWindow",
     "WindowAssigner",
     "WindowOperator",
@@ -173,6 +179,11 @@ class WindowedStream:
         if assigner.aligned and column is not None:
             key_column = column
             factory: Callable[..., Any] = lambda uid, n, _c: AlignedWindowAggregateOperator(  # noqa: E731
+                uid, n, key_column, assigner, lateness, timestamps, aggs, late_tag=late
+            )
+        elif assigner.merging and assigner.is_event_time and column is not None:
+            key_column = column
+            factory = lambda uid, n, _c: SessionWindowAggregateOperator(  # noqa: E731
                 uid, n, key_column, assigner, lateness, timestamps, aggs, late_tag=late
             )
         else:

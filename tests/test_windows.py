@@ -266,9 +266,10 @@ def test_a_key_whose_every_record_is_late_leaves_nothing_behind_in_the_session_i
 
     WindowOperator.process = spy  # type: ignore[method-assign]
     try:
-        env.from_collection(records, watermark_strategy=strategy).key_by("k").window(pe.windows.session(100)).aggregate(
-            pe.agg.count()
-        ).sink_to(pe.sinks.CollectSink())
+        # keyed by a function: the per-record WindowOperator (a column key takes the vectorised one)
+        env.from_collection(records, watermark_strategy=strategy).key_by(lambda r: r["k"]).window(
+            pe.windows.session(100)
+        ).aggregate(pe.agg.count()).sink_to(pe.sinks.CollectSink())
         result = env.execute("late-keys")
     finally:
         WindowOperator.process = original  # type: ignore[method-assign]
@@ -300,13 +301,13 @@ def test_a_growing_session_keeps_one_pending_timer_per_key(lateness: int) -> Non
     WindowOperator.process = spy  # type: ignore[method-assign]
     sink = pe.sinks.CollectSink()
     try:
-        env.from_collection(records, watermark_strategy=strategy).key_by("k").window(
+        env.from_collection(records, watermark_strategy=strategy).key_by(lambda r: r["k"]).window(
             pe.windows.session(100)
         ).allowed_lateness(lateness).aggregate(pe.agg.count()).sink_to(sink)
         assert env.execute("growing-sessions").status == "FINISHED"
     finally:
         WindowOperator.process = original  # type: ignore[method-assign]
-    assert sorted((r["k"], r["count"]) for r in sink.records) == [(k, 100) for k in range(20)]
+    assert sorted((r["key"], r["count"]) for r in sink.records) == [(k, 100) for k in range(20)]
     if lateness == 0:
         assert max(pending) == 20, pending
     else:

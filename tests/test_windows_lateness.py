@@ -210,7 +210,7 @@ def test_savepoint_at_2_with_open_windows_resumed_at_3(tmp_path: Any, backend: s
         time.sleep(0.01)
     savepoint = client.stop_with_savepoint(str(tmp_path / "savepoint"))
     client.wait(30)
-    open_state = [n for n in _keyed_state_names(savepoint, "windows") if n.startswith("window")]
+    open_state = [n for n in _keyed_state_names(savepoint, "windows") if n.startswith(("window", "session"))]
     open_state += _pane_entries(savepoint, "windows")  # tumbling and sliding windows keep panes
     assert open_state, "no open window in the savepoint: the test would prove nothing"
     released = threading.Event()

@@ -5,9 +5,9 @@ per record, each key's windows in keyed state and their triggers as keyed timers
 
 The user builds windows in ``pyengine.windows`` (``tumbling``, ``sliding``,
 ``session``, ``WindowedStream``), which checks the arguments and puts one of the
-operators here or in ``runtime.aligned_windows`` into the job graph. Both keep their
-watermark in operator state, so a restore neither re-opens a window it had closed nor
-fires one twice.
+operators here, in ``runtime.aligned_windows`` or in ``runtime.session_windows``
+into the job graph. All keep their watermark in operator state, so a restore neither
+re-opens a window it had closed nor fires one twice.
 """
 
 from __future__ import annotations
