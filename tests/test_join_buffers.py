@@ -12,7 +12,7 @@ import json
 import threading
 from collections import Counter
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any, ClassVar, List, Tuple
 
 import pyarrow as pa
 import pytest
@@ -255,7 +255,7 @@ class _MakesCycles(ProcessJoinFunction):
     """A join function that leaves a garbage cycle per pair and notes the collector's
     youngest-generation threshold while the task runs."""
 
-    thresholds: List[int] = []
+    thresholds: ClassVar[List[int]] = []
 
     def process_element(self, left: Any, right: Any, ctx: ProcessJoinFunction.Context) -> Any:
         _MakesCycles.thresholds.append(gc.get_threshold()[0])

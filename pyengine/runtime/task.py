@@ -49,7 +49,6 @@ MAX_READ_ROWS = 1 << 20  # a slice of a columnar source holds at most this many 
 PRIORITY_CHECK_S = 0.002  # within a batch of buffers, how often an unaligned barrier is looked for
 
 
-
 TASK_GC_THRESHOLD = 20_000
 
 
