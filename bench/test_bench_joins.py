@@ -26,11 +26,13 @@ process's CPU time is the figure, wall time is reported beside it):
   time measured here: 300 k is ~0.23 of it).
 
 Targets are reported met or NOT MET in the summary; what is asserted are regression
-guards under them (``COST_GUARD``, ``JOIN_VS_MAP_GUARD``). Measured here under a load
-average of 8-19 on the 2 cores: checkpoints cost 22-27% (a checkpoint adds 67-124 ms
-of CPU, 7-12% of its interval) and the join ran at 186-250 k events/s with
-checkpoints, 240-323 k without, 0.15-0.19x the map; this file run on the release
-before, same hour: 31% (147 ms a checkpoint), 140 k / 203 k events/s, 0.10x.
+guards under them (``COST_GUARD``, ``JOIN_VS_MAP_GUARD``), and the cyclic collector's
+share of the join's CPU (``GC_SHARE_GUARD``). Measured here under a load average of 6-12
+on the 2 cores, this file and the release before interleaved in the same runs:
+checkpoints cost 17-25% (a checkpoint adds ~114 ms of CPU) and the join ran at 243-271 k
+events/s with checkpoints, 316-352 k without, 0.20-0.235x the map, the collector 4-6% of
+its CPU; the release before 19-24%, 233-256 k / 307-315 k, 0.186-0.193x, the collector
+11-13% (7 full collections a run).
 
 Reported, not asserted: the same join on Arrow batches with ``.project(...)`` (the
 vectorised path the joins guide shows first), from the same events as tables.
