@@ -62,10 +62,10 @@ class _YoungGenerationWhileRunning:
     the youngest generation, again in the middle one, and the many promotions set
     off a full collection every ~25% growth of the oldest, which walks them all
     again. On Nexmark q4's interval join (``bench/test_bench_joins.py``) that was
-    11-13% of the job's CPU, 7 full collections a run; at 20,000, 5%, none. The
+    11-13% of the job's CPU, 7 full collections a run; at 20,000, 4-6%, none. The
     collector still runs on every generation (every 20,000 net allocations, the
     older ones as often relative to it), so cycles made by user code are collected
-    and memory stays bounded (``tests/test_join_buffers.py`` checks it). The
+    and memory stays bounded (``tests/test_join_buffers.py``, ``tests/test_gc_heap.py``). The
     worker processes of the processes executor raise it the same way
     (``runners.processes.WORKER_GC_THRESHOLD``). A threshold someone changed while
     tasks ran is left as they set it."""
