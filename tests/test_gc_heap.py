@@ -130,3 +130,32 @@ def test_a_finished_runs_keyed_state_is_released_with_its_run() -> None:
     backends = [b for b in seen if not isinstance(b, bool)]
     assert len(backends) == 2 and all(b.num_entries() == 0 for b in backends)
     assert [b for b in seen if isinstance(b, bool)] == [True, True]
+
+
+def test_tasks_raise_the_young_threshold_counted_and_leave_a_changed_or_disabled_one() -> None:
+    """Counted across tasks: raised at the first's start, restored at the last's end;
+    a threshold changed while tasks ran, or 0 (the collector off), is left as set."""
+    from pyengine.runtime.task import TASK_GC_THRESHOLD, _YoungGenerationWhileRunning
+
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        young = _YoungGenerationWhileRunning()
+        young.enter()
+        young.enter()
+        assert gc.get_threshold() == (TASK_GC_THRESHOLD, 10, 10)
+        young.exit()
+        assert gc.get_threshold() == (TASK_GC_THRESHOLD, 10, 10), "one task still runs"
+        young.exit()
+        assert gc.get_threshold() == (700, 10, 10)
+        young.enter()
+        gc.set_threshold(5000, 10, 10)  # the user's, while a task runs
+        young.exit()
+        assert gc.get_threshold() == (5000, 10, 10)
+        gc.set_threshold(0, 10, 10)
+        young.enter()
+        assert gc.get_threshold() == (0, 10, 10)
+        young.exit()
+        assert gc.get_threshold() == (0, 10, 10)
+    finally:
+        gc.set_threshold(*before)

@@ -26,7 +26,7 @@ import pyarrow as pa
 from ..errors import NonRetryableError, not_records, refuse_non_records
 from ..io.events import MIN_WATERMARK
 from ..state import ListStateDescriptor, ValueStateDescriptor
-from ..state.serializers import StateSerializationError, serializer_for
+from ..state.serializers import StateSerializationError, safe_packer, serializer_for
 from ..time.strategy import TimestampAssigner
 from .arrow_joins import ArrowIntervalJoinOperator, ArrowWindowJoinOperator, joined_schema
 from .base import OperatorContext, OutputTag, UserFunctionError, rows_of
@@ -105,18 +105,6 @@ class ProcessJoinFunction:
         pass
 
 
-def _segment_packer() -> Callable[[Any], bytes]:
-    """The safe serializer's encoding (the same bytes as its ``dumps``, which its
-    ``loads`` reads), by one reused ``msgpack.Packer``: ``dumps`` makes a packer per
-    call, 3.4 us of a 4 us call for a segment of one record, and a checkpoint seals
-    a segment per key with new entries (thousands). Used on the task thread only."""
-    import msgpack
-
-    from ..state.serializers import _default  # the safe serializer's extension types
-
-    return msgpack.Packer(default=_default, strict_types=True, use_bin_type=True).pack  # type: ignore[no-any-return]
-
-
 class IntervalJoinOperator(LateCounting):
     """Flink's ``IntervalJoinOperator``; see the module docstring.
 
@@ -155,7 +143,7 @@ class IntervalJoinOperator(LateCounting):
         self._views: Dict[Any, _Pair] = {}  # key -> its two sides
         self._unwritten: Dict[Any, _Pair] = {}  # keys with entries no checkpoint wrote
         self._timers: Any = None
-        self._dumps, self._loads = _segment_packer(), serializer_for("safe").loads
+        self._dumps, self._loads = safe_packer(), serializer_for("safe").loads
 
     def setup(self, ctx: OperatorContext, restored: Any) -> None:
         super().setup(ctx, restored)
@@ -353,13 +341,17 @@ class IntervalJoinOperator(LateCounting):
         """Every key's entries that no checkpoint wrote yet become one segment per
         side in the key's list state (one encoding call per key and side, each
         record encoded once); then the backend snapshots as usual."""
-        backend, dumps = self.backend, self._dumps
+        dumps, set_key = self._dumps, self.backend.set_current_key
+        add_left, add_right = self._segments[0].add, self._segments[1].add
         try:
-            for key, pair in self._unwritten.items():
-                backend.set_current_key(key)
-                for side, buffer in enumerate(pair):
-                    if buffer is not None and buffer.unwritten():
-                        self._segments[side].add(buffer.seal(dumps))
+            # One pass, no call per key beyond the key's, the encoding and the list-state
+            # add: a checkpoint of q4 writes ~20 k keys (``SideBuffer.unwritten`` inlined).
+            for key, (left, right) in self._unwritten.items():
+                set_key(key)
+                if left is not None and (left.new_times if left.segments else left.times):
+                    add_left(left.seal(dumps))
+                if right is not None and (right.new_times if right.segments else right.times):
+                    add_right(right.seal(dumps))
         except (TypeError, ValueError, OverflowError) as exc:
             raise StateSerializationError(
                 f"{self.where()}: a buffered record cannot be checkpointed: {exc}; join records of plain data "
