@@ -33,16 +33,57 @@ the floor stops it, and its in-flight time is cut by the number of buffers inste
 Nothing is limited while the consumer is not the bottleneck: a channel that was
 found empty during the window (the consumer waited for data) plans the configured
 size and capacity, so a job without backpressure runs exactly as with debloating off.
+
+**Growing** (where the engine chose the buffer size, ``StreamEnvironment(buffer_size=None)``;
+``grow()``). Flink only shrinks buffers; a vectorised engine must also grow them, since
+each buffer costs every operator it passes a fixed amount (a Python call, an Arrow
+kernel's setup, a keyed aggregate's per-key merge of what the buffer holds) and at the
+1,024 records or 256 KiB of the defaults that cost was two thirds of a keyed
+aggregate's time (0.33x of ``buffer_size=65536``). So a channel whose limits are not
+latency-bound grows its buffers towards ``GROW_FILL_MS`` of what flows through it
+(records/s over the whole window, busy or not: when the consumer waits, the producer's
+own per-buffer cost is what bigger buffers save), in doublings of the configured size,
+as long as
+
+* ``MIN_IN_FLIGHT`` grown buffers still fit the latency target (the consumer's rate times
+  ``target_ms``, the same budget shrinking keeps to), so a grown channel never holds
+  more of its consumer's time than a debloated one may: aligned barriers and unaligned
+  checkpoints' in-flight data stay bounded in time;
+* a buffer stays under ``MAX_BUFFER_BYTES`` and a channel's grown in-flight data under
+  ``MAX_IN_FLIGHT_BYTES`` (Arrow rows by their measured width, Python records reckoned at
+  ``PY_RECORD_BYTES``), so memory and what an unaligned checkpoint persists stay bounded
+  in bytes too.
+
+It shrinks back (halving) when the flow or the budget falls under three quarters of
+the grown size, and as soon as the consumer's latency budget no longer fits the
+configured size the shrinking rule above takes over. An Arrow source reads slices of
+what its grown channels take (``Output.read_rows``), so Parquet rows come in batches
+of the grown size instead of being cut small and glued again. An explicit
+``buffer_size`` is a ceiling, as in Flink: nothing grows past it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-__all__ = ["MIN_BATCH_BYTES", "MIN_IN_FLIGHT", "MIN_RECORDS", "ChannelDebloater", "Plan", "plan"]
+__all__ = [
+    "GROW_FILL_MS",
+    "MAX_BUFFER_BYTES",
+    "MAX_IN_FLIGHT_BYTES",
+    "MIN_BATCH_BYTES",
+    "MIN_IN_FLIGHT",
+    "MIN_RECORDS",
+    "ChannelDebloater",
+    "Plan",
+    "grow",
+    "plan",
+]
+
+log = logging.getLogger(__name__)
 
 PERIOD_S = 0.1  # how often a channel's limits are re-planned (Flink: 200 ms)
 WINDOW = 20  # periods the consumer's rate is measured over (Flink: 20 samples)
@@ -51,6 +92,14 @@ STARVED_SHARE = 0.25  # a period is busy when at most this share of looks found 
 MIN_IN_FLIGHT = 2  # buffers: one being taken by the consumer while the next is ready
 MIN_RECORDS = 16  # Python records per buffer, at least (see "Floors" in the module docstring)
 MIN_BATCH_BYTES = 32 * 1024  # an Arrow slice, at least (Flink's default buffer; 256 B was FLINK-33077)
+# Growing (see "Growing" in the module docstring)
+GROW_FILL_MS = 100  # a grown buffer holds about this much of the channel's flow (the default buffer timeout)
+GROW_WINDOW = 3  # periods the flow is measured over for growing: the flow rises as buffers grow
+GROW_PERIOD_S = 0.025  # the period while a channel that may grow is still growing: a short job gains too
+MAX_BUFFER_BYTES = 4 << 20  # a grown buffer, at most
+MAX_IN_FLIGHT_BYTES = 16 << 20  # a grown channel's queued buffers, at most
+PY_RECORD_BYTES = 256  # what one Python record (a small dict or tuple and its values) is reckoned to take
+SHRINK_BELOW = 0.75  # a grown size halves once what it may hold falls under this share of it
 
 
 @dataclass(frozen=True)
@@ -87,6 +136,51 @@ def plan(
     return Plan(max(min_size, min(size, max_size)), floor_buffers)
 
 
+def grow(
+    flow_per_s: float,
+    records_per_s: float,
+    target_ms: float,
+    *,
+    size: int,
+    floor: int,
+    capacity: int,
+    row_bytes: int,
+    busy: bool,
+) -> Plan:
+    """The limits of a channel allowed to grow (see "Growing" in the module docstring):
+    ``size`` is its records per buffer now, ``floor`` the configured size it never
+    grows below (nor is it asked to shrink under: that is ``plan``'s part),
+    ``flow_per_s`` the records/s through the channel over the window, ``records_per_s``
+    the consumer's rate over its busy periods (the latency budget when ``busy``; when
+    the consumer waited, the queue is empty and the flow is the budget), ``row_bytes``
+    a record's width. Sizes are ``floor`` times a power of two, so a noisy rate does not
+    re-plan the size at every period."""
+    floor = max(1, floor)
+    row_bytes = max(1, row_bytes)
+    rate = records_per_s if busy else flow_per_s
+    if flow_per_s <= 0 or flow_per_s != flow_per_s or rate <= 0 or rate != rate:
+        return Plan(floor, capacity)
+    budget = rate * target_ms / 1000.0  # records in flight that keep to the latency target
+    room = min(
+        flow_per_s * GROW_FILL_MS / 1000.0,
+        budget / MIN_IN_FLIGHT,
+        MAX_BUFFER_BYTES / row_bytes,
+    )
+    size = max(floor, size)
+    if room >= 2 * size:  # grow: the largest doubling of the floor that fits
+        while 2 * size <= room:
+            size *= 2
+    while size > floor and room < SHRINK_BELOW * size:  # shrink: halve until it fits again
+        size //= 2
+    size = max(floor, size)
+    in_flight = capacity
+    if size > floor:  # grown: the byte bound, and the budget when the consumer is the bottleneck
+        in_flight = min(in_flight, max(MIN_IN_FLIGHT, MAX_IN_FLIGHT_BYTES // (size * row_bytes)))
+        if busy:
+            in_flight = min(in_flight, max(MIN_IN_FLIGHT, int(budget // size)))
+    return Plan(size, max(1, min(in_flight, capacity)))
+
+
 class ChannelDebloater:
     """One output channel's measurement and limits; called from the producing task's
     thread only (the statistics read ``size``/``in_flight``/``rate`` from others:
@@ -98,30 +192,49 @@ class ChannelDebloater:
     fast the consumer can go. A period in which it waited also loosens the limits a
     step (one buffer more, or larger buffers), since a limit too tight is one reason a
     consumer waits; planning from its slower rate instead would tighten them further
-    (the spiral of FLINK-33077)."""
+    (the spiral of FLINK-33077).
+
+    ``can_grow`` (the engine chose the buffer size): once the limits are not shrunk,
+    ``grow`` plans from the flow over every period of the window, and ``grown`` says
+    the size is above the configured one (``Output`` then cuts Python records at it,
+    and an Arrow source reads slices of it)."""
 
     __slots__ = (
         "_busy",
+        "_ceiling",
         "_consumed",
         "_consumed_buffers",
         "_empty",
         "_looks",
         "_next_sample",
+        "_periods",
         "_period_consumed",
+        "_period_s",
         "_period_start",
         "_queued_sizes",
+        "can_grow",
         "capacity",
+        "flow",
+        "grown",
         "in_flight",
         "max_size",
         "min_size",
         "rate",
+        "row_bytes",
         "shrunk",
         "size",
         "target_ms",
     )
 
-    def __init__(self, target_ms: float, max_size: int, capacity: int, min_size: int = MIN_RECORDS) -> None:
+    def __init__(
+        self, target_ms: float, max_size: int, capacity: int, min_size: int = MIN_RECORDS, can_grow: bool = False
+    ) -> None:
         self.target_ms = target_ms
+        self.can_grow = can_grow
+        self.grown = False  # size is above the ceiling: grown by ``grow``
+        self.flow = 0.0  # records/s through the channel over the window's periods, busy or not
+        self.row_bytes = PY_RECORD_BYTES  # a record's width (an Arrow row's, once one was pushed)
+        self._ceiling = max_size
         self.max_size = max_size
         self.capacity = capacity
         self.min_size = min_size
@@ -134,8 +247,10 @@ class ChannelDebloater:
         self._consumed = 0  # records the consumer took so far
         self._consumed_buffers = 0  # data buffers among them
         self._busy: Deque[Tuple[float, int]] = deque(maxlen=WINDOW)  # (seconds, records) per busy period
+        self._periods: Deque[Tuple[float, int]] = deque(maxlen=GROW_WINDOW)  # (seconds, records) per period
         now = time.monotonic()
         self._period_start = now
+        self._period_s = GROW_PERIOD_S if can_grow else PERIOD_S
         self._period_consumed = 0
         self._looks = 0
         self._empty = 0
@@ -168,7 +283,7 @@ class ChannelDebloater:
         self._looks += 1
         if queued == 0:
             self._empty += 1
-        if now - self._period_start >= PERIOD_S:
+        if now - self._period_start >= self._period_s:
             self._replan(now)
 
     def _replan(self, now: float) -> None:
@@ -177,26 +292,65 @@ class ChannelDebloater:
         busy = self._empty <= STARVED_SHARE * self._looks
         self._period_start, self._period_consumed, self._looks, self._empty = now, self._consumed, 0, 0
         # the ceiling is the configured size, or what the buffers hold when they come
-        # larger (Arrow batches go on as they come: their rows are the size then)
-        ceiling = self.max_size
-        if self._consumed_buffers:
-            ceiling = max(ceiling, self._consumed // self._consumed_buffers)
+        # larger (Arrow batches go on as they come: their rows are the size then); a
+        # grown channel's buffers hold what it grew to, so its ceiling stays as it was
+        ceiling = self._ceiling
+        if not self.grown:
+            ceiling = self.max_size
+            if self._consumed_buffers:
+                ceiling = max(ceiling, self._consumed // self._consumed_buffers)
+            self._ceiling = ceiling
+        self._periods.append((seconds, consumed))
+        self.flow = sum(c for _, c in self._periods) / max(1e-9, sum(t for t, _ in self._periods))
         if not busy:
             if self.size < ceiling:
                 self.size = min(ceiling, self.size * 2)
             else:
-                self.size = ceiling
+                self.size = self.size if self.grown else ceiling
                 self.in_flight = min(self.capacity, self.in_flight + 1)
             self.shrunk = self.size < ceiling
-            return
-        self._busy.append((seconds, consumed))
-        self.rate = sum(c for _, c in self._busy) / max(1e-9, sum(t for t, _ in self._busy))
-        p = plan(self.rate, self.target_ms, max_size=ceiling, capacity=self.capacity, min_size=self.min_size)
-        self.size, self.in_flight = p.size, p.in_flight
-        self.shrunk = p.size < ceiling
+        else:
+            self._busy.append((seconds, consumed))
+            self.rate = sum(c for _, c in self._busy) / max(1e-9, sum(t for t, _ in self._busy))
+            p = plan(self.rate, self.target_ms, max_size=ceiling, capacity=self.capacity, min_size=self.min_size)
+            self.size, self.in_flight = p.size, p.in_flight
+            self.shrunk = p.size < ceiling
+        if self.can_grow and not self.shrunk:
+            before = self.size if self.grown else ceiling
+            g = grow(
+                self.flow,
+                self.rate,
+                self.target_ms,
+                size=before,
+                floor=ceiling,
+                capacity=self.in_flight,
+                row_bytes=self.row_bytes,
+                busy=busy,
+            )
+            self.size, self.in_flight = g.size, g.in_flight
+            self.grown = g.size > ceiling
+            # short periods while it grows: a job of a few seconds reaches its size early
+            self._period_s = GROW_PERIOD_S if g.size > before else PERIOD_S
+            if g.size != before:
+                log.debug(
+                    "adaptive buffers: %s a channel's buffers to %d records (%.0f records/s through it, %d in flight)",
+                    "grew" if g.size > before else "shrank",
+                    g.size,
+                    self.flow,
+                    g.in_flight,
+                )
+        else:
+            self.grown = False
+            self._period_s = PERIOD_S
 
     def stats(self) -> Dict[str, Any]:
-        return {"buffer_size": self.size, "buffers_in_flight": self.in_flight, "consumer_records_per_s": self.rate}
+        return {
+            "buffer_size": self.size,
+            "buffers_in_flight": self.in_flight,
+            "consumer_records_per_s": self.rate,
+            "records_per_s": self.flow,
+            "grown": self.grown,
+        }
 
 
 def summarize(channels: List[ChannelDebloater]) -> Optional[Dict[str, Any]]:

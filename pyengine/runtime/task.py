@@ -45,6 +45,7 @@ _INPUT, _OUTPUT = 0, 1  # the two kinds of in-flight records of an unaligned che
 
 
 MAX_READ_ROWS = 1 << 20  # a slice of a columnar source holds at most this many rows
+MAX_READ_BYTES = 16 << 20  # and at most this many bytes when its output channels grew
 PRIORITY_CHECK_S = 0.002  # within a batch of buffers, how often an unaligned barrier is looked for
 
 
@@ -751,6 +752,10 @@ class StreamTask:
                 n = self.buffer_size
                 if self._row_bytes:
                     n = max(n, min(self.read_bytes // self._row_bytes, MAX_READ_ROWS))  # type: ignore[operator]
+                    # grown output channels (pyengine.runtime.debloat.grow): read what they take
+                    grown = self.output.read_rows() if self.output is not None else None
+                    if grown is not None:
+                        n = max(n, min(grown, MAX_READ_ROWS, MAX_READ_BYTES // self._row_bytes))
                 records = source.read(n)
                 if self.read_bytes and not self._row_bytes and type(records) is pa.RecordBatch and records.num_rows:
                     # sized once, from the first slice: a file source re-positions its reader
