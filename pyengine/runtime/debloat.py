@@ -38,7 +38,7 @@ size and capacity, so a job without backpressure runs exactly as with debloating
 ``grow()``). Flink only shrinks buffers; a vectorised engine must also grow them, since
 each buffer costs every operator it passes a fixed amount (a Python call, an Arrow
 kernel's setup, a keyed aggregate's per-key merge of what the buffer holds) and at the
-1,024 records or 256 KiB of the defaults that cost was two thirds of a keyed
+1,024 records or 256 KiB slices of the defaults before, that cost was two thirds of a keyed
 aggregate's time (0.33x of ``buffer_size=65536``). So a channel whose limits are not
 latency-bound grows its buffers towards ``GROW_FILL_MS`` of what flows through it
 (records/s over the whole window, busy or not: when the consumer waits, the producer's
@@ -95,7 +95,7 @@ MIN_BATCH_BYTES = 32 * 1024  # an Arrow slice, at least (Flink's default buffer;
 # Growing (see "Growing" in the module docstring)
 GROW_FILL_MS = 100  # a grown buffer holds about this much of the channel's flow (the default buffer timeout)
 GROW_WINDOW = 3  # periods the flow is measured over for growing: the flow rises as buffers grow
-GROW_PERIOD_S = 0.025  # the period while a channel that may grow is still growing: a short job gains too
+GROW_PERIOD_S = 0.01  # the period while a channel that may grow is still growing: a short job gains too
 MAX_BUFFER_BYTES = 4 << 20  # a grown buffer, at most
 MAX_IN_FLIGHT_BYTES = 16 << 20  # a grown channel's queued buffers, at most
 PY_RECORD_BYTES = 256  # what one Python record (a small dict or tuple and its values) is reckoned to take
