@@ -21,7 +21,6 @@ import pyengine.runtime.debloat as debloat_module
 from pyengine.connectors.files import FileSource
 from pyengine.io import CheckpointedInputGate
 from pyengine.runtime.debloat import (
-    GROW_FILL_MS,
     MAX_BUFFER_BYTES,
     MAX_IN_FLIGHT_BYTES,
     MIN_IN_FLIGHT,
@@ -34,44 +33,58 @@ from pyengine.runtime.outputs import Output
 # -- the growing rule -------------------------------------------------------------------------
 
 
-def test_a_fast_channel_grows_in_doublings_up_to_its_flow_of_the_fill_time() -> None:
-    # 200,000 records/s: 20,000 in GROW_FILL_MS (100 ms); Arrow rows of 24 bytes
-    assert GROW_FILL_MS == 100
-    p = grow(200_000, 0.0, 1000, size=1024, floor=1024, capacity=8, row_bytes=24, busy=False)
-    assert p == Plan(16_384, 8)  # the largest 1,024 * 2^k under 20,000
+def _grow(flow: float, rate: float = 0.0, target_ms: float = 1000, **kw: Any) -> Plan:
+    args = {"size": 1024, "floor": 1024, "capacity": 8, "row_bytes": 24, "busy": False, **kw}
+    return grow(flow, rate, target_ms, **args)
+
+
+def test_a_throughput_bound_channel_doubles_once_a_period() -> None:
+    assert _grow(200_000) == Plan(2048, 8)
+    assert _grow(200_000, size=2048) == Plan(4096, 8)
     # a floor that is no power of two (an Arrow source's slices): doublings of it
-    assert grow(200_000, 0.0, 1000, size=5000, floor=5000, capacity=8, row_bytes=24, busy=False).size == 20_000
+    assert _grow(200_000, size=5000, floor=5000).size == 10_000
+    assert _grow(200_000, size=10_000, floor=5000).size == 20_000
+
+
+def test_an_input_bound_channel_halves_back_to_its_floor() -> None:
+    assert _grow(200_000, size=8192, input_bound=True).size == 4096
+    assert _grow(200_000, size=1024, input_bound=True) == Plan(1024, 8)  # never under the floor
+    # nothing flows (a consumer that waited and took nothing): back to the floor
+    assert _grow(0.0, size=8192) == Plan(1024, 8)
+    assert _grow(float("nan"), size=8192).size == 1024
+    # a busy consumer not measured yet: held
+    assert _grow(0.0, 0.0, size=8192, busy=True).size == 8192
 
 
 def test_growing_keeps_two_buffers_within_the_latency_target() -> None:
     # the consumer is the bottleneck at 10,000 records/s, target 1 s: 10,000 records may
     # be in flight, so at most 5,000 per buffer (MIN_IN_FLIGHT of them), whatever the flow
-    p = grow(1_000_000, 10_000, 1000, size=1024, floor=1024, capacity=8, row_bytes=24, busy=True)
+    p = _grow(1_000_000, 10_000, size=4096, busy=True)
     assert p == Plan(4096, MIN_IN_FLIGHT)
     assert p.size * p.in_flight <= 10_000
-    # the same flow with a target of 5 ms: not even two configured buffers fit, nothing grows
-    assert grow(1_000_000, 10_000, 5, size=1024, floor=1024, capacity=8, row_bytes=24, busy=True) == Plan(1024, 8)
+    # a grown size past the budget (the consumer slowed) halves until it fits
+    assert _grow(1_000_000, 10_000, size=32_768, busy=True) == Plan(4096, MIN_IN_FLIGHT)
+    # the same consumer with a target of 5 ms: not even two configured buffers fit, nothing grows
+    assert _grow(1_000_000, 10_000, 5, busy=True) == Plan(1024, 8)
+    # a consumer that waited: the flow is its budget (it takes at least that much)
+    assert _grow(4_000, 0.0, size=1024) == Plan(1024, 8)  # 2 x 2,048 > 4,000 in 1 s
 
 
 def test_growing_keeps_to_the_byte_bounds() -> None:
     # wide rows: a buffer stays under MAX_BUFFER_BYTES, a channel under MAX_IN_FLIGHT_BYTES
     row = 1000
-    p = grow(10_000_000, 0.0, 1000, size=64, floor=64, capacity=8, row_bytes=row, busy=False)
-    assert p.size * row <= MAX_BUFFER_BYTES and p.size > MAX_BUFFER_BYTES // row // 2
+    size = 64
+    for _ in range(20):
+        p = _grow(10_000_000, size=size, floor=64, row_bytes=row)
+        size = p.size
+    assert size * row <= MAX_BUFFER_BYTES < 2 * size * row
     assert p.in_flight * p.size * row <= MAX_IN_FLIGHT_BYTES
-    # Python records are reckoned at PY_RECORD_BYTES: 16,384 records a buffer at most
-    p = grow(10_000_000, 0.0, 1000, size=1024, floor=1024, capacity=8, row_bytes=256, busy=False)
+    # Python records are reckoned at PY_RECORD_BYTES (256): 16,384 records a buffer at most
+    size = 1024
+    for _ in range(20):
+        p = _grow(10_000_000, size=size, row_bytes=256)
+        size = p.size
     assert p == Plan(16_384, 4)
-
-
-def test_a_grown_size_shrinks_back_with_some_hysteresis() -> None:
-    # grown to 8,192: the flow drops so that the fill time holds 7,000 (over 3/4): kept
-    assert grow(70_000, 0.0, 1000, size=8192, floor=1024, capacity=8, row_bytes=24, busy=False).size == 8192
-    # 5,000 (under 3/4 of 8,192): halved to 4,096
-    assert grow(50_000, 0.0, 1000, size=8192, floor=1024, capacity=8, row_bytes=24, busy=False).size == 4096
-    # nothing flows: back to the floor
-    assert grow(0.0, 0.0, 1000, size=8192, floor=1024, capacity=8, row_bytes=24, busy=False) == Plan(1024, 8)
-    assert grow(float("nan"), 0.0, 1000, size=8192, floor=1024, capacity=8, row_bytes=24, busy=False).size == 1024
 
 
 # -- one channel, fed synthetic measurements ---------------------------------------------------
@@ -93,19 +106,28 @@ def _periods(c: ChannelDebloater, *, records: int, periods: int, queued: int, no
     return now
 
 
-def test_a_channel_grows_while_its_consumer_keeps_up_and_shrinks_when_it_is_the_bottleneck() -> None:
+def test_a_channel_grows_while_throughput_bound_and_gives_way_when_input_or_latency_bound() -> None:
     c = ChannelDebloater(1000, max_size=1024, capacity=8, can_grow=True)
     c._period_start = 0.0
     assert c._period_s == debloat_module.GROW_PERIOD_S  # short periods while it may still grow
-    # 400,000 records/s, the consumer waiting for data: grows to 32,768 (40,000 in 100 ms)
-    # over a few periods, then the periods are long again
+    # 400,000 records/s in full buffers, the consumer waiting for data (the producer is
+    # the bottleneck: its own per-buffer cost is what bigger buffers save): one doubling
+    # a period, up to the byte bound of Python records (16,384), then long periods again
     now = 0.0
     for _ in range(8):
         now = _periods(c, records=int(400_000 * c._period_s), periods=1, queued=0, now=now)
-    assert c.grown and c.size == 16_384  # PY_RECORD_BYTES: 16,384 Python records at most
+    assert c.grown and c.size == 16_384
     assert c._period_s == debloat_module.PERIOD_S
     assert c.stats()["grown"] and c.stats()["buffer_size"] == 16_384
-    # now the consumer is the bottleneck at 1,500 records/s: 1,500 may be in flight, under
+    # its buffers now leave part-filled on the buffer timeout (short of input): halved
+    c.pushed(100)
+    c.partial()
+    now = _periods(c, records=0, periods=1, queued=0, now=now)
+    assert c.size == 8192
+    # a period in which nothing went through changes nothing
+    now = _periods(c, records=0, periods=1, queued=0, now=now)
+    assert c.size == 8192
+    # the consumer is the bottleneck at 1,500 records/s: 1,500 may be in flight, under
     # two buffers of the configured 1,024: the shrinking rule takes over from growing
     now = _periods(c, records=150, periods=25, queued=3, now=now)
     assert not c.grown and c.shrunk and c.size < 1024 and c.in_flight == MIN_IN_FLIGHT

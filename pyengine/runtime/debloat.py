@@ -37,29 +37,31 @@ size and capacity, so a job without backpressure runs exactly as with debloating
 **Growing** (where the engine chose the buffer size, ``StreamEnvironment(buffer_size=None)``;
 ``grow()``). Flink only shrinks buffers; a vectorised engine must also grow them, since
 each buffer costs every operator it passes a fixed amount (a Python call, an Arrow
-kernel's setup, a keyed aggregate's per-key merge of what the buffer holds) and at the
-1,024 records or 256 KiB slices of the defaults before, that cost was two thirds of a keyed
-aggregate's time (0.33x of ``buffer_size=65536``). So a channel whose limits are not
-latency-bound grows its buffers towards ``GROW_FILL_MS`` of what flows through it
-(records/s over the whole window, busy or not: when the consumer waits, the producer's
-own per-buffer cost is what bigger buffers save), in doublings of the configured size,
-as long as
+kernel's setup, a keyed aggregate's per-key merge of what the buffer holds): at the
+1,024 records or 256 KiB slices of the defaults before, that cost was two thirds of a
+keyed aggregate's time (0.33x of ``buffer_size=65536``). So a channel whose limits are
+not shrunk doubles its buffers once a period (``GROW_PERIOD_S`` while it grows, so a
+job of seconds gains too) while it is *throughput-bound*: its buffers leave full (the
+consumer busy, or the producer producing as fast as it can: either way fewer, larger
+buffers cut the per-buffer cost on both sides), as long as
 
 * ``MIN_IN_FLIGHT`` grown buffers still fit the latency target (the consumer's rate times
-  ``target_ms``, the same budget shrinking keeps to), so a grown channel never holds
-  more of its consumer's time than a debloated one may: aligned barriers and unaligned
-  checkpoints' in-flight data stay bounded in time;
-* a buffer stays under ``MAX_BUFFER_BYTES`` and a channel's grown in-flight data under
+  ``target_ms``, the budget shrinking keeps to; when the consumer waited, the flow),
+  and the buffers queued stay within it, so a grown channel never holds more of its
+  consumer's time than a debloated one may: aligned barriers and what unaligned
+  checkpoints persist stay bounded in time;
+* a buffer stays under ``MAX_BUFFER_BYTES`` and a grown channel's queued buffers under
   ``MAX_IN_FLIGHT_BYTES`` (Arrow rows by their measured width, Python records reckoned at
-  ``PY_RECORD_BYTES``), so memory and what an unaligned checkpoint persists stay bounded
-  in bytes too.
+  ``PY_RECORD_BYTES``), so memory and unaligned checkpoints stay bounded in bytes too.
 
-It shrinks back (halving) when the flow or the budget falls under three quarters of
-the grown size, and as soon as the consumer's latency budget no longer fits the
-configured size the shrinking rule above takes over. An Arrow source reads slices of
-what its grown channels take (``Output.read_rows``), so Parquet rows come in batches
-of the grown size instead of being cut small and glued again. An explicit
-``buffer_size`` is a ceiling, as in Flink: nothing grows past it.
+A channel whose producer is short of input (at least half of a period's buffers left
+part-filled on the buffer timeout, or its source's reads came back short) halves its
+size instead, back to the configured one: live input then gains nothing from waiting
+for a larger buffer. As soon as the consumer's latency budget no longer fits the
+configured size, the shrinking rule above takes over. An Arrow source reads slices of
+what its grown channels take (``Output.read_rows``), so Parquet rows come in batches of
+the grown size. An explicit ``buffer_size`` is a ceiling, as in Flink: nothing grows
+past it.
 """
 
 from __future__ import annotations
@@ -71,7 +73,6 @@ from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 __all__ = [
-    "GROW_FILL_MS",
     "MAX_BUFFER_BYTES",
     "MAX_IN_FLIGHT_BYTES",
     "MIN_BATCH_BYTES",
@@ -93,13 +94,11 @@ MIN_IN_FLIGHT = 2  # buffers: one being taken by the consumer while the next is 
 MIN_RECORDS = 16  # Python records per buffer, at least (see "Floors" in the module docstring)
 MIN_BATCH_BYTES = 32 * 1024  # an Arrow slice, at least (Flink's default buffer; 256 B was FLINK-33077)
 # Growing (see "Growing" in the module docstring)
-GROW_FILL_MS = 100  # a grown buffer holds about this much of the channel's flow (the default buffer timeout)
 GROW_WINDOW = 3  # periods the flow is measured over for growing: the flow rises as buffers grow
 GROW_PERIOD_S = 0.01  # the period while a channel that may grow is still growing: a short job gains too
 MAX_BUFFER_BYTES = 4 << 20  # a grown buffer, at most
 MAX_IN_FLIGHT_BYTES = 16 << 20  # a grown channel's queued buffers, at most
 PY_RECORD_BYTES = 256  # what one Python record (a small dict or tuple and its values) is reckoned to take
-SHRINK_BELOW = 0.75  # a grown size halves once what it may hold falls under this share of it
 
 
 @dataclass(frozen=True)
@@ -146,31 +145,32 @@ def grow(
     capacity: int,
     row_bytes: int,
     busy: bool,
+    input_bound: bool = False,
 ) -> Plan:
-    """The limits of a channel allowed to grow (see "Growing" in the module docstring):
-    ``size`` is its records per buffer now, ``floor`` the configured size it never
-    grows below (nor is it asked to shrink under: that is ``plan``'s part),
-    ``flow_per_s`` the records/s through the channel over the window, ``records_per_s``
-    the consumer's rate over its busy periods (the latency budget when ``busy``; when
-    the consumer waited, the queue is empty and the flow is the budget), ``row_bytes``
-    a record's width. Sizes are ``floor`` times a power of two, so a noisy rate does not
-    re-plan the size at every period."""
+    """The limits of a channel allowed to grow, for one period (see "Growing" in the
+    module docstring): ``size`` is its records per buffer now, ``floor`` the configured
+    size it never grows below (shrinking under it is ``plan``'s part),
+    ``flow_per_s`` the records/s through the channel over the last periods,
+    ``records_per_s`` the consumer's rate over its busy periods (the latency budget when
+    ``busy``; when the consumer waited, the queue is empty and the flow is the budget),
+    ``row_bytes`` a record's width, ``input_bound`` whether the producer was short of
+    input this period (its buffers left part-filled on the buffer timeout, its source's
+    reads came short). Throughput-bound: one doubling, while ``MIN_IN_FLIGHT`` buffers
+    fit the budget and a buffer ``MAX_BUFFER_BYTES``; input-bound: one halving. Sizes
+    are ``floor`` times a power of two."""
     floor = max(1, floor)
     row_bytes = max(1, row_bytes)
     rate = records_per_s if busy else flow_per_s
-    if flow_per_s <= 0 or flow_per_s != flow_per_s or rate <= 0 or rate != rate:
-        return Plan(floor, capacity)
+    if rate <= 0 or rate != rate:  # unmeasured: nothing flows (back to the floor), or a busy consumer
+        return Plan(max(floor, size) if busy else floor, capacity)  # not yet measured (as it was)
     budget = rate * target_ms / 1000.0  # records in flight that keep to the latency target
-    room = min(
-        flow_per_s * GROW_FILL_MS / 1000.0,
-        budget / MIN_IN_FLIGHT,
-        MAX_BUFFER_BYTES / row_bytes,
-    )
+    room = min(budget / MIN_IN_FLIGHT, MAX_BUFFER_BYTES / row_bytes)
     size = max(floor, size)
-    if room >= 2 * size:  # grow: the largest doubling of the floor that fits
-        while 2 * size <= room:
-            size *= 2
-    while size > floor and room < SHRINK_BELOW * size:  # shrink: halve until it fits again
+    if input_bound:
+        size = max(floor, size // 2)
+    elif 2 * size <= room:
+        size *= 2
+    while size > floor and size > room:  # the bounds moved (a slower consumer): halve until it fits
         size //= 2
     size = max(floor, size)
     in_flight = capacity
@@ -195,7 +195,7 @@ class ChannelDebloater:
     (the spiral of FLINK-33077).
 
     ``can_grow`` (the engine chose the buffer size): once the limits are not shrunk,
-    ``grow`` plans from the flow over every period of the window, and ``grown`` says
+    ``grow`` plans once a period (see its docstring), and ``grown`` says
     the size is above the configured one (``Output`` then cuts Python records at it,
     and an Arrow source reads slices of it)."""
 
@@ -207,7 +207,9 @@ class ChannelDebloater:
         "_empty",
         "_looks",
         "_next_sample",
+        "_partial",
         "_period_consumed",
+        "_period_pushes",
         "_period_s",
         "_period_start",
         "_periods",
@@ -252,6 +254,8 @@ class ChannelDebloater:
         self._period_start = now
         self._period_s = GROW_PERIOD_S if can_grow else PERIOD_S
         self._period_consumed = 0
+        self._period_pushes = 0  # data buffers pushed this period
+        self._partial = 0  # of them, sent part-filled for want of input (or short source reads)
         self._looks = 0
         self._empty = 0
         self._next_sample = now
@@ -259,6 +263,13 @@ class ChannelDebloater:
     def pushed(self, records: int) -> None:
         """An item went into the channel (``records`` 0 for an event)."""
         self._queued_sizes.append(records)
+        if records:
+            self._period_pushes += 1
+
+    def partial(self) -> None:
+        """The producer was short of input: a buffer left part-filled on the buffer
+        timeout, or its source's read gave fewer rows than asked (see ``grow``)."""
+        self._partial += 1
 
     def jumped(self) -> None:
         """A barrier went in ahead of the queued data (unaligned): it leaves first."""
@@ -290,7 +301,9 @@ class ChannelDebloater:
         seconds = now - self._period_start
         consumed = self._consumed - self._period_consumed
         busy = self._empty <= STARVED_SHARE * self._looks
+        pushes, partial = self._period_pushes, self._partial
         self._period_start, self._period_consumed, self._looks, self._empty = now, self._consumed, 0, 0
+        self._period_pushes = self._partial = 0
         # the ceiling is the configured size, or what the buffers hold when they come
         # larger (Arrow batches go on as they come: their rows are the size then); a
         # grown channel's buffers hold what it grew to, so its ceiling stays as it was
@@ -300,6 +313,7 @@ class ChannelDebloater:
             if self._consumed_buffers:
                 ceiling = max(ceiling, self._consumed // self._consumed_buffers)
             self._ceiling = ceiling
+        grown_size = self.size if self.grown else 0  # what the channel grew to, before re-planning
         self._periods.append((seconds, consumed))
         self.flow = sum(c for _, c in self._periods) / max(1e-9, sum(t for t, _ in self._periods))
         if not busy:
@@ -316,7 +330,10 @@ class ChannelDebloater:
             self.size, self.in_flight = p.size, p.in_flight
             self.shrunk = p.size < ceiling
         if self.can_grow and not self.shrunk:
-            before = self.size if self.grown else ceiling
+            before = max(grown_size, ceiling)
+            if not busy and not pushes and not partial:  # nothing went through: nothing learnt
+                self.size, self.grown = before, before > ceiling
+                return
             g = grow(
                 self.flow,
                 self.rate,
@@ -326,6 +343,7 @@ class ChannelDebloater:
                 capacity=self.in_flight,
                 row_bytes=self.row_bytes,
                 busy=busy,
+                input_bound=2 * partial >= max(1, pushes) and partial > 0,
             )
             self.size, self.in_flight = g.size, g.in_flight
             self.grown = g.size > ceiling

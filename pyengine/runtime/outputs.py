@@ -350,10 +350,23 @@ class Output:
         """The adaptive buffers' current limits (None with ``buffer_debloat=False``)."""
         return None if self._debloat is None else summarize(self._debloat)
 
-    def flush(self) -> None:
+    def flush(self, timed_out: bool = False) -> None:
+        """Sends every part-filled buffer; ``timed_out``: on the buffer timeout, which
+        tells a channel allowed to grow that its producer is short of input."""
+        if timed_out and self._debloat is not None:
+            for c, b in zip(self._debloat, self.buffers, strict=True):
+                if b and c.can_grow:
+                    c.partial()
         for i in range(len(self.gates)):
             self._send(i)
         self.last_flush = time.monotonic()
+
+    def short_read(self) -> None:
+        """The source feeding this output read fewer rows than it asked for: short of
+        input, as a buffer timeout is (see ``flush``)."""
+        for c in self._debloat or ():
+            if c.can_grow:
+                c.partial()
 
     def send_end_of_data(self) -> None:
         self.flush()
@@ -452,10 +465,14 @@ class Outputs:
                 o.wait_for_room(timeout_s)
                 return
 
-    def flush(self) -> None:
+    def flush(self, timed_out: bool = False) -> None:
         for o in self.outputs:
-            o.flush()
+            o.flush(timed_out)
         self.last_flush = time.monotonic()
+
+    def short_read(self) -> None:
+        for o in self.outputs:
+            o.short_read()
 
     def send_end_of_data(self) -> None:
         for o in self.outputs:

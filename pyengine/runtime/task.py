@@ -695,7 +695,7 @@ class StreamTask:
 
     def _maybe_flush(self) -> None:
         if self.output is not None and time.monotonic() - self.output.last_flush >= self.buffer_timeout_s:
-            self.output.flush()
+            self.output.flush(timed_out=True)
 
     def _backpressured(self) -> bool:
         """True (after a short wait) while output waits for room: no new input then."""
@@ -762,6 +762,8 @@ class StreamTask:
                     # whenever the slice size changes, which rows of varying width would cause
                     self._row_bytes = max(1, records.nbytes // records.num_rows)
                 self.records_in += len(records)
+                if self.read_bytes and len(records) < n and self.output is not None:
+                    self.output.short_read()  # short of input: channels that grew give way (debloat.grow)
                 self._emit(records, start=1)
                 self._time_tick()
                 self._maybe_flush()
