@@ -756,6 +756,10 @@ class StreamTask:
                     grown = self.output.read_rows() if self.output is not None else None
                     if grown is not None:
                         n = max(n, min(grown, MAX_READ_ROWS, MAX_READ_BYTES // self._row_bytes))
+                elif self.read_bytes and self.output is not None:  # Python records: as many as grown buffers hold
+                    grown = self.output.read_rows()
+                    if grown is not None:
+                        n = max(n, min(grown, MAX_READ_ROWS))
                 records = source.read(n)
                 if self.read_bytes and not self._row_bytes and type(records) is pa.RecordBatch and records.num_rows:
                     # sized once, from the first slice: a file source re-positions its reader
