@@ -170,6 +170,30 @@ def test_an_output_sends_python_records_in_grown_buffers_and_tells_the_source_wh
     assert out.read_rows() == 256
 
 
+def test_what_tells_a_channel_its_producer_is_short_of_input() -> None:
+    gates = [CheckpointedInputGate(1, _Listener(), capacity=8)]
+    out = Output(gates, 0, "forward", None, 128, 64, threading.Event(), debloat_target_ms=1000, grow=True)
+    (c,) = out._debloat or []
+    c.size, c.grown = 256, True
+    out.emit(list(range(10)))
+    out.flush()  # a barrier's or the end's flush: says nothing
+    assert c._partial == 0
+    out.emit(list(range(10)))
+    out.flush(timed_out=True)  # under the configured 64 at the timeout: short of input
+    assert c._partial == 1
+    out.emit(list(range(100)))
+    out.flush(timed_out=True)  # 100 of a grown 256: the timeout's clock, not a want of input
+    assert c._partial == 1
+    out.short_read()  # the source read fewer rows than it asked for
+    assert c._partial == 2
+    # an Output that may not grow counts nothing
+    fixed = Output(gates, 0, "forward", None, 128, 64, threading.Event(), debloat_target_ms=1000)
+    fixed.emit(list(range(10)))
+    fixed.flush(timed_out=True)
+    fixed.short_read()
+    assert [d._partial for d in fixed._debloat or []] == [0]
+
+
 # -- the file source -----------------------------------------------------------------------------
 
 

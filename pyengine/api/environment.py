@@ -34,7 +34,7 @@ EXECUTORS = ("threads", "processes")
 
 DEFAULT_BUFFER_SIZE = 1024  # records per buffer of Python records
 DEFAULT_CHANNEL_CAPACITY = 8  # buffers per channel (threads; worker processes choose their own)
-BATCH_BYTES = 1024 * 1024  # the slice of a columnar source, when buffer_size is left to choose
+BATCH_BYTES = 256 * 1024  # the slice of a columnar source, when buffer_size is left to choose
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> None:

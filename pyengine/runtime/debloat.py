@@ -38,7 +38,7 @@ size and capacity, so a job without backpressure runs exactly as with debloating
 ``grow()``). Flink only shrinks buffers; a vectorised engine must also grow them, since
 each buffer costs every operator it passes a fixed amount (a Python call, an Arrow
 kernel's setup, a keyed aggregate's per-key merge of what the buffer holds): at the
-1,024 records or 256 KiB slices of the defaults before, that cost was two thirds of a
+1,024 records or 256 KiB slices of the fixed defaults, that cost was two thirds of a
 keyed aggregate's time (0.33x of ``buffer_size=65536``). So a channel whose limits are
 not shrunk doubles its buffers once a period (``GROW_PERIOD_S`` while it grows, so a
 job of seconds gains too) while it is *throughput-bound*: its buffers leave full (the
@@ -55,10 +55,12 @@ buffers cut the per-buffer cost on both sides), as long as
   ``PY_RECORD_BYTES``), so memory and unaligned checkpoints stay bounded in bytes too.
 
 A channel whose producer is short of input (at least half of a period's buffers left
-part-filled on the buffer timeout, or its source's reads came back short) halves its
-size instead, back to the configured one: live input then gains nothing from waiting
-for a larger buffer. As soon as the consumer's latency budget no longer fits the
-configured size, the shrinking rule above takes over. An Arrow source reads slices of
+on the buffer timeout holding less than the configured size, or its source's reads came
+back short) halves its size instead, back to the configured one: live input then gains
+nothing from waiting for a larger buffer. (A record waits in a buffer of any size at
+most the buffer timeout, as before; what grows is bounded by the target and the bytes.)
+As soon as the consumer's latency budget no longer fits the configured size, the
+shrinking rule above takes over. An Arrow source reads slices of
 what its grown channels take (``Output.read_rows``), so Parquet rows come in batches of
 the grown size. An explicit ``buffer_size`` is a ceiling, as in Flink: nothing grows
 past it.

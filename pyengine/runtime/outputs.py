@@ -351,11 +351,14 @@ class Output:
         return None if self._debloat is None else summarize(self._debloat)
 
     def flush(self, timed_out: bool = False) -> None:
-        """Sends every part-filled buffer; ``timed_out``: on the buffer timeout, which
-        tells a channel allowed to grow that its producer is short of input."""
+        """Sends every part-filled buffer. ``timed_out``: on the buffer timeout, where a
+        buffer that has not reached even the configured size tells a channel allowed to
+        grow that its producer is short of input (a grown buffer part-filled says
+        nothing: the timeout fires on its clock whatever the fill, and it already
+        bounds how long a record waits in a buffer of any size)."""
         if timed_out and self._debloat is not None:
             for c, b in zip(self._debloat, self.buffers, strict=True):
-                if b and c.can_grow:
+                if b and c.can_grow and len(b) < self.buffer_size:
                     c.partial()
         for i in range(len(self.gates)):
             self._send(i)

@@ -21,7 +21,7 @@ class Setting:
     ``unaligned`` and ``aligned_timeout_ms``. The defaults are the engine's own
     defaults, so ``Setting()`` is what a job gets when nobody tuned it
     (``buffer_size=None``: the engine chooses per stream, 1,024 Python records per
-    buffer and slices of about 1 MiB from a source of Arrow batches;
+    buffer and slices of about 256 KiB from a source of Arrow batches;
     ``channel_capacity=None``: 8 buffers a channel on threads, 2 in worker processes)."""
 
     buffer_size: Optional[int] = None
