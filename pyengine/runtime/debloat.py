@@ -60,10 +60,9 @@ back short) halves its size instead, back to the configured one: live input then
 nothing from waiting for a larger buffer. (A record waits in a buffer of any size at
 most the buffer timeout, as before; what grows is bounded by the target and the bytes.)
 As soon as the consumer's latency budget no longer fits the configured size, the
-shrinking rule above takes over. An Arrow source reads slices of
-what its grown channels take (``Output.read_rows``), so Parquet rows come in batches of
-the grown size. An explicit ``buffer_size`` is a ceiling, as in Flink: nothing grows
-past it.
+shrinking rule above takes over. A source reads what its grown channels take
+(``Output.read_rows``), so Parquet rows come in slices of the grown size. An explicit
+``buffer_size`` is a ceiling, as in Flink: nothing grows past it.
 """
 
 from __future__ import annotations
@@ -156,8 +155,8 @@ def grow(
     ``records_per_s`` the consumer's rate over its busy periods (the latency budget when
     ``busy``; when the consumer waited, the queue is empty and the flow is the budget),
     ``row_bytes`` a record's width, ``input_bound`` whether the producer was short of
-    input this period (its buffers left part-filled on the buffer timeout, its source's
-    reads came short). Throughput-bound: one doubling, while ``MIN_IN_FLIGHT`` buffers
+    input this period (its buffers left on the buffer timeout under the configured size,
+    or its source's reads came back short). Throughput-bound: one doubling, while ``MIN_IN_FLIGHT`` buffers
     fit the budget and a buffer ``MAX_BUFFER_BYTES``; input-bound: one halving. Sizes
     are ``floor`` times a power of two."""
     floor = max(1, floor)
@@ -257,7 +256,7 @@ class ChannelDebloater:
         self._period_s = GROW_PERIOD_S if can_grow else PERIOD_S
         self._period_consumed = 0
         self._period_pushes = 0  # data buffers pushed this period
-        self._partial = 0  # of them, sent part-filled for want of input (or short source reads)
+        self._partial = 0  # signs the producer was short of input (see ``partial``)
         self._looks = 0
         self._empty = 0
         self._next_sample = now
@@ -269,8 +268,8 @@ class ChannelDebloater:
             self._period_pushes += 1
 
     def partial(self) -> None:
-        """The producer was short of input: a buffer left part-filled on the buffer
-        timeout, or its source's read gave fewer rows than asked (see ``grow``)."""
+        """The producer was short of input: a buffer left on the buffer timeout under
+        the configured size, or its source's read gave fewer rows than asked (see ``grow``)."""
         self._partial += 1
 
     def jumped(self) -> None:

@@ -286,10 +286,10 @@ class Output:
         return True
 
     def read_rows(self) -> Optional[int]:
-        """Rows an Arrow source feeding this output should read at a time so that its
-        channels get buffers of their grown size: a hash exchange splits a read over
-        every channel, the others send it whole to one. None while no channel has grown
-        (the task's own slice then)."""
+        """Rows (or Python records) a source feeding this output should read at a time
+        so that its channels get buffers of their grown size: a hash exchange splits a
+        read over every channel, the others send it whole to one. None while no channel
+        has grown (the task's own read size then)."""
         debloat = self._debloat
         if debloat is None or not any(c.grown for c in debloat):
             return None

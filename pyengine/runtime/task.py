@@ -762,8 +762,8 @@ class StreamTask:
                         n = max(n, min(grown, MAX_READ_ROWS))
                 records = source.read(n)
                 if self.read_bytes and not self._row_bytes and type(records) is pa.RecordBatch and records.num_rows:
-                    # sized once, from the first slice: a file source re-positions its reader
-                    # whenever the slice size changes, which rows of varying width would cause
+                    # sized once, from the first slice: a slice size that followed rows of
+                    # varying width would change at every read (only growing changes it)
                     self._row_bytes = max(1, records.nbytes // records.num_rows)
                 self.records_in += len(records)
                 if self.read_bytes and len(records) < n and self.output is not None:
