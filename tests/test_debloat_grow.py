@@ -38,12 +38,16 @@ def _grow(flow: float, rate: float = 0.0, target_ms: float = 1000, **kw: Any) ->
     return grow(flow, rate, target_ms, **args)
 
 
-def test_a_throughput_bound_channel_doubles_once_a_period() -> None:
-    assert _grow(200_000) == Plan(2048, 8)
-    assert _grow(200_000, size=2048) == Plan(4096, 8)
+def test_a_throughput_bound_channel_doubles_up_to_twice_a_period() -> None:
+    assert debloat_module.GROW_STEPS == 2
+    assert _grow(200_000) == Plan(4096, 8)
+    assert _grow(200_000, size=4096) == Plan(16_384, 8)
     # a floor that is no power of two (an Arrow source's slices): doublings of it
-    assert _grow(200_000, size=5000, floor=5000).size == 10_000
-    assert _grow(200_000, size=10_000, floor=5000).size == 20_000
+    assert _grow(200_000, size=5000, floor=5000).size == 20_000
+    assert _grow(200_000, size=20_000, floor=5000).size == 80_000
+    # only as far as the bounds: 200,000/s x 1 s / 2 buffers = 100,000 records a buffer
+    assert _grow(200_000, size=80_000, floor=5000).size == 80_000
+    assert _grow(200_000, size=40_000, floor=5000).size == 80_000  # one doubling fits, not two
 
 
 def test_an_input_bound_channel_halves_back_to_its_floor() -> None:

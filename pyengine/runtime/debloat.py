@@ -40,8 +40,8 @@ each buffer costs every operator it passes a fixed amount (a Python call, an Arr
 kernel's setup, a keyed aggregate's per-key merge of what the buffer holds): at the
 1,024 records or 256 KiB slices of the fixed defaults, that cost was two thirds of a
 keyed aggregate's time (0.33x of ``buffer_size=65536``). So a channel whose limits are
-not shrunk doubles its buffers once a period (``GROW_PERIOD_S`` while it grows, so a
-job of seconds gains too) while it is *throughput-bound*: its buffers leave full (the
+not shrunk doubles its buffers, up to twice a period (``GROW_PERIOD_S`` while it grows,
+so a job of seconds gains too), while it is *throughput-bound*: its buffers leave full (the
 consumer busy, or the producer producing as fast as it can: either way fewer, larger
 buffers cut the per-buffer cost on both sides), as long as
 
@@ -97,6 +97,10 @@ MIN_BATCH_BYTES = 32 * 1024  # an Arrow slice, at least (Flink's default buffer;
 # Growing (see "Growing" in the module docstring)
 GROW_WINDOW = 3  # periods the flow is measured over for growing: the flow rises as buffers grow
 GROW_PERIOD_S = 0.01  # the period while a channel that may grow is still growing: a short job gains too
+# doublings a period at most: a channel re-plans when it pushes, and a grown one pushes
+# rarely (a source's slice of 100,000 rows every few tens of ms), so one doubling a
+# period took a third of a second from 256 KiB slices to the byte bound
+GROW_STEPS = 2
 MAX_BUFFER_BYTES = 4 << 20  # a grown buffer, at most
 MAX_IN_FLIGHT_BYTES = 16 << 20  # a grown channel's queued buffers, at most
 PY_RECORD_BYTES = 256  # what one Python record (a small dict or tuple and its values) is reckoned to take
@@ -156,9 +160,10 @@ def grow(
     ``busy``; when the consumer waited, the queue is empty and the flow is the budget),
     ``row_bytes`` a record's width, ``input_bound`` whether the producer was short of
     input this period (its buffers left on the buffer timeout under the configured size,
-    or its source's reads came back short). Throughput-bound: one doubling, while ``MIN_IN_FLIGHT`` buffers
-    fit the budget and a buffer ``MAX_BUFFER_BYTES``; input-bound: one halving. Sizes
-    are ``floor`` times a power of two."""
+    or its source's reads came back short). Throughput-bound: up to ``GROW_STEPS``
+    doublings, while ``MIN_IN_FLIGHT`` buffers fit the budget and a buffer
+    ``MAX_BUFFER_BYTES``; input-bound: one halving. Sizes are ``floor`` times a power
+    of two."""
     floor = max(1, floor)
     row_bytes = max(1, row_bytes)
     rate = records_per_s if busy else flow_per_s
@@ -169,8 +174,11 @@ def grow(
     size = max(floor, size)
     if input_bound:
         size = max(floor, size // 2)
-    elif 2 * size <= room:
-        size *= 2
+    else:
+        for _ in range(GROW_STEPS):  # doublings a period, while they fit
+            if 2 * size > room:
+                break
+            size *= 2
     while size > floor and size > room:  # the bounds moved (a slower consumer): halve until it fits
         size //= 2
     size = max(floor, size)
