@@ -62,14 +62,17 @@ def test_an_input_bound_channel_halves_back_to_its_floor() -> None:
 
 def test_growing_keeps_two_buffers_within_the_latency_target() -> None:
     # the consumer is the bottleneck at 10,000 records/s, target 1 s: 10,000 records may
-    # be in flight, so at most 5,000 per buffer (MIN_IN_FLIGHT of them), whatever the flow
-    p = _grow(1_000_000, 10_000, size=4096, busy=True)
+    # be in flight, so at most 5,000 per buffer (MIN_IN_FLIGHT of them)
+    p = _grow(10_000, 10_000, size=4096, busy=True)
     assert p == Plan(4096, MIN_IN_FLIGHT)
     assert p.size * p.in_flight <= 10_000
     # a grown size past the budget (the consumer slowed) halves until it fits
-    assert _grow(1_000_000, 10_000, size=32_768, busy=True) == Plan(4096, MIN_IN_FLIGHT)
+    assert _grow(10_000, 10_000, size=32_768, busy=True) == Plan(4096, MIN_IN_FLIGHT)
+    # the busy rate, averaged over a longer window, lags a consumer that sped up: it takes
+    # at least what flowed through the channel lately (40,000/s: 20,000 a buffer)
+    assert _grow(40_000, 10_000, size=4096, busy=True) == Plan(16_384, MIN_IN_FLIGHT)
     # the same consumer with a target of 5 ms: not even two configured buffers fit, nothing grows
-    assert _grow(1_000_000, 10_000, 5, busy=True) == Plan(1024, 8)
+    assert _grow(10_000, 10_000, 5, busy=True) == Plan(1024, 8)
     # a consumer that waited: the flow is its budget (it takes at least that much)
     assert _grow(4_000, 0.0, size=1024) == Plan(1024, 8)  # 2 x 2,048 > 4,000 in 1 s
 

@@ -166,7 +166,10 @@ def grow(
     of two."""
     floor = max(1, floor)
     row_bytes = max(1, row_bytes)
-    rate = records_per_s if busy else flow_per_s
+    # the consumer takes at least what flowed through the channel lately: its busy rate
+    # is averaged over a longer window (slow start-up periods included) and would bound
+    # a channel that has just grown by the consumer's speed before it
+    rate = max(records_per_s, flow_per_s) if busy else flow_per_s
     if rate <= 0 or rate != rate:  # unmeasured: nothing flows (back to the floor), or a busy consumer
         return Plan(max(floor, size) if busy else floor, capacity)  # not yet measured (as it was)
     budget = rate * target_ms / 1000.0  # records in flight that keep to the latency target
