@@ -110,7 +110,12 @@ class FileSource(Source):
         split = (subtask, parallelism)
         with self._lock:
             reader = self._readers.get(split)
-            if reader is None or reader.position != position or reader.batch_size != n:
+            if reader is not None and reader.position == position and reader.batch_size != n:
+                # a new slice size (adaptive buffers grow a source's reads): the reader goes
+                # on from where it is, its next split decoded in batches of the new size;
+                # opening it again would decode the current split anew up to the position
+                reader.batch_size = n
+            if reader is None or reader.position != position:
                 self._readers.pop(split, None)
                 reader = _SplitReader(
                     self.path,

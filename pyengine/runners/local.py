@@ -354,6 +354,7 @@ class LocalRunner:
                             gate_channel=k * p + s,  # after the channels of the consumer's earlier edges
                             debloat_target_ms=env.buffer_debloat_target_ms if env.buffer_debloat else None,
                             target=_step_name(graph.vertices[c]),
+                            grow="buffer_size" in env.engine_chosen,  # an explicit size is a ceiling
                         ),
                     )
                     for c, k, edge in edges_out

@@ -22,7 +22,7 @@ from ..errors import ColumnNotFoundError, KeySelectorError, NonRetryableError, U
 from ..io import CheckpointedInputGate
 from ..state.keygroups import assign_to_key_group, key_groups_of_int64
 from .base import rows_of
-from .debloat import MIN_BATCH_BYTES, MIN_RECORDS, ChannelDebloater, summarize
+from .debloat import MIN_BATCH_BYTES, MIN_RECORDS, PY_RECORD_BYTES, ChannelDebloater, summarize
 
 __all__ = ["END_OF_DATA", "OnChannel", "Output", "Outputs"]
 
@@ -93,6 +93,7 @@ class Output:
         gate_channel: Optional[int] = None,
         debloat_target_ms: Optional[int] = None,
         target: str = "",
+        grow: bool = False,
     ) -> None:
         self.gates = list(gates)
         self.target = target  # the step this output feeds, for errors ("" when unknown)
@@ -117,10 +118,14 @@ class Output:
         # One ChannelDebloater per channel (pyengine.runtime.debloat): it measures how fast
         # the consumer takes this channel's data and limits records per buffer and buffers
         # queued to about debloat_target_ms of it. None: the fixed sizes of before, untouched.
+        # ``grow`` (the engine chose buffer_size): a channel also grows its buffers past
+        # buffer_size while it is not latency-bound (pyengine.runtime.debloat.grow).
         self._debloat: Optional[List[ChannelDebloater]] = None
         if debloat_target_ms is not None:
             self._debloat = [
-                ChannelDebloater(debloat_target_ms, buffer_size, _capacity_of(g), min(MIN_RECORDS, buffer_size))
+                ChannelDebloater(
+                    debloat_target_ms, buffer_size, _capacity_of(g), min(MIN_RECORDS, buffer_size), can_grow=grow
+                )
                 for g in self.gates
             ]
 
@@ -177,8 +182,12 @@ class Output:
                     self._send(i)
             return
         for i, b in enumerate(self.buffers):
-            size = debloat[i].size
-            if size >= self.buffer_size:
+            c = debloat[i]
+            size = c.size
+            if c.grown:  # grown: sent once it holds the grown size
+                if len(b) >= size:
+                    self._send(i)
+            elif size >= self.buffer_size:
                 if len(b) >= self.buffer_size:
                     self._send(i)
             elif len(b) >= size:  # debloated: cut to the size, the rest waits for more
@@ -271,8 +280,22 @@ class Output:
                 return False
         if not gate.push(ch, item):
             return False
+        if data and c.can_grow and type(item) is pa.RecordBatch and item.num_rows and c.row_bytes == PY_RECORD_BYTES:
+            c.row_bytes = max(1, item.nbytes // item.num_rows)  # once: an Arrow row's width, for the byte bounds
         c.pushed(len(item) if data else 0)
         return True
+
+    def read_rows(self) -> Optional[int]:
+        """Rows (or Python records) a source feeding this output should read at a time
+        so that its channels get buffers of their grown size: a hash exchange splits a
+        read over every channel, the others send it whole to one. None while no channel
+        has grown (the task's own read size then)."""
+        debloat = self._debloat
+        if debloat is None or not any(c.grown for c in debloat):
+            return None
+        if self.exchange == "hash":
+            return sum(c.size for c in debloat)
+        return min(c.size for c in debloat)
 
     @property
     def available(self) -> bool:
@@ -327,10 +350,26 @@ class Output:
         """The adaptive buffers' current limits (None with ``buffer_debloat=False``)."""
         return None if self._debloat is None else summarize(self._debloat)
 
-    def flush(self) -> None:
+    def flush(self, timed_out: bool = False) -> None:
+        """Sends every part-filled buffer. ``timed_out``: on the buffer timeout, where a
+        buffer that has not reached even the configured size tells a channel allowed to
+        grow that its producer is short of input (a grown buffer part-filled says
+        nothing: the timeout fires on its clock whatever the fill, and it already
+        bounds how long a record waits in a buffer of any size)."""
+        if timed_out and self._debloat is not None:
+            for c, b in zip(self._debloat, self.buffers, strict=True):
+                if b and c.can_grow and len(b) < self.buffer_size:
+                    c.partial()
         for i in range(len(self.gates)):
             self._send(i)
         self.last_flush = time.monotonic()
+
+    def short_read(self) -> None:
+        """The source feeding this output read fewer rows than it asked for: short of
+        input, as a buffer timeout is (see ``flush``)."""
+        for c in self._debloat or ():
+            if c.can_grow:
+                c.partial()
 
     def send_end_of_data(self) -> None:
         self.flush()
@@ -429,10 +468,14 @@ class Outputs:
                 o.wait_for_room(timeout_s)
                 return
 
-    def flush(self) -> None:
+    def flush(self, timed_out: bool = False) -> None:
         for o in self.outputs:
-            o.flush()
+            o.flush(timed_out)
         self.last_flush = time.monotonic()
+
+    def short_read(self) -> None:
+        for o in self.outputs:
+            o.short_read()
 
     def send_end_of_data(self) -> None:
         for o in self.outputs:
@@ -444,6 +487,13 @@ class Outputs:
 
     def broadcast_overtaking(self, barrier: Any) -> List[Any]:
         return [b for _, b in self.overtaking_by_edge(barrier)]
+
+    def read_rows(self) -> Optional[int]:
+        """``Output.read_rows`` over every edge: the smallest, and None unless every edge grew."""
+        rows = [o.read_rows() for o in self.outputs]
+        if not rows or any(r is None for r in rows):
+            return None
+        return min(r for r in rows if r is not None)
 
     def debloat_stats(self) -> Optional[Dict[str, Any]]:
         """The adaptive buffers' limits over every edge (None when off)."""

@@ -46,6 +46,7 @@ _INPUT, _OUTPUT = 0, 1  # the two kinds of in-flight records of an unaligned che
 
 
 MAX_READ_ROWS = 1 << 20  # a slice of a columnar source holds at most this many rows
+MAX_READ_BYTES = 16 << 20  # and at most this many bytes when its output channels grew
 PRIORITY_CHECK_S = 0.002  # within a batch of buffers, how often an unaligned barrier is looked for
 
 
@@ -745,7 +746,7 @@ class StreamTask:
 
     def _maybe_flush(self) -> None:
         if self.output is not None and time.monotonic() - self.output.last_flush >= self.buffer_timeout_s:
-            self.output.flush()
+            self.output.flush(timed_out=True)
 
     def _backpressured(self) -> bool:
         """True (after a short wait) while output waits for room: no new input then."""
@@ -802,12 +803,22 @@ class StreamTask:
                 n = self.buffer_size
                 if self._row_bytes:
                     n = max(n, min(self.read_bytes // self._row_bytes, MAX_READ_ROWS))  # type: ignore[operator]
+                    # grown output channels (pyengine.runtime.debloat.grow): read what they take
+                    grown = self.output.read_rows() if self.output is not None else None
+                    if grown is not None:
+                        n = max(n, min(grown, MAX_READ_ROWS, MAX_READ_BYTES // self._row_bytes))
+                elif self.read_bytes and self.output is not None:  # Python records: as many as grown buffers hold
+                    grown = self.output.read_rows()
+                    if grown is not None:
+                        n = max(n, min(grown, MAX_READ_ROWS))
                 records = source.read(n)
                 if self.read_bytes and not self._row_bytes and type(records) is pa.RecordBatch and records.num_rows:
-                    # sized once, from the first slice: a file source re-positions its reader
-                    # whenever the slice size changes, which rows of varying width would cause
+                    # sized once, from the first slice: a slice size that followed rows of
+                    # varying width would change at every read (only growing changes it)
                     self._row_bytes = max(1, records.nbytes // records.num_rows)
                 self.records_in += len(records)
+                if self.read_bytes and len(records) < n and self.output is not None:
+                    self.output.short_read()  # short of input: channels that grew give way (debloat.grow)
                 self._emit(records, start=1)
                 self._time_tick()
                 self._maybe_flush()
