@@ -135,7 +135,7 @@ def test_a_finished_runs_keyed_state_is_released_with_its_run() -> None:
 def test_tasks_raise_the_young_threshold_counted_and_leave_a_changed_or_disabled_one() -> None:
     """Counted across tasks: raised at the first's start, restored at the last's end;
     a threshold changed while tasks ran, or 0 (the collector off), is left as set."""
-    from pyengine.runtime.task import TASK_GC_THRESHOLD, _YoungGenerationWhileRunning
+    from pyengine.runtime.collector import TASK_GC_THRESHOLD, _YoungGenerationWhileRunning
 
     before = gc.get_threshold()
     try:

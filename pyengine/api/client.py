@@ -12,7 +12,7 @@ from ..errors import JobFailedError, KeySelectorError, NonRetryableError, Unhash
 from ..monitoring.console import checkpoint_summary_html
 from ..runners.result import JobResult
 from ..runtime.base import UserFunctionError
-from ..runtime.task import EventTimeStatistics, event_time_statistics
+from ..runtime.statistics import EventTimeStatistics, event_time_statistics
 
 
 def _raise_if_failed(result: JobResult) -> JobResult:
@@ -104,7 +104,7 @@ class JobClient:
 
     def event_time(self) -> EventTimeStatistics:
         """Event time now, live: each subtask's watermarks and the late records
-        dropped so far (``pyengine.runtime.task.EventTimeStatistics``): the embedded
+        dropped so far (``pyengine.runtime.statistics.EventTimeStatistics``): the embedded
         runner's tasks read directly; on Spark, as the tasks last reported them with
         their poll (about once a second: ``_SparkJob.event_time_statistics``)."""
         reported = getattr(self._runner, "event_time_statistics", None)

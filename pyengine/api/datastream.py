@@ -31,6 +31,7 @@ from ..runtime.keyed import (
     overrides_on_timer,
 )
 from ..runtime.process import CoProcessFunction, ProcessFunction, ProcessOperator
+from ..runtime.sink_operator import SinkOperator
 from ..runtime.stateless import (
     FilterOperator,
     FlatMapOperator,
@@ -38,7 +39,6 @@ from ..runtime.stateless import (
     MapOperator,
     TimestampsAndWatermarksOperator,
 )
-from ..runtime.task import SinkOperator
 from ..state.descriptors import MapStateDescriptor
 from ..time.strategy import TimestampAssigner, WatermarkStrategy
 from ..windows import WindowAssigner, WindowedStream

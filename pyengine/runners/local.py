@@ -29,7 +29,8 @@ from ..errors import OutputInUseError, is_non_retryable
 from ..io import CheckpointedInputGate, CheckpointFailureReason, CheckpointOptions
 from ..runtime.base import OperatorContext
 from ..runtime.outputs import Output, Outputs
-from ..runtime.task import StreamTask, event_time_statistics
+from ..runtime.statistics import event_time_statistics
+from ..runtime.task import StreamTask
 from ..storage import checkpoint_storage
 from ..storage.filesystem import CheckpointStorage
 from ..storage.jobs import JobLease, describe_jobs, list_jobs

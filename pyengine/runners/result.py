@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from ..coordinator import CheckpointStatsTracker
-from ..runtime.task import EventTimeStatistics
+from ..runtime.statistics import EventTimeStatistics
 
 __all__ = ["JobResult"]
 
@@ -34,7 +34,7 @@ class JobResult:
     _temp: Any = field(default=None, repr=False)
     monitoring_url: Optional[str] = None
     # Event time at the end (a job that uses it): each subtask's watermarks and the
-    # late records dropped (``pyengine.runtime.task.EventTimeStatistics``).
+    # late records dropped (``pyengine.runtime.statistics.EventTimeStatistics``).
     event_time: Optional[EventTimeStatistics] = None
 
     @property

@@ -38,7 +38,7 @@ from ..coordinator import ExecutionAttempt, ThreadTimerService
 from ..errors import KeySelectorError, NonRetryableError
 from ..io import CheckpointOptions, CheckpointType
 from ..runtime.outputs import Output, Outputs
-from ..runtime.task import EventTimeStatistics, event_time_statistics
+from ..runtime.statistics import EventTimeStatistics, event_time_statistics
 from ..storage import checkpoint_storage
 from ..storage.metadata import OperatorState
 from .control import ControlClient, ControlServer

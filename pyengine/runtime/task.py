@@ -8,17 +8,14 @@ thread pool and ends in an acknowledgement or a decline."""
 
 from __future__ import annotations
 
-import gc
 import queue
 import threading
 import time
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import pyarrow as pa
 
-from ..connectors.base import FINAL, Sink
 from ..coordinator import ExecutionAttempt, SubtaskMetrics, TaskStateSnapshot
 from ..errors import is_non_retryable
 from ..io import CheckpointBarrier, CheckpointedInputGate, CheckpointOptions, EndOfPartition
@@ -28,8 +25,11 @@ from ..state.keygroups import assign_to_key_group
 from ..storage.filesystem import CheckpointStorage
 from ..storage.metadata import OperatorState, SubtaskState
 from .base import Operator, OperatorContext, rows_of
-from .outputs import END_OF_DATA, OnChannel, Output, Outputs, _combined, _runs
+from .collector import YOUNG_GENERATION
+from .outputs import END_OF_DATA, OnChannel, Output, Outputs, _runs
+from .sink_operator import SinkOperator
 from .sources import SourceOperator
+from .statistics import EventTimeStatistics, event_time_statistics
 
 __all__ = [
     "EventTimeStatistics",
@@ -50,129 +50,8 @@ MAX_READ_BYTES = 16 << 20  # and at most this many bytes when its output channel
 PRIORITY_CHECK_S = 0.002  # within a batch of buffers, how often an unaligned barrier is looked for
 
 
-TASK_GC_THRESHOLD = 20_000
-
-
-class _YoungGenerationWhileRunning:
-    """The cyclic collector's youngest-generation threshold raised to
-    ``TASK_GC_THRESHOLD`` (Python's default: 700) while any task of this process
-    runs, restored when the last one ends (counted: the threads executor runs many).
-
-    Why: a per-record job keeps the records it buffers (a join's sides, a window's
-    contents) as dicts that live for seconds: at 700 the collector walked them in
-    the youngest generation, again in the middle one, and the many promotions set
-    off a full collection every ~25% growth of the oldest, which walks them all
-    again. On Nexmark q4's interval join (``bench/test_bench_joins.py``) that was
-    11-13% of the job's CPU, 7 full collections a run; at 20,000, 4-6%, none. The
-    collector still runs on every generation (every 20,000 net allocations, the
-    older ones as often relative to it), so cycles made by user code are collected
-    and memory stays bounded (``tests/test_join_buffers.py``, ``tests/test_gc_heap.py``). The
-    worker processes of the processes executor raise it the same way
-    (``runners.processes.WORKER_GC_THRESHOLD``). A threshold someone changed while
-    tasks ran is left as they set it."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._tasks = 0
-        self._saved: Optional[Tuple[int, int, int]] = None
-        self._ours: Optional[Tuple[int, int, int]] = None
-
-    def enter(self) -> None:
-        with self._lock:
-            if self._tasks == 0:
-                saved = gc.get_threshold()
-                if 0 < saved[0] < TASK_GC_THRESHOLD:  # 0: the collector is off, leave it so
-                    self._saved, self._ours = saved, (TASK_GC_THRESHOLD, saved[1], saved[2])
-                    gc.set_threshold(*self._ours)
-            self._tasks += 1
-
-    def exit(self) -> None:
-        with self._lock:
-            self._tasks -= 1
-            if self._tasks == 0 and self._saved is not None:
-                if gc.get_threshold() == self._ours:
-                    gc.set_threshold(*self._saved)
-                self._saved = self._ours = None
-
-
-YOUNG_GENERATION = _YoungGenerationWhileRunning()
-
-
-@dataclass(frozen=True)
-class EventTimeStatistics:
-    """Event time across a job's subtasks (Flink's metrics): per vertex, each
-    subtask's current input watermark (``currentInputWatermark``: what its valve put
-    out, or for a source what it generated) and output watermark, and the records
-    dropped as too late (``numLateRecordsDropped``, over every window operator;
-    checkpointed, so a restore neither loses nor repeats the count)."""
-
-    watermarks: Dict[str, List[int]]
-    output_watermarks: Dict[str, List[int]]
-    late_records_dropped: int
-
-    def to_json(self) -> Dict[str, Any]:
-        return {
-            "currentInputWatermark": self.watermarks,
-            "currentOutputWatermark": self.output_watermarks,
-            "numLateRecordsDropped": self.late_records_dropped,
-        }
-
-
-def event_time_statistics(tasks: Sequence[Any]) -> EventTimeStatistics:
-    """The statistics of these tasks (one attempt's), by vertex and subtask."""
-    inputs: Dict[str, List[int]] = {}
-    outputs: Dict[str, List[int]] = {}
-    late = 0
-    for task in sorted(tasks, key=lambda t: (t.attempt.vertex, t.attempt.subtask)):
-        m = task.time_metrics()
-        inputs.setdefault(task.attempt.vertex, []).append(m["currentInputWatermark"])
-        outputs.setdefault(task.attempt.vertex, []).append(m["currentOutputWatermark"])
-        late += m["numLateRecordsDropped"]
-    return EventTimeStatistics(inputs, outputs, late)
-
-
 class TaskCancelled(Exception):
     """The runner cancelled the task (failover or shutdown)."""
-
-
-class SinkOperator(Operator):
-    """Stages records per checkpoint; commits on completion (two-phase commit)."""
-
-    def __init__(self, uid: str, name: str, sink: Sink, checkpointing: bool) -> None:
-        super().__init__(uid, name)
-        self.sink = sink
-        self.checkpointing = checkpointing
-        self._buffer: List[Any] = []
-
-    def open(self) -> None:
-        assert self.ctx is not None
-        self._call(self.sink.open, self.ctx.subtask)
-
-    def process(self, records: Any) -> List[Any]:
-        if self.sink.transactional:
-            self._buffer.append(records)
-        else:
-            assert self.ctx is not None
-            self._call(self.sink.stage, self.ctx.subtask, 0, _combined([records]))
-        return []
-
-    def prepare_snapshot_pre_barrier(self, checkpoint_id: int) -> List[Any]:
-        assert self.ctx is not None
-        if self._buffer:
-            pieces, self._buffer = self._buffer, []
-            self._call(self.sink.stage, self.ctx.subtask, checkpoint_id, _combined(pieces))
-        return []
-
-    def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
-        assert self.ctx is not None
-        self._call(self.sink.commit, self.ctx.subtask, checkpoint_id)
-
-    def end_input(self) -> List[Any]:
-        if not self.checkpointing:  # without checkpoints, the end of input is the only commit point
-            self.prepare_snapshot_pre_barrier(FINAL)
-            assert self.ctx is not None
-            self._call(self.sink.commit, self.ctx.subtask, FINAL)
-        return []
 
 
 class _ChannelState:
