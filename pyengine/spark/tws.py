@@ -549,8 +549,15 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
             # values are taken in dict order, so the order must be the same too).
             if all(map(fields.__eq__, map(_shape, records))):  # lazily: no tuple per record kept
                 keys = list(map(itemgetter(column), records))
-                # A dict per key, not a sort: the records are gathered either way, and
-                # in arrival order (the order they sit in memory) that costs less.
+                order = _order(keys)
+                if order is not None:
+                    # Column by column: each field's values (the same objects, any type)
+                    # in an object array, reordered by key at once, then zipped into the
+                    # Rows' value tuples, which lie in memory in the order they are used.
+                    n, index = len(records), order[0]
+                    columns = [np.fromiter(map(itemgetter(f), records), dtype=object, count=n)[index] for f in fields]
+                    rows = list(zip(*[c.tolist() for c in columns], strict=True))
+                    return _slices(rows, *order[1:]), self._row_class(fields), None
                 return self._bucket(keys, records), self._row_class(fields), dict.values
         return self._group_any(records), None, None
 
