@@ -521,10 +521,12 @@ class TransformWithStateOperator(EventTimeOperatorMixin, KeyedOperator):
         class the records become (``None``: the buckets are lists of ready Rows) and
         ``values`` what gives a record's values (``None``: it is its values' tuple).
 
-        The common shapes get C-level passes over the whole buffer (``map``,
-        ``list.count``) and one Python loop that only groups: a buffer of dicts with
-        the same fields in the same order (one Row class for all), and an Arrow batch
-        (its columns transposed once)."""
+        The common shapes get C-level passes over the whole buffer: a buffer of dicts
+        with the same fields in the same order (one Row class for all), and an Arrow
+        batch. With int keys (``_order``) no Python step runs per row: the rows are
+        sorted by key as arrays (Arrow's ``take``; for dicts, an object array per
+        field) and each key's rows are a slice; other keys get one Python loop that
+        only groups (``_bucket``)."""
         if isinstance(records, (pa.RecordBatch, pa.Table)):
             if self.time_mode != "EventTime" and self.key_column in records.schema.names:
                 cls = self._row_class(tuple(records.schema.names))
