@@ -18,7 +18,7 @@ from pyspark.sql import Row
 from pyspark.sql.streaming import StatefulProcessor
 from test_tws import make_operator
 
-import pyengine.spark.tws as tws
+import pyengine.spark.tws_grouping as tws
 
 
 class Recording(StatefulProcessor):
