@@ -103,3 +103,30 @@ def test_the_bulk_order() -> None:
     for key, a, b in zip(uniques, starts, ends, strict=True):
         assert (keys[a:b] == key).all() and b - a == {5: 60, 3: 40, 9: 20}[key]
     assert np.all(np.diff(order[starts[0] : ends[0]]) > 0)  # stable: arrival order kept
+
+
+class Assigning(StatefulProcessor):
+    """Assigns to the frame it is given, as a processor may: no pandas warning."""
+
+    def init(self, handle: Any) -> None:
+        pass
+
+    def handleInputRows(self, key: Any, rows: Iterator[Any], timerValues: Any) -> Iterator[Any]:
+        for df in rows:
+            df["v"] = df["v"] * 2
+            df.loc[0, "user"] = key[0]
+            yield pd.DataFrame({"user": [key[0]], "count": [int(df["v"].sum())]})
+
+
+def test_a_key_frame_is_the_processors_own() -> None:
+    import warnings
+
+    op = make_operator(Assigning(), "user bigint, count bigint", flavour="pandas")
+    op.micro_batch, op.micro_batch_max_delay_ms = True, None
+    records = [{"user": i % 7, "v": i} for i in range(700)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        op.process(records)
+        out = op.end_input()
+    counts = dict(zip(out.column("user").to_pylist(), out.column("count").to_pylist(), strict=True))
+    assert counts == {k: 2 * sum(range(k, 700, 7)) for k in range(7)}
