@@ -3,7 +3,7 @@
 With Spark's semantics a processor gets each key's rows of a micro-batch in one call,
 so the adapter groups a whole batch at once: where the keys are ints, NumPy sorts them
 (stable: a key's rows keep their arrival order) and the rows are reordered as arrays
-(Arrow's ``take``, pandas', an object array per field) and cut in one slice per key,
+(Arrow's ``take``, pandas') and cut in one slice per key,
 with no Python step per row. ``tws`` (the operator) uses these; what does not fit
 (other key types, few rows) keeps its per-row grouping there."""
 
