@@ -28,7 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -536,10 +536,18 @@ def spark_inputs() -> str:
 
 
 def _spark_rows_per_s(
-    spark: Any, inputs: str, flavour: str, timer: bool, rows: int = SPARK_ROWS, batches: int = SPARK_BATCHES
+    spark: Any,
+    inputs: str,
+    flavour: str,
+    timer: bool,
+    rows: int = SPARK_ROWS,
+    batches: int = SPARK_BATCHES,
+    whole: Optional[Dict[str, float]] = None,
 ) -> float:
     """Spark's best batch of a streaming query of the processor (rows over Spark's own
-    ``triggerExecution``, first batch left out): its best, as the target says."""
+    ``triggerExecution``, first batch left out): its best, as the target says. With
+    ``whole``, its ``flavour`` entry is set to the whole query's rate (all rows over
+    the wall time from ``start()`` to the query's end, start-up included)."""
     from pyspark import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the bench is not installed on the workers
@@ -553,6 +561,7 @@ def _spark_rows_per_s(
     else:
         processor = RunningCountWithTimerPandas() if timer else RunningCountPandas()
         df = grouped.transformWithStateInPandas(processor, "user long, count long", "Update", mode)
+    started = time.perf_counter()
     query = (
         df.writeStream.format("noop")
         .option("checkpointLocation", tempfile.mkdtemp(prefix="pyengine-bench-tws-"))
@@ -562,6 +571,8 @@ def _spark_rows_per_s(
     )
     query.awaitTermination()
     assert query.exception() is None
+    if whole is not None:
+        whole[flavour] = rows * batches / (time.perf_counter() - started)
     durations = [p["durationMs"]["triggerExecution"] for p in query.recentProgress if p["numInputRows"] > 0]
     assert len(durations) == batches, durations
     return rows / (min(durations[1:]) / 1e3)
