@@ -299,7 +299,7 @@ def test_merge_groups_refuses_what_it_cannot_merge() -> None:
 
     groups = [_native.ColumnarGroup(np.dtype(np.int64))]
     one = np.array([1], np.int64)
-    with pytest.raises(ValueError, match="add, min or max"):
+    with pytest.raises(ValueError, match="add, min, max or set"):
         _native.merge_groups(groups, one, one, np.array([0, 1]), [0], "mul")
     with pytest.raises(TypeError, match=r"values are float64, the key groups hold int64"):
         _native.merge_groups(groups, one, one.astype(np.float64), np.array([0, 1]), [0], "add")
