@@ -1,0 +1,117 @@
+"""Keeps a checkpoint's asynchronous part from starving the task of the interpreter.
+
+The asynchronous part runs on threads of the task's own process. What it does in C
+with the interpreter released (Arrow's IPC writer, LZ4, NumPy) runs beside the task
+on another core; what it does in Python (one serializer call per untyped value,
+pyarrow converting Python lists) holds the interpreter, and the task, which needs it
+for every record, waits. Left alone, CPython hands the interpreter over every 5 ms
+to whichever thread asks, so two encoding threads took two thirds of it: the task
+ran at 0.2-0.4x of its own speed while an asynchronous part ran (issue #43).
+
+So the asynchronous part does its Python work in slices (``SLICE`` values at a time)
+and, after each, calls ``pace()``: once a thread has held the interpreter for a
+while, it sleeps (releasing it) long enough that its Python work takes at most
+``share()`` of the wall time. The task keeps the rest. The price is a longer
+asynchronous part, not a slower task: the bulk work in C is not paced.
+
+Pacing applies only on threads marked ``paced()`` (a snapshot's ``run`` and the
+encoding threads working for it): the same code run synchronously (a savepoint
+written by a stopped job, a test, a state-processing tool) runs at full speed.
+``PYENGINE_SNAPSHOT_SHARE`` sets the share (``1`` turns pacing off).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, List
+
+import pyarrow as pa
+
+__all__ = ["SLICE", "is_paced", "pace", "paced", "share", "sliced_binary"]
+
+SLICE = 4096  # values encoded in Python between two calls to pace(): ~1-3 ms of work
+
+# The share of wall time one pacing thread's Python work may take. Two threads encode
+# (the writing thread and one pool thread on two cores), so the task keeps >= ~90%.
+_DEFAULT_SHARE = 0.05
+_MIN_BUSY = 0.002  # seconds of Python work before a pause: shorter pauses cost more in switches than they give
+
+
+def share() -> float:
+    """The share of wall time a paced thread's Python work may take (0 < share <= 1)."""
+    raw = os.environ.get("PYENGINE_SNAPSHOT_SHARE")
+    if not raw:
+        return _DEFAULT_SHARE
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(
+            f"PYENGINE_SNAPSHOT_SHARE={raw!r}: give a share of wall time between 0 and 1 (1 turns pacing off)"
+        ) from None
+    if not 0 < value <= 1:
+        raise ValueError(f"PYENGINE_SNAPSHOT_SHARE={raw!r}: give a share of wall time between 0 and 1 (1: no pacing)")
+    return value
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.paced = False
+        self.factor = 0.0  # seconds asleep per second of Python work
+        self.mark = 0.0  # this thread's CPU time at the last pause
+
+
+_state = _State()
+
+
+def is_paced() -> bool:
+    """Whether this thread's Python work is paced (it works for an asynchronous part)."""
+    return _state.paced
+
+
+@contextmanager
+def paced(on: bool = True) -> Iterator[None]:
+    """Paces this thread's Python work inside the block (``on``), as an asynchronous
+    part's; an encoding thread takes on the flag of the thread it works for."""
+    state = _state
+    before = state.paced
+    state.paced = on
+    if on:
+        fraction = share()
+        state.factor = (1 - fraction) / fraction
+        state.mark = time.thread_time()
+    try:
+        yield
+    finally:
+        state.paced = before
+
+
+def pace() -> None:
+    """Between two slices of Python work: on a paced thread that has held the
+    interpreter for ``_MIN_BUSY`` or more since its last pause, sleeps in proportion,
+    so the task thread gets the interpreter. CPU time of this thread is the measure:
+    time it spent waiting for the interpreter is not work it did."""
+    state = _state
+    if not state.paced or state.factor <= 0:
+        return
+    now = time.thread_time()
+    busy = now - state.mark
+    if busy < _MIN_BUSY:
+        return
+    time.sleep(busy * state.factor)
+    state.mark = time.thread_time()
+
+
+def sliced_binary(values: List[Any], encode: Callable[[List[Any]], List[Any]]) -> pa.Array:
+    """A binary column of ``values`` encoded by ``encode`` (Python work that holds
+    the interpreter: a serializer call per value) in slices of ``SLICE`` values,
+    pacing between them."""
+    if len(values) <= SLICE:
+        return pa.array(encode(values), pa.binary())
+    chunks = []
+    for start in range(0, len(values), SLICE):
+        chunks.append(pa.array(encode(values[start : start + SLICE]), pa.binary()))
+        pace()
+    return pa.concat_arrays(chunks)
