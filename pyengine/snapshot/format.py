@@ -613,10 +613,23 @@ def _stamped_child(column: StateColumn, values: List[Any], limit: Optional[int])
     arrow_type = column.arrow_type if column.stamped_typed else None
     if column.kind == "list":  # a typed list's arrays, restored but not declared again: as lists
         values = [v.tolist() if type(v) is TYPED_LIST else v for v in values]
+    # the very bytes of the safe serializer's dumps, without its Python frames per call
+    dumps = msgpack.Packer(default=_msgpack_default, strict_types=True, use_bin_type=True).pack
     try:
-        return encode_stamped(
-            column.kind, arrow_type, column.map_key_type, values, limit, TOMBSTONE, serializer_for("safe").dumps
-        )
+        if len(values) <= pacing.SLICE:
+            return encode_stamped(column.kind, arrow_type, column.map_key_type, values, limit, TOMBSTONE, dumps)
+        # In slices, pacing between them (an asynchronous part's Python work, see pacing):
+        # the slices' columns and row masks put together are the whole one's.
+        arrays: List[pa.Array] = []
+        masks: List[Any] = []
+        for start in range(0, len(values), pacing.SLICE):
+            part = values[start : start + pacing.SLICE]
+            array, rows = encode_stamped(column.kind, arrow_type, column.map_key_type, part, limit, TOMBSTONE, dumps)
+            arrays.append(array)
+            masks.append(rows if rows is not None else np.ones(len(part), bool))
+            pacing.pace()
+        mask = np.concatenate(masks)
+        return pa.concat_arrays(arrays), None if mask.all() else mask
     except (TypeError, ValueError, AttributeError, pa.ArrowException) as exc:
         raise StateSerializationError(f"cannot snapshot state {column.name!r}: {exc}") from exc
 

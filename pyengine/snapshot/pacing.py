@@ -17,7 +17,10 @@ asynchronous part, not a slower task: the bulk work in C is not paced.
 Pacing applies only on threads marked ``paced()`` (a snapshot's ``run`` and the
 encoding threads working for it): the same code run synchronously (a savepoint
 written by a stopped job, a test, a state-processing tool) runs at full speed.
-``PYENGINE_SNAPSHOT_SHARE`` sets the share (``1`` turns pacing off).
+``PYENGINE_SNAPSHOT_SHARE`` sets the share (``1`` turns pacing off). A paused thread
+checks that the task used the time it left (the process's other threads' CPU time
+while it slept): when it did not (the task waits for input, or has finished and
+waits for this snapshot), the next slices run unpaused.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ SLICE = 4096  # values encoded in Python between two calls to pace(): ~1-3 ms of
 # (the writing thread and one pool thread on two cores), so the task keeps >= ~90%.
 _DEFAULT_SHARE = 0.05
 _MIN_BUSY = 0.002  # seconds of Python work before a pause: shorter pauses cost more in switches than they give
+_IDLE = 0.05  # other threads busy less than this share of a pause: the task is idle
+_IDLE_SLICES = 16  # slices run without pausing once the task was seen idle
 
 
 def share() -> float:
@@ -61,6 +66,7 @@ class _State(threading.local):
         self.paced = False
         self.factor = 0.0  # seconds asleep per second of Python work
         self.mark = 0.0  # this thread's CPU time at the last pause
+        self.unpaced = 0  # slices left to run without a pause: the task was idle at the last one
 
 
 _state = _State()
@@ -100,8 +106,19 @@ def pace() -> None:
     busy = now - state.mark
     if busy < _MIN_BUSY:
         return
-    time.sleep(busy * state.factor)
+    if state.unpaced > 0:
+        state.unpaced -= 1
+        state.mark = now
+        return
+    others = time.process_time() - now  # the other threads' CPU time so far
+    asleep = busy * state.factor
+    time.sleep(asleep)
     state.mark = time.thread_time()
+    if time.process_time() - state.mark - others < _IDLE * asleep:
+        # Nobody used the interpreter while this thread slept: the task is idle (waiting
+        # for input, or finished and waiting for this snapshot). Pausing would only make
+        # the snapshot longer; look again after a few slices.
+        state.unpaced = _IDLE_SLICES
 
 
 def sliced_binary(values: List[Any], encode: Callable[[List[Any]], List[Any]]) -> pa.Array:
