@@ -41,7 +41,8 @@ SLICE = 4096  # values encoded in Python between two calls to pace(): ~1-3 ms of
 # (the writing thread and one pool thread on two cores), so the task keeps >= ~90%.
 _DEFAULT_SHARE = 0.05
 _MIN_BUSY = 0.002  # seconds of Python work before a pause: shorter pauses cost more in switches than they give
-_IDLE = 0.05  # other threads busy less than this share of a pause: the task is idle
+_PROBE = 0.001  # seconds of the first pause, which looks whether the task is busy
+_IDLE = 0.1  # other threads busy less than this share of it: the task is idle
 _IDLE_SLICES = 16  # slices run without pausing once the task was seen idle
 
 
@@ -110,15 +111,20 @@ def pace() -> None:
         state.unpaced -= 1
         state.mark = now
         return
-    others = time.process_time() - now  # the other threads' CPU time so far
+    # A first short pause, to see whether the task uses the interpreter at all: when
+    # the other threads take little CPU meanwhile (the task waits for input, or has
+    # finished and waits for this snapshot), pausing would only make the snapshot
+    # longer; the next slices run on, and a later pause looks again.
     asleep = busy * state.factor
-    time.sleep(asleep)
-    state.mark = time.thread_time()
-    if time.process_time() - state.mark - others < _IDLE * asleep:
-        # Nobody used the interpreter while this thread slept: the task is idle (waiting
-        # for input, or finished and waiting for this snapshot). Pausing would only make
-        # the snapshot longer; look again after a few slices.
+    probe = min(asleep, _PROBE)
+    others = time.process_time() - now  # the other threads' CPU time so far
+    time.sleep(probe)
+    mark = time.thread_time()
+    if time.process_time() - mark - others < _IDLE * probe:
         state.unpaced = _IDLE_SLICES
+    elif asleep > probe:
+        time.sleep(asleep - probe)
+    state.mark = time.thread_time()
 
 
 def sliced_binary(values: List[Any], encode: Callable[[List[Any]], List[Any]]) -> pa.Array:
