@@ -113,11 +113,12 @@ def _encode(
         with pacing.paced(paced):
             return _encode(schema, schema_size, options, build)
     batch = build()
-    pacing.pace()
+    pacing.pace()  # building may have held the interpreter (Python lists to Arrow); writing does not
     sink = _Collector()
     # A stream writer emits the schema message, then the batch's: the same bytes
     # a file writer puts after its magic.
     ipc.new_stream(sink, schema, options=options).write_batch(batch)
+    pacing.released()
     parts = _drop_prefix(sink.parts, schema_size)
     head = b"".join(bytes(memoryview(p)[:8]) for p in parts[:2])[:8]
     if head[:4] != _CONTINUATION:

@@ -18,8 +18,8 @@ Pacing applies only on threads marked ``paced()`` (a snapshot's ``run`` and the
 encoding threads working for it): the same code run synchronously (a savepoint
 written by a stopped job, a test, a state-processing tool) runs at full speed.
 ``PYENGINE_SNAPSHOT_SHARE`` sets the share (``1`` turns pacing off). A paused thread
-checks that the task used the time it left (the process's other threads' CPU time
-while it slept): when it did not (the task waits for input, or has finished and
+checks that the task used the time it left (the CPU time of the process's threads
+other than the paced ones while it slept): when it did not (the task waits for input, or has finished and
 waits for this snapshot), the next slices run unpaused.
 """
 
@@ -29,11 +29,11 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List
 
 import pyarrow as pa
 
-__all__ = ["SLICE", "is_paced", "pace", "paced", "share", "sliced_binary"]
+__all__ = ["SLICE", "is_paced", "pace", "paced", "released", "share", "sliced_binary"]
 
 SLICE = 4096  # values encoded in Python between two calls to pace(): ~1-3 ms of work
 
@@ -41,9 +41,9 @@ SLICE = 4096  # values encoded in Python between two calls to pace(): ~1-3 ms of
 # (the writing thread and one pool thread on two cores), so the task keeps >= ~90%.
 _DEFAULT_SHARE = 0.05
 _MIN_BUSY = 0.002  # seconds of Python work before a pause: shorter pauses cost more in switches than they give
-_PROBE = 0.001  # seconds of the first pause, which looks whether the task is busy
+_PROBE = 0.0005  # seconds of the first pause, which looks whether the task is busy
 _IDLE = 0.1  # other threads busy less than this share of it: the task is idle
-_IDLE_SLICES = 16  # slices run without pausing once the task was seen idle
+_IDLE_SLICES = 32  # slices run without pausing once the task was seen idle
 
 
 def share() -> float:
@@ -71,6 +71,21 @@ class _State(threading.local):
 
 
 _state = _State()
+# The CPU clocks of the threads paced now: their CPU time is not the task's.
+_clocks: Dict[int, int] = {}
+_clocks_lock = threading.Lock()
+
+
+def _paced_threads_cpu() -> float:
+    total = 0.0
+    with _clocks_lock:
+        clocks = list(_clocks.values())
+    for clock in clocks:
+        try:
+            total += time.clock_gettime(clock)
+        except OSError:  # a thread that has just ended
+            pass
+    return total
 
 
 def is_paced() -> bool:
@@ -85,14 +100,27 @@ def paced(on: bool = True) -> Iterator[None]:
     state = _state
     before = state.paced
     state.paced = on
+    ident = threading.get_ident()
     if on:
         fraction = share()
         state.factor = (1 - fraction) / fraction
         state.mark = time.thread_time()
+        if not before:
+            with _clocks_lock:
+                _clocks[ident] = time.pthread_getcpuclockid(ident)
     try:
         yield
     finally:
         state.paced = before
+        if on and not before:
+            with _clocks_lock:
+                _clocks.pop(ident, None)
+
+
+def released() -> None:
+    """After work that released the interpreter (pyarrow's IPC writer compressing a
+    batch): that CPU time took nothing from the task, so it does not count."""
+    _state.mark = time.thread_time()
 
 
 def pace() -> None:
@@ -117,10 +145,9 @@ def pace() -> None:
     # longer; the next slices run on, and a later pause looks again.
     asleep = busy * state.factor
     probe = min(asleep, _PROBE)
-    others = time.process_time() - now  # the other threads' CPU time so far
+    others = time.process_time() - _paced_threads_cpu()  # the task's and other threads' CPU so far
     time.sleep(probe)
-    mark = time.thread_time()
-    if time.process_time() - mark - others < _IDLE * probe:
+    if time.process_time() - _paced_threads_cpu() - others < _IDLE * probe:
         state.unpaced = _IDLE_SLICES
     elif asleep > probe:
         time.sleep(asleep - probe)
