@@ -16,11 +16,10 @@ baseline), checkpoints with the asynchronous part paced (the default), and unpac
 (``PYENGINE_SNAPSHOT_SHARE=1``: the asynchronous part's Python work as it ran before).
 
 Target (issue #43): inside >= 0.9x of between, reported met or not; asserted, as a
-regression guard on a loaded 2-core machine, that the paced part starves the task less
-than the unpaced one did (best of ``ROUNDS``). ``PYENGINE_BENCH_STALL_KEYS`` sets the size
-(default 100,000 users, 5 records each) and
-``PYENGINE_BENCH_STALL_ROUNDS`` the rounds (default 1: about a minute for the four rows;
-a round without an asynchronous part inside the records is run again).
+regression guard on a loaded 2-core machine, that the paced part starves the task no more
+than the unpaced one (paced over unpaced >= 0.9; best of ``ROUNDS``, measured again below
+it). ``PYENGINE_BENCH_STALL_KEYS`` sets the size (default 100,000 users, 5 records each),
+``PYENGINE_BENCH_STALL_ROUNDS`` the rounds (default 1: about a minute for the four rows).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pytest
-from conftest import SUMMARY
+from conftest import SUMMARY, measured_again
 
 import pyengine as pe
 from pyengine.runtime.keyed import KeyedContext, KeyedProcessFunction
@@ -47,6 +46,7 @@ INTERVAL_MS = 1_000
 TTL_MS = 6 * 3600 * 1000
 ROUNDS = int(os.environ.get("PYENGINE_BENCH_STALL_ROUNDS", 1))
 TARGET = 0.9  # events/s inside asynchronous parts over between (issue #43)
+GUARD = 0.9  # asserted: paced over unpaced (the paced part must not starve the task more)
 
 _COUNT = [0]
 _WINDOWS: List[Tuple[float, float]] = []
@@ -153,7 +153,10 @@ def test_task_speed_while_async_part_runs(
     best = {"paced": float("nan"), "unpaced": float("nan")}
     parts: List[float] = []
     rounds = 0
-    while rounds < ROUNDS or (best["paced"] != best["paced"] and rounds < ROUNDS + 2):
+
+    def measure() -> float:
+        """One more round of the three runs; paced over unpaced, of the bests so far."""
+        nonlocal rounds
         rounds += 1
         base, _ = _run(backend, ttl_ms, checkpoints=False)
         for mode in ("unpaced", "paced"):
@@ -167,16 +170,21 @@ def test_task_speed_while_async_part_runs(
                 best[mode] = ratio
             if mode == "paced":
                 parts.extend(end - start for start, end in windows)
+        return best["paced"] / best["unpaced"] if best["paced"] == best["paced"] else 0.0
+
+    for _ in range(ROUNDS - 1):
+        measure()
+    # a shared machine's slow spell (or a round whose asynchronous parts all fell after
+    # the records) hits one run, not every one: measured again before it fails
+    gain, again = measured_again(measure(), GUARD, measure)
     parts.sort()
     p50 = parts[len(parts) // 2] * 1e3 if parts else float("nan")
     paced, unpaced = best["paced"], best["unpaced"]
     SUMMARY.append(
         f"checkpoint stall ({backend}, {'TTL' if ttl_ms else 'no TTL'}, {KEYS:,} users, {RECORDS:,} records, p=1, "
-        f"every {INTERVAL_MS} ms; best of {rounds}): task events/s inside async parts over between {paced:.2f}x "
-        f"paced (target >= {TARGET}: {'met' if paced >= TARGET else 'NOT MET'}), {unpaced:.2f}x unpaced; "
-        f"async part p50 {p50:.0f} ms"
+        f"every {INTERVAL_MS} ms; best of {rounds}, measured again {again}x): task events/s inside async parts "
+        f"over between {paced:.2f}x paced (target >= {TARGET}: {'met' if paced >= TARGET else 'NOT MET'}), "
+        f"{unpaced:.2f}x unpaced; async part p50 {p50:.0f} ms"
     )
     assert paced == paced, "no asynchronous part ran while records were processed"
-    assert paced >= min(unpaced, 0.8) * 0.9, (
-        f"the task ran at {paced:.2f}x inside paced asynchronous parts, {unpaced:.2f}x unpaced"
-    )
+    assert gain >= GUARD, f"the task ran at {paced:.2f}x inside paced asynchronous parts, {unpaced:.2f}x unpaced"

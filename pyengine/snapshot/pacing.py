@@ -41,9 +41,9 @@ SLICE = 4096  # values encoded in Python between two calls to pace(): ~1-3 ms of
 # (the writing thread and one pool thread on two cores), so the task keeps >= ~90%.
 _DEFAULT_SHARE = 0.05
 _MIN_BUSY = 0.002  # seconds of Python work before a pause: shorter pauses cost more in switches than they give
-_PROBE = 0.0005  # seconds of the first pause, which looks whether the task is busy
+_PROBE = 0.002  # seconds of the first pause, which looks whether the task is busy
 _IDLE = 0.1  # other threads busy less than this share of it: the task is idle
-_IDLE_SLICES = 32  # slices run without pausing once the task was seen idle
+_IDLE_SLICES = 16  # slices run without pausing once the task was seen idle
 
 
 def share() -> float:
