@@ -15,12 +15,13 @@ while, it sleeps (releasing it) long enough that its Python work takes at most
 asynchronous part, not a slower task: the bulk work in C is not paced.
 
 Pacing applies only on threads marked ``paced()`` (a snapshot's ``run`` and the
-encoding threads working for it): the same code run synchronously (a savepoint
-written by a stopped job, a test, a state-processing tool) runs at full speed.
-``PYENGINE_SNAPSHOT_SHARE`` sets the share (``1`` turns pacing off). A paused thread
-checks that the task used the time it left (the CPU time of the process's threads
-other than the paced ones while it slept): when it did not (the task waits for input, or has finished and
-waits for this snapshot), the next slices run unpaused.
+encoding threads working for it); the same encoding called directly (a state-processing
+tool) is not paced. ``PYENGINE_SNAPSHOT_SHARE`` sets the share (``1`` turns pacing
+off). A pause begins with a 2 ms look at whether the task used the time it left (the
+CPU time of the process's threads other than the paced ones): when it did not (the
+task waits for input, or has finished and waits for this snapshot, or ``run`` was
+called with no task running), the next slices run unpaused, so an idle process's
+snapshot costs about what it did unpaced.
 """
 
 from __future__ import annotations
@@ -105,9 +106,10 @@ def paced(on: bool = True) -> Iterator[None]:
         fraction = share()
         state.factor = (1 - fraction) / fraction
         state.mark = time.thread_time()
-        if not before:
+        clock_of = getattr(time, "pthread_getcpuclockid", None)  # not on every platform
+        if not before and clock_of is not None:
             with _clocks_lock:
-                _clocks[ident] = time.pthread_getcpuclockid(ident)
+                _clocks[ident] = clock_of(ident)
     try:
         yield
     finally:
