@@ -42,6 +42,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
+import msgpack
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
@@ -56,8 +57,10 @@ from ..state.serializers import (
     StateSerializationError,
     serializer_for,
 )
+from ..state.serializers import _default as _msgpack_default
 from ..storage.filesystem import CorruptStateError, open_input_file, read_bytes, read_range
 from ..storage.handles import BatchIndexEntry, KeyGroupsStateHandle, StreamStateHandle
+from . import pacing
 from .ipcfile import write_ipc_file
 from .stamped import declared_types, decode_stamped, encode_stamped, stamped_type
 
@@ -567,11 +570,13 @@ def _value_child(
             if column.kind == "list":  # a typed list's arrays, restored but not declared again: as lists
                 values = [v.tolist() if type(v) is TYPED_LIST else v for v in values]
             if column.serializer == "pickle":  # restored pickles not decoded yet: written back as they are
-                return pa.array(
-                    [None if v is TOMBSTONE else bytes(v) if type(v) is PickledBytes else dumps(v) for v in values],
-                    pa.binary(),
+                return pacing.sliced_binary(
+                    values,
+                    lambda part: [
+                        None if v is TOMBSTONE else bytes(v) if type(v) is PickledBytes else dumps(v) for v in part
+                    ],
                 )
-            return pa.array([None if v is TOMBSTONE else dumps(v) for v in values], pa.binary())
+            return pacing.sliced_binary(values, _packed)
         if column.kind == "map":
             flat = _flat_maps(column, values)
             if flat is not None:
@@ -594,15 +599,37 @@ def _value_child(
         raise error from (None if isinstance(exc, StateSerializationError) else exc)
 
 
+def _packed(values: List[Any]) -> List[Any]:
+    """``values`` through the safe serializer (MessagePack), a tombstone as None: one
+    ``Packer.pack`` per value, called from C (``map``), the very bytes ``packb`` gives."""
+    pack = msgpack.Packer(default=_msgpack_default, strict_types=True, use_bin_type=True).pack
+    if values.count(TOMBSTONE):  # deltas only: removed keys
+        return [None if v is TOMBSTONE else pack(v) for v in values]
+    return list(map(pack, values))
+
+
 def _stamped_child(column: StateColumn, values: List[Any], limit: Optional[int]) -> Tuple[pa.Array, Any]:
     """A stamped state's entries as columns (``stamped.encode_stamped``), an error naming the state."""
     arrow_type = column.arrow_type if column.stamped_typed else None
     if column.kind == "list":  # a typed list's arrays, restored but not declared again: as lists
         values = [v.tolist() if type(v) is TYPED_LIST else v for v in values]
+    # the very bytes of the safe serializer's dumps, without its Python frames per call
+    dumps = msgpack.Packer(default=_msgpack_default, strict_types=True, use_bin_type=True).pack
     try:
-        return encode_stamped(
-            column.kind, arrow_type, column.map_key_type, values, limit, TOMBSTONE, serializer_for("safe").dumps
-        )
+        if len(values) <= pacing.SLICE:
+            return encode_stamped(column.kind, arrow_type, column.map_key_type, values, limit, TOMBSTONE, dumps)
+        # In slices, pacing between them (an asynchronous part's Python work, see pacing):
+        # the slices' columns and row masks put together are the whole one's.
+        arrays: List[pa.Array] = []
+        masks: List[Any] = []
+        for start in range(0, len(values), pacing.SLICE):
+            part = values[start : start + pacing.SLICE]
+            array, rows = encode_stamped(column.kind, arrow_type, column.map_key_type, part, limit, TOMBSTONE, dumps)
+            arrays.append(array)
+            masks.append(rows if rows is not None else np.ones(len(part), bool))
+            pacing.pace()
+        mask = np.concatenate(masks)
+        return pa.concat_arrays(arrays), None if mask.all() else mask
     except (TypeError, ValueError, AttributeError, pa.ArrowException) as exc:
         raise StateSerializationError(f"cannot snapshot state {column.name!r}: {exc}") from exc
 

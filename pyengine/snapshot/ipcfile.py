@@ -31,6 +31,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import xxhash
 
+from . import pacing
+
 __all__ = ["encoding_workers", "write_ipc_file"]
 
 _MAGIC = b"ARROW1\0\0"  # the file's leading magic and its padding to 8 bytes
@@ -101,13 +103,22 @@ class _Message:
 
 
 def _encode(
-    schema: pa.Schema, schema_size: int, options: ipc.IpcWriteOptions, build: Callable[[], pa.RecordBatch]
+    schema: pa.Schema,
+    schema_size: int,
+    options: ipc.IpcWriteOptions,
+    build: Callable[[], pa.RecordBatch],
+    paced: Optional[bool] = None,
 ) -> _Message:
+    if paced is not None:  # on a pool thread: paced as the thread it works for
+        with pacing.paced(paced):
+            return _encode(schema, schema_size, options, build)
     batch = build()
+    pacing.pace()  # building may have held the interpreter (Python lists to Arrow); writing does not
     sink = _Collector()
     # A stream writer emits the schema message, then the batch's: the same bytes
     # a file writer puts after its magic.
     ipc.new_stream(sink, schema, options=options).write_batch(batch)
+    pacing.released()
     parts = _drop_prefix(sink.parts, schema_size)
     head = b"".join(bytes(memoryview(p)[:8]) for p in parts[:2])[:8]
     if head[:4] != _CONTINUATION:
@@ -204,6 +215,7 @@ def write_ipc_file(
     schema_message = schema.serialize()
     schema_size = schema_message.size
     workers = encoding_workers()
+    paced = pacing.is_paced()
     pool = _executor() if workers else None
     # A few batches per encoding thread ahead of the writing: enough that the
     # writer rarely waits, few enough that memory stays a few batches. And at
@@ -224,7 +236,9 @@ def write_ipc_file(
             while in_pool and in_pool[0].done():
                 in_pool.popleft()
             while pool is not None and next_build < min(n, written + ahead) and len(in_pool) < 2 * workers:
-                slots[next_build] = future = pool.submit(_encode, schema, schema_size, options, builds[next_build])
+                slots[next_build] = future = pool.submit(
+                    _encode, schema, schema_size, options, builds[next_build], paced
+                )
                 in_pool.append(future)
                 next_build += 1
             head = slots[written]

@@ -18,6 +18,7 @@ from ..state.keygroups import KeyGroupRange
 from ..storage.filesystem import INLINE_THRESHOLD, CheckpointStorageLocation
 from ..storage.handles import KeyGroupsStateHandle
 from ..storage.local import LocalRecoveryDirectory
+from . import pacing
 from .format import StateColumn, write_keyed_state
 
 __all__ = ["FullSnapshot", "SnapshotResult", "column_of"]
@@ -84,6 +85,11 @@ class FullSnapshot:
     def run(self) -> SnapshotResult:
         """Writes the snapshot and returns its handles; releases the frozen state
         whether or not writing succeeded."""
+        # paced: this thread's Python work leaves the task the interpreter (pacing)
+        with pacing.paced():
+            return self._run()
+
+    def _run(self) -> SnapshotResult:
         try:
             if not self._columns:
                 return SnapshotResult()

@@ -51,6 +51,7 @@ import threading
 import uuid
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
+from ..snapshot import pacing
 from ..snapshot.format import TOMBSTONE, ColumnarChanges, GrowingLists, write_keyed_state
 from ..snapshot.strategies import SnapshotResult, column_of
 from ..storage.filesystem import INLINE_THRESHOLD, CheckpointStorageLocation
@@ -326,6 +327,11 @@ class IncrementalSnapshot:
         return self._touched is None
 
     def run(self) -> SnapshotResult:
+        # paced: this thread's Python work leaves the task the interpreter (snapshot.pacing)
+        with pacing.paced():
+            return self._run()
+
+    def _run(self) -> SnapshotResult:
         try:
             if not self._columns:
                 self._backend._written(self.checkpoint_id, [])
@@ -395,10 +401,17 @@ def _delta(frozen: Any, touched: List[Set[Any]]) -> List[Dict[Any, Any]]:
     where it was deleted. A TTL state's entries that expired by now are tombstones
     too (a list or map keeps its live elements), so a delta neither writes them nor
     lets the chain's older files bring them back on restore."""
+    out: List[Dict[Any, Any]] = []
     if isinstance(frozen, _ExpiringGroups):
         get = frozen.get_live
-        return [{k: get(i, k, TOMBSTONE) for k in keys} for i, keys in enumerate(touched)]
-    return [{k: group.get(k, TOMBSTONE) for k in keys} for group, keys in zip(frozen, touched, strict=True)]
+        for i, keys in enumerate(touched):
+            out.append({k: get(i, k, TOMBSTONE) for k in keys})
+            pacing.pace()  # a key group at a time: the task gets the interpreter between them
+        return out
+    for group, keys in zip(frozen, touched, strict=True):
+        out.append(dict(zip(keys, map(group.get, keys, itertools.repeat(TOMBSTONE, len(keys))), strict=True)))
+        pacing.pace()
+    return out
 
 
 def _list_delta(
@@ -426,6 +439,7 @@ def _list_delta(
         rewritten.append(whole)
         appended.append(grown)
         starts.append(first)
+        pacing.pace()
     frozen_lengths = frozen.frozen_lengths
     return (
         GrowingLists(rewritten, frozen_lengths),

@@ -38,6 +38,7 @@ __all__ = [
 
 _ABSENT = object()
 _ATOMIC = (int, float, str, bytes, bool, type(None))
+_ATOMIC_SET = frozenset(_ATOMIC)
 
 
 def _is_immutable(value: Any) -> bool:
@@ -272,6 +273,8 @@ class StateTable(_StateTableBase):
             container = StampedList([(_private_copy(v), s) for v, s in container])
         elif type(container) is TYPED_LIST:
             container = container[:]  # numbers: one copy of the buffer
+        elif _ATOMIC_SET.issuperset(map(type, container)):  # plain scalars (the usual list): one C copy
+            container = container[:]
         else:
             container = [_private_copy(v) for v in container]
         self.store(index, key, container)
