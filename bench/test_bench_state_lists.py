@@ -34,7 +34,8 @@ import pyarrow as pa
 import pytest
 from conftest import SUMMARY
 
-from pyengine.snapshot.format import StateColumn, _flat_maps, _listed, _mapped, _value_child
+from pyengine.snapshot.columns import _flat_maps, _listed, _mapped, _value_child
+from pyengine.snapshot.format import StateColumn
 from pyengine.state import ListStateDescriptor, MapStateDescriptor, create_keyed_backend
 from pyengine.state.heap import COLLECTOR_PAUSE, _retype_lists
 from pyengine.storage import checkpoint_storage

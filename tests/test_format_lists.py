@@ -1,5 +1,5 @@
 """Typed list state written and read through one flat array (``_flat_lists`` /
-``_listed`` in ``pyengine.snapshot.format``): the same Arrow column and the same
+``_listed`` in ``pyengine.snapshot.columns``): the same Arrow column and the same
 Python values as pyarrow's own conversion of the lists, for every element type the
 flat path takes, with empty lists, deleted keys (nulls) and sliced columns; and the
 collector paused during a restore. Typed map state likewise, through flat arrays of its
@@ -15,16 +15,15 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pyengine.snapshot.format import (
+from pyengine.snapshot.columns import (
     _FLAT_LIST_DTYPES,
-    TOMBSTONE,
-    StateColumn,
     _flat_lists,
     _flat_maps,
     _listed,
     _mapped,
     _value_child,
 )
+from pyengine.snapshot.format import TOMBSTONE, StateColumn
 from pyengine.state import ListStateDescriptor, create_keyed_backend
 from pyengine.state.heap import COLLECTOR_PAUSE
 from pyengine.state.serializers import LIST_TYPECODES, TYPED_LIST

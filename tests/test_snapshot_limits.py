@@ -22,9 +22,9 @@ from pyengine.snapshot.format import (
     MAX_UNION_CHILDREN,
     StateColumn,
     check_state_count,
-    read_keyed_state,
-    write_keyed_state,
 )
+from pyengine.snapshot.reader import read_keyed_state
+from pyengine.snapshot.writer import write_keyed_state
 from pyengine.state import KeyGroupRange, ValueStateDescriptor
 from pyengine.state import read_keyed_state as read_checkpoint_state
 from pyengine.storage.filesystem import CheckpointStateOutputStream, CorruptStateError

@@ -13,8 +13,8 @@ from typing import Any, List
 import numpy as np
 import pytest
 
+from pyengine.snapshot import columns, pacing
 from pyengine.snapshot import format as fmt
-from pyengine.snapshot import pacing
 from pyengine.state import ListStateDescriptor, ValueStateDescriptor, create_keyed_backend
 from pyengine.state.serializers import serializer_for
 from pyengine.state.table import StateTable
@@ -33,9 +33,9 @@ def _column(kind: str, ttl: bool = False) -> fmt.StateColumn:
 def test_packed_values_are_the_serializers_bytes() -> None:
     dumps = serializer_for("safe").dumps
     values = VALUES * 3 + [fmt.TOMBSTONE]
-    assert fmt._packed(values) == [None if v is fmt.TOMBSTONE else dumps(v) for v in values]
+    assert columns._packed(values) == [None if v is fmt.TOMBSTONE else dumps(v) for v in values]
     with pytest.raises(TypeError):
-        fmt._packed([object()])
+        columns._packed([object()])
 
 
 @pytest.mark.parametrize("kind", ["value", "list"])
@@ -43,9 +43,9 @@ def test_sliced_columns_equal_one_pass(kind: str, monkeypatch: Any) -> None:
     rng = np.random.default_rng(7)
     items = [VALUES[i] for i in rng.integers(0, len(VALUES), 1000)]
     values = [[v, 1.0] for v in items] if kind == "list" else items
-    whole = fmt._value_child(_column(kind), values)
+    whole = columns._value_child(_column(kind), values)
     monkeypatch.setattr(pacing, "SLICE", 7)
-    assert fmt._value_child(_column(kind), values).equals(whole)
+    assert columns._value_child(_column(kind), values).equals(whole)
     assert whole.to_pylist() == [serializer_for("safe").dumps(v) for v in values]
 
 
@@ -59,15 +59,15 @@ def test_sliced_stamped_columns_equal_one_pass(kind: str, monkeypatch: Any) -> N
         values = [(VALUES[i % len(VALUES)], s) for i, s in enumerate(stamps)]
     values[3] = fmt.TOMBSTONE
     column = _column(kind, ttl=True)
-    whole, rows = fmt._stamped_child(column, values, 60)
+    whole, rows = columns._stamped_child(column, values, 60)
     assert rows is not None  # some keys expired: the slices' masks must line up
     monkeypatch.setattr(pacing, "SLICE", 16)
-    sliced, sliced_rows = fmt._stamped_child(column, values, 60)
+    sliced, sliced_rows = columns._stamped_child(column, values, 60)
     assert sliced.equals(whole)
     assert np.array_equal(sliced_rows, rows)
-    assert fmt._stamped_child(column, values, None)[1] is None
+    assert columns._stamped_child(column, values, None)[1] is None
     monkeypatch.setattr(pacing, "SLICE", 4096)
-    assert fmt._stamped_child(column, values, None)[1] is None
+    assert columns._stamped_child(column, values, None)[1] is None
 
 
 def _spin(stop: threading.Event, spun: List[int]) -> None:

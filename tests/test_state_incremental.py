@@ -160,7 +160,7 @@ class _Clock:
 
 def _file_entries(handle, key_groups):
     """What one state file holds: {(state, key): entry as written} (TTL entries with their stamps)."""
-    from pyengine.snapshot.format import read_keyed_state
+    from pyengine.snapshot.reader import read_keyed_state
 
     _, entries = read_keyed_state(handle, key_groups)
     return {(spec.name, k): v for _, spec, keys, values in entries for k, v in zip(keys, values, strict=True)}

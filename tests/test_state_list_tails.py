@@ -23,7 +23,8 @@ import pyarrow.ipc as ipc
 import pytest
 
 import pyengine as pe
-from pyengine.snapshot.format import FORMAT_VERSION_LIST_TAILS, GrowingLists, StateColumn, _value_child
+from pyengine.snapshot.columns import GrowingLists, _value_child
+from pyengine.snapshot.format import FORMAT_VERSION_LIST_TAILS, StateColumn
 from pyengine.state import (
     KeyGroupRange,
     ListStateDescriptor,

@@ -208,9 +208,9 @@ def test_corrupted_or_truncated_files_are_refused_with_the_path(storage, how) ->
 
 
 def test_partial_restore_verifies_only_the_batches_it_reads(storage, monkeypatch) -> None:
-    from pyengine.snapshot import format as state_format
+    from pyengine.snapshot import writer
 
-    monkeypatch.setattr(state_format, "TARGET_ROWS", 1)  # a batch per key group
+    monkeypatch.setattr(writer, "TARGET_ROWS", 1)  # a batch per key group
     handle = _big_snapshot(storage)
     assert len({(e.key_group, e.last_key_group) for e in handle.index}) == 8
     # damage one byte inside a batch of key group 7

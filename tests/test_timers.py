@@ -246,7 +246,7 @@ def test_timer_timestamps_are_written_split_and_come_back_whole(tmp_path: Any, k
     halves are one value); every int64 comes back, at each end and across the halves'
     boundaries, restored and read from the files. Files without timers keep the
     version they had, so an older pyengine still reads them."""
-    from pyengine.snapshot.format import read_keyed_state as read_file
+    from pyengine.snapshot.reader import read_keyed_state as read_file
     from pyengine.state import KeyGroupRange
 
     def read(handles: Any) -> Tuple[List[bool], List[Tuple[Any, int]]]:

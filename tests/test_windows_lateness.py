@@ -234,7 +234,7 @@ def _pane_entries(path: str, uid: str) -> List[str]:
 
 
 def _keyed_state_names(path: str, uid: str) -> List[str]:
-    from pyengine.snapshot.format import read_keyed_state
+    from pyengine.snapshot.reader import read_keyed_state
     from pyengine.state import KeyGroupRange
     from pyengine.storage.metadata import load_metadata
 

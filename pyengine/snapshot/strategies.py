@@ -19,7 +19,8 @@ from ..storage.filesystem import INLINE_THRESHOLD, CheckpointStorageLocation
 from ..storage.handles import KeyGroupsStateHandle
 from ..storage.local import LocalRecoveryDirectory
 from . import pacing
-from .format import StateColumn, write_keyed_state
+from .format import StateColumn
+from .writer import write_keyed_state
 
 __all__ = ["FullSnapshot", "SnapshotResult", "column_of"]
 

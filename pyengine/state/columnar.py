@@ -21,7 +21,7 @@ from .descriptors import StateDescriptor, ValueStateDescriptor
 from .keygroups import key_groups_of_int64
 
 if TYPE_CHECKING:
-    from ..snapshot.format import ColumnarChanges
+    from ..snapshot.writer import ColumnarChanges
 
 __all__ = ["ColumnarValueState", "ColumnarValueTable", "KeySplit", "NoCurrentKeyError", "columnar_dtype"]
 
@@ -78,7 +78,7 @@ class ColumnarValueTable:
 
     def freeze(self) -> List[Any]:
         """Synchronous part of a snapshot: the arrays as they are, shared from now on."""
-        from ..snapshot.format import ColumnarSlice
+        from ..snapshot.writer import ColumnarSlice
 
         frozen = [ColumnarSlice(*group.freeze()) for group in self.groups]
         self.active_snapshots += 1
@@ -93,7 +93,7 @@ class ColumnarValueTable:
     def take_changes(self) -> ColumnarChanges:
         """The entries written and the keys removed since the last take (or since
         tracking began), and starts a new log."""
-        from ..snapshot.format import ColumnarChanges
+        from ..snapshot.writer import ColumnarChanges
 
         return ColumnarChanges(*_native.take_changes(self.groups))
 
@@ -104,7 +104,7 @@ class ColumnarValueTable:
     def freeze_changes(self, touched: List[Set[Any]]) -> ColumnarChanges:
         """The entries of the given changed keys (an incremental delta over several
         change logs), gathered now, while nothing writes."""
-        from ..snapshot.format import ColumnarChanges
+        from ..snapshot.writer import ColumnarChanges
 
         self.active_snapshots += 1
         return ColumnarChanges(*_native.gather_changes(self.groups, touched))

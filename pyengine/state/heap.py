@@ -549,7 +549,8 @@ class HeapKeyedStateBackend(_CurrentKey):
         self._pending_writes.clear()  # after: a restore that fails leaves the queues as they were
 
     def _restore(self, handles: Any, allow_pickle: Any) -> None:
-        from ..snapshot.format import TOMBSTONE, read_keyed_state
+        from ..snapshot.format import TOMBSTONE
+        from ..snapshot.reader import read_keyed_state
         from ..storage.handles import KeyGroupsStateHandle
         from .columnar import ColumnarValueTable
         from .timers import TIMERS_KIND, RestoredTimers
@@ -718,7 +719,7 @@ def growing(table: Any, frozen: Any, generation: Optional[int]) -> Any:
     ``GrowingLists``, whose arrays the writer reads up to their length at the freeze."""
     if generation is None:
         return frozen
-    from ..snapshot.format import GrowingLists
+    from ..snapshot.columns import GrowingLists
 
     return GrowingLists(frozen, functools.partial(table.frozen_lengths, generation))
 

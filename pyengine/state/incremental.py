@@ -52,8 +52,10 @@ import uuid
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from ..snapshot import pacing
-from ..snapshot.format import TOMBSTONE, ColumnarChanges, GrowingLists, write_keyed_state
+from ..snapshot.columns import GrowingLists
+from ..snapshot.format import TOMBSTONE
 from ..snapshot.strategies import SnapshotResult, column_of
+from ..snapshot.writer import ColumnarChanges, write_keyed_state
 from ..storage.filesystem import INLINE_THRESHOLD, CheckpointStorageLocation
 from ..storage.handles import KeyGroupsStateHandle, StreamStateHandle
 from ..storage.store import owns_path

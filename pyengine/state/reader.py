@@ -57,7 +57,7 @@ def read_keyed_state(checkpoint_path: str, operator: str, state_name: str, *, al
     # Imported here: the snapshot format builds on this package's key groups and
     # serializers, so a top-level import would make a cycle.
     from ..snapshot.format import TOMBSTONE
-    from ..snapshot.format import read_keyed_state as _read_file
+    from ..snapshot.reader import read_keyed_state as _read_file
     from .timers import TIMERS_KIND
 
     metadata = load_metadata(checkpoint_path)

@@ -45,7 +45,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import NonRetryableError, not_records, refuse_non_records
-from ..snapshot.format import ColumnarSlice
+from ..snapshot.writer import ColumnarSlice
 
 __all__ = ["EVENT", "PROCESSING", "SEVERAL", "InternalTimerService", "TimerQueue", "TimerTable"]
 
