@@ -30,6 +30,10 @@ The schema metadata ``pyengine`` (JSON) names the format version, backend,
 key-group range, states and the (first key group, last key group, state) of
 every batch; the state handle also records each batch's byte range and xxh3-64,
 so a subtask reads and verifies only the batches holding its key groups.
+
+This module is the layout (constants, versions, ``StateColumn``, the schema metadata);
+``columns.py`` encodes and decodes the columns, ``writer.py`` writes a file and
+``reader.py`` reads one.
 """
 
 from __future__ import annotations

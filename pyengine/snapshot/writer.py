@@ -1,6 +1,6 @@
 """Writes a keyed state file (the layout is in ``format.py``): plans the record batches —
 key groups sharing a batch up to ``TARGET_ROWS`` — from dicts or columnar slices and changes,
-encodes their columns (``columns.py``) and writes them, paced (``pacing.py``), with each
+encodes their columns (``columns.py``) and writes them (``ipcfile.py``, paced: ``pacing.py``), with each
 batch's byte range and checksum in the handle's index. The batch sizes and write options
 live here, beside the only code that reads them.
 """
