@@ -163,7 +163,7 @@ def test_task_speed_while_async_part_runs(
             if mode == "unpaced":
                 monkeypatch.setenv("PYENGINE_SNAPSHOT_SHARE", "1")
             else:
-                monkeypatch.delenv("PYENGINE_SNAPSHOT_SHARE", raising=False)
+                monkeypatch.setenv("PYENGINE_SNAPSHOT_SHARE", "0.05")  # opt-in: pacing.py says why
             samples, windows = _run(backend, ttl_ms, checkpoints=True)
             ratio = _inside_over_between(base, samples, windows)
             if not ratio <= best[mode]:  # max, nan-aware
